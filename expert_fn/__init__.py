@@ -1,0 +1,1 @@
+"""The expert function: a gRPC server that holds a bundle of (layer, expert) weights and runs them."""

@@ -1,0 +1,1 @@
+"""The serving engine: model shell, batching, expert dispatch, HTTP and gRPC APIs."""

@@ -1,0 +1,88 @@
+"""Lazy reads from a safetensors checkpoint folder, one tensor (or one slice of one) at a time.
+
+A checkpoint folder looks like a downloaded Hugging Face model: `config.json`, and either one
+`model.safetensors` or several shards listed by `model.safetensors.index.json`. Shards are
+memory-mapped by `safe_open`; reading one expert touches only that expert's bytes, so an expert
+function holding a bundle never pages in the rest of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kubemoe.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class Checkpoint:
+    """A read-only view of a checkpoint folder."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not (self.path / "config.json").is_file():
+            raise CheckpointError(
+                f"{self.path} is not a checkpoint folder (no config.json); "
+                "make one with `kubemoe checkpoint make` or point at a downloaded model folder"
+            )
+        self.weight_map = self._read_weight_map()
+        self._handles: dict[str, object] = {}
+
+    def _read_weight_map(self) -> dict[str, str]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index} is not a safetensors index ({e}); re-create or re-download it") from e
+            missing = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
+            if missing:
+                raise CheckpointError(f"{self.path} lacks shard files listed in its index: {', '.join(missing[:3])}")
+            return weight_map
+        single = self.path / SINGLE_FILE
+        if single.is_file():
+            with safe_open(single, framework="pt") as f:
+                return {name: SINGLE_FILE for name in f.keys()}
+        raise CheckpointError(f"{self.path} holds no {INDEX_FILE} and no {SINGLE_FILE}")
+
+    @cached_property
+    def config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def _handle(self, name: str):
+        try:
+            shard = self.weight_map[name]
+        except KeyError:
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint at {self.path}") from None
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(self.path / shard, framework="pt")
+        return self._handles[shard]
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._handle(name).get_slice(name).get_shape())
+
+    def read(
+        self,
+        name: str,
+        index: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+    ) -> torch.Tensor:
+        """Read one tensor, or only its `index`-th slice along dim 0, into `dtype` on `device`."""
+        part = self._handle(name).get_slice(name)
+        tensor = part[index] if index is not None else part[:]
+        return tensor.to(device=device, dtype=dtype or tensor.dtype)
+
+    def nbytes(self) -> int:
+        return sum((self.path / f).stat().st_size for f in set(self.weight_map.values()))

@@ -1,0 +1,1 @@
+"""The wire contract: .proto files and their generated Python modules."""

@@ -1,0 +1,105 @@
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kubemoe.adapters import MoEAdapter
+from kubemoe.checkpoint import Checkpoint
+from kubemoe.errors import CheckpointError, KubemoeError
+from kubemoe.presets import Preset, get_preset
+from kubemoe.synth import make_checkpoint
+
+# 2 layers x 8 experts of 12 MiB (float32): 192 MiB of experts in 32 MiB shards.
+LARGE = Preset("mixtral", "lazy-test", dict(vocab_size=512, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+                                           num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
+                                           tie_word_embeddings=False), shard_bytes=32 << 20)
+
+
+@pytest.fixture(scope="module")
+def large_checkpoint(tmp_path_factory):
+    return make_checkpoint(LARGE, tmp_path_factory.mktemp("large") / "ckpt", progress=False)
+
+
+def test_loading_one_expert_reads_only_that_expert(large_checkpoint):
+    # Measured in a fresh process: resident memory grows by about one expert, not the checkpoint.
+    script = textwrap.dedent(f"""
+        import json, torch
+        from kubemoe.adapters import MoEAdapter
+        from kubemoe.checkpoint import Checkpoint
+        def rss():
+            fields = dict(l.split(":") for l in open("/proc/self/status") if l.startswith("Rss"))
+            return sum(int(v.split()[0]) for v in fields.values()) * 1024
+        ckpt = Checkpoint({str(large_checkpoint)!r}); adapter = MoEAdapter(ckpt.config)
+        adapter.expert_tensors(1, 5)  # name resolution happens before the measurement
+        before = rss()
+        w = adapter.load_expert(ckpt, 1, 5, dtype=torch.bfloat16)
+        print(json.dumps({{"grew": rss() - before, "expert": w.nbytes, "dtype": str(w.gate_up.dtype)}}))
+    """)
+    result = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+    checkpoint_bytes = Checkpoint(large_checkpoint).nbytes()
+    expert_fp32 = 2 * result["expert"]
+    assert result["dtype"] == "torch.bfloat16"
+    assert checkpoint_bytes > 10 * expert_fp32
+    assert result["grew"] < 3 * expert_fp32, f"loading one expert grew RSS by {result['grew']:,} bytes"
+
+
+def test_expert_tensors_match_the_full_tensors(large_checkpoint):
+    ckpt = Checkpoint(large_checkpoint)
+    adapter = MoEAdapter(ckpt.config)
+    w = adapter.load_expert(ckpt, 0, 2)
+    names = adapter.expert_tensors(0, 2)
+    assert torch.equal(w.gate_up, torch.cat([ckpt.read(names.gate), ckpt.read(names.up)]))
+    assert torch.equal(w.down, ckpt.read(names.down))
+
+
+def test_fused_slices_read_one_expert(tiny_checkpoint):
+    ckpt = Checkpoint(tiny_checkpoint("llama4"))
+    adapter = MoEAdapter(ckpt.config)
+    names = adapter.expert_tensors(1, 6)
+    assert torch.equal(ckpt.read(names.gate, 6), ckpt.read(names.gate)[6])
+    assert torch.equal(adapter.load_expert(ckpt, 1, 6).gate_up, ckpt.read(names.gate)[6].t())
+
+
+def _digest(path):
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir()) if f.suffix == ".safetensors"}
+
+
+def test_weights_are_seeded_and_reproducible(tmp_path, tiny_checkpoint):
+    preset = get_preset("qwen3_moe", "tiny")
+    again = make_checkpoint(preset, tmp_path / "again", progress=False)
+    other = make_checkpoint(preset, tmp_path / "other", seed=1, progress=False)
+    assert _digest(again) == _digest(tiny_checkpoint("qwen3_moe"))
+    assert _digest(other) != _digest(again)
+
+
+def test_tiny_checkpoint_looks_downloaded_and_loads_fast(tiny_checkpoint):
+    import time
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_checkpoint("mixtral")
+    for name in ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "model.safetensors.index.json"]:
+        assert (path / name).is_file(), name
+    assert sum(f.stat().st_size for f in path.iterdir()) < 16 << 20
+    start = time.perf_counter()
+    AutoModelForCausalLM.from_pretrained(path)
+    assert time.perf_counter() - start < 1.0
+    tok = AutoTokenizer.from_pretrained(path)
+    text = "Hello, wörld! 你好 🙂"
+    assert tok.decode(tok(text)["input_ids"]) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_errors_say_what_to_do(tmp_path, tiny_checkpoint):
+    with pytest.raises(CheckpointError, match="kubemoe checkpoint make"):
+        Checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="not in the checkpoint"):
+        Checkpoint(tiny_checkpoint("mixtral")).read("model.layers.9.nothing")
+    with pytest.raises(KubemoeError, match="--force"):
+        make_checkpoint(get_preset("mixtral", "tiny"), tiny_checkpoint("mixtral"), progress=False)
