@@ -1,0 +1,53 @@
+"""Tensors on the wire: torch tensors <-> `kubemoe.v1.Tensor` without copies where possible.
+
+Decoding wraps the message's bytes with `torch.frombuffer` (no copy; the tensor is read-only in
+spirit and must not be written to). Encoding takes the tensor's contiguous CPU storage as bytes
+(one copy, which protobuf needs to own the data).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from kubemoe.proto import kubemoe_pb2 as pb
+
+TO_WIRE = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16}
+FROM_WIRE = {v: k for k, v in TO_WIRE.items()}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+# Decoded tensors alias protobuf's immutable bytes on purpose (zero copy); nothing writes to them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+class WireError(ValueError):
+    """A tensor message that cannot be decoded; the message says what is wrong."""
+
+
+def encode(tensor: torch.Tensor) -> pb.Tensor:
+    if tensor.dtype not in TO_WIRE:
+        raise WireError(f"dtype {tensor.dtype} cannot travel; use one of {', '.join(DTYPE_NAMES.values())}")
+    flat = tensor.detach().contiguous().cpu().reshape(-1)
+    return pb.Tensor(dtype=TO_WIRE[tensor.dtype], shape=list(tensor.shape),
+                     data=flat.view(torch.uint8).numpy().tobytes())
+
+
+def decode(msg: pb.Tensor) -> torch.Tensor:
+    dtype = FROM_WIRE.get(msg.dtype)
+    if dtype is None:
+        raise WireError(f"tensor dtype {pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype} "
+                        f"is not supported; send FLOAT32, BFLOAT16 or FLOAT16")
+    shape = list(msg.shape)
+    if any(d < 0 for d in shape):
+        raise WireError(f"tensor shape {shape} has a negative dimension")
+    numel = 1
+    for d in shape:
+        numel *= d
+    expected = numel * dtype.itemsize
+    if len(msg.data) != expected:
+        raise WireError(f"tensor of shape {shape} and dtype {DTYPE_NAMES[dtype]} needs {expected} bytes, got {len(msg.data)}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(msg.data, dtype=dtype).view(shape)
