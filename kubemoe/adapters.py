@@ -183,6 +183,12 @@ class MoEAdapter:
         state = {k: v for k, v in model.state_dict().items() if k not in tied}
         return {name: t.shape for name, t in self._to_checkpoint_names(state).items()}
 
+    def checkpoint_name(self, internal_name: str) -> str:
+        """The checkpoint's name for one of the model's parameters or persistent buffers."""
+        tensor = self.meta_model.get_parameter_or_buffer(internal_name)
+        (name,) = self._to_checkpoint_names({internal_name: tensor})
+        return name
+
     def _to_checkpoint_names(self, internal: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from transformers.core_model_loading import revert_weight_conversion
 

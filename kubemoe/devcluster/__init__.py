@@ -1,0 +1,11 @@
+"""A real Kubernetes control plane for tests and demos: etcd, kube-apiserver, kube-scheduler,
+kube-controller-manager and kwok (fake GPU nodes), built from the Go module proxy and cached.
+
+Standalone on purpose: stdlib and the `kubernetes` client only, no other kubemoe module.
+"""
+
+from .cluster import Cluster, ClusterConfig, ClusterError, gpu_node, wait_for
+from .testbin import Testbin, ensure_testbin, find_testbin
+
+__all__ = ["Cluster", "ClusterConfig", "ClusterError", "Testbin", "ensure_testbin", "find_testbin", "gpu_node",
+           "wait_for"]

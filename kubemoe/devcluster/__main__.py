@@ -1,0 +1,3 @@
+from .cli import dev
+
+dev(prog_name="python -m kubemoe.devcluster")

@@ -1,0 +1,398 @@
+"""A real Kubernetes control plane on loopback for tests: etcd, kube-apiserver and optionally
+kube-scheduler, kube-controller-manager and kwok, which plays the kubelet of fake GPU nodes.
+
+    with Cluster(ClusterConfig(nodes=2, gpus_per_node=8)) as cluster:
+        cluster.kubectl("get", "nodes")
+        client = cluster.api_client()  # kubernetes.client.ApiClient as cluster-admin
+
+No process outlives the cluster: each component runs in its own process group that `stop()` kills,
+`stop()` runs at interpreter exit too (atexit), and every component gets SIGKILL from the kernel when
+the Python thread that started it dies (PR_SET_PDEATHSIG), which covers a SIGKILLed test runner.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import ctypes
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .pki import ADMIN_USER, Pki, create_pki
+from .testbin import Testbin, ensure_testbin
+
+KWOK_ANNOTATION = {"kwok.x-k8s.io/node": "fake"}
+KNATIVE_NAMESPACE = "knative-serving"
+SERVICE_CIDR = "10.0.0.0/24"  # allocation only: no proxy runs, so nothing routes to these addresses
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """What to run. GPU defaults describe an H100 80GB node as GPU feature discovery labels it."""
+
+    nodes: int = 0                 # fake GPU nodes created by start()
+    gpus_per_node: int = 8
+    gpu_product: str = "NVIDIA-H100-80GB-HBM3"
+    gpu_memory_mib: int = 81559
+    scheduler: bool = True
+    controller_manager: bool = True
+    kwok: bool = True              # without it nodes never become Ready and pods never run
+    knative_crds: bool = True      # Knative Serving's CRDs and the knative-serving namespace
+    data_dir: Path | None = None   # default: a fresh temp dir, removed by stop()
+    apiserver_args: tuple[str, ...] = ()
+    # kwok gives fake pods IPs from this range. Loopback, so that code under test that dials a pod IP
+    # stays on this machine (connection refused) instead of sending packets into a private network.
+    # The price: EndpointSlices may not hold loopback addresses, so Services get no endpoints.
+    pod_cidr: str = "127.128.0.1/16"
+    timeout_s: float = 120.0       # per readiness wait
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+_live: set["Cluster"] = set()
+
+
+@atexit.register
+def _stop_live_clusters() -> None:
+    for cluster in list(_live):
+        cluster.stop()
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: the kernel SIGKILLs it when our thread dies.
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(check: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.2,
+             detail: Callable[[], str] = lambda: "") -> object:
+    """Poll `check` until it returns something truthy; raise TimeoutError naming `what` otherwise.
+    Exceptions from `check` count as "not yet" and the last one is reported."""
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while True:
+        try:
+            result = check()
+            if result:
+                return result
+        except ClusterError:
+            raise  # a component died: waiting longer cannot help
+        except Exception as error:  # noqa: BLE001 - any other failure means "not ready yet"
+            last_error = error
+        if time.monotonic() > deadline:
+            message = f"timed out after {timeout_s:.0f}s waiting for {what}"
+            if last_error is not None:
+                message += f" (last error: {last_error!r})"
+            extra = detail()
+            raise TimeoutError(message + (f"\n{extra}" if extra else ""))
+        time.sleep(interval_s)
+
+
+def gpu_node(name: str, gpus: int, product: str, memory_mib: int, taints: Sequence[dict] = ()) -> dict:
+    """A Node that kwok manages, labelled like GPU feature discovery labels a real GPU node."""
+    resources = {"cpu": "64", "memory": "512Gi", "pods": "110", "ephemeral-storage": "1Ti",
+                 "nvidia.com/gpu": str(gpus)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {**KWOK_ANNOTATION, "node.alpha.kubernetes.io/ttl": "0"},
+            "labels": {
+                "type": "kwok",
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "nvidia.com/gpu.present": "true",
+                "nvidia.com/gpu.product": product,
+                "nvidia.com/gpu.memory": str(memory_mib),
+                "nvidia.com/gpu.count": str(gpus),
+            },
+        },
+        "spec": {"taints": list(taints)},
+        # kwok's node-initialize stage keeps capacity/allocatable as created and adds the rest.
+        "status": {"capacity": resources, "allocatable": resources},
+    }
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig = ClusterConfig(), testbin: Testbin | None = None):
+        self.config = config
+        self._testbin = testbin
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._owns_data_dir = config.data_dir is None
+        self.data_dir = Path(config.data_dir or tempfile.mkdtemp(prefix="kubemoe-devcluster-"))
+        self.server = ""
+        self.startup_seconds = 0.0
+        self._node_count = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> "Cluster":
+        started = time.monotonic()
+        _live.add(self)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - started
+        return self
+
+    def _start(self) -> None:
+        cfg = self.config
+        self.testbin = self._testbin or ensure_testbin()
+        (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.pki = create_pki(self.data_dir / "pki")
+        self._start_etcd()
+        self._start_apiserver()
+        self._write_kubeconfig(self.kubeconfig)
+        kubeconfig = f"--kubeconfig={self.kubeconfig}"
+        # Delegated authn/authz of the components' own HTTPS endpoints go through the admin identity.
+        delegated = [f"--authentication-kubeconfig={self.kubeconfig}", f"--authorization-kubeconfig={self.kubeconfig}"]
+        health = {}
+        if cfg.scheduler:
+            health["kube-scheduler"] = port = free_port()
+            self._spawn("kube-scheduler", kubeconfig, *delegated, "--leader-elect=false",
+                        "--bind-address=127.0.0.1", f"--secure-port={port}")
+        if cfg.controller_manager:
+            health["kube-controller-manager"] = port = free_port()
+            self._spawn("kube-controller-manager", kubeconfig, *delegated, "--leader-elect=false",
+                        "--bind-address=127.0.0.1", f"--secure-port={port}",
+                        f"--service-account-private-key-file={self.pki.key('sa')}",
+                        f"--root-ca-file={self.pki.ca_cert}", "--use-service-account-credentials=false")
+        crds = []
+        if cfg.kwok:
+            crds.append(self.testbin.kwok_manifests / "kwok.x-k8s.io_stages.yaml")
+        if cfg.knative_crds:
+            crds.append(self.testbin.knative_crds)
+        if crds:
+            self.kubectl("apply", "--server-side", *(f"--filename={p}" for p in crds))
+            self.kubectl("wait", "--for=condition=Established", "crd", "--all", f"--timeout={cfg.timeout_s:.0f}s")
+        if cfg.knative_crds:
+            self.kubectl("create", "namespace", KNATIVE_NAMESPACE)
+        if cfg.kwok:
+            self._start_kwok()
+        for name, port in health.items():
+            url = f"https://127.0.0.1:{port}/healthz"
+            wait_for(lambda: self._get(url, verify=False) == "ok", cfg.timeout_s, f"{name} {url}",
+                     detail=lambda: self._log_tail(name))
+        if cfg.nodes:
+            self.add_gpu_nodes(cfg.nodes, cfg.gpus_per_node, cfg.gpu_product, cfg.gpu_memory_mib)
+
+    def stop(self) -> None:
+        """Kill every component (SIGTERM, then SIGKILL after 10s) and remove the temp data dir."""
+        for proc in reversed(list(self._procs.values())):
+            _kill_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self._procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _kill_group(proc, signal.SIGKILL)  # also reaps children a component may have left
+            proc.wait()
+        self._procs.clear()
+        _live.discard(self)
+        if self._owns_data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {name: proc.pid for name, proc in self._procs.items()}
+
+    # -- components --------------------------------------------------------------------------
+
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.data_dir / "logs" / f"{name}.log", "wb")
+        proc = subprocess.Popen([self.testbin.path(name), *args], stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+        log.close()  # the child holds its own copy
+        self._procs[name] = proc
+        return proc
+
+    def _log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.data_dir / "logs" / f"{name}.log"
+        if not path.exists():
+            return ""
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        proc = self._procs.get(name)
+        state = f"exited with {proc.returncode}" if proc and proc.poll() is not None else "running"
+        return f"--- {name} ({state}), last lines of {path}:\n" + "\n".join(tail)
+
+    def _wait_up(self, name: str, check: Callable[[], object], what: str) -> None:
+        def alive_and_ready():
+            if self._procs[name].poll() is not None:
+                raise ClusterError(f"{name} exited with code {self._procs[name].returncode}")
+            return check()
+        try:
+            wait_for(alive_and_ready, self.config.timeout_s, what, detail=lambda: self._log_tail(name))
+        except TimeoutError as error:
+            raise ClusterError(str(error)) from None
+
+    def _start_etcd(self) -> None:
+        client, peer = free_port(), free_port()
+        self.etcd_url = f"http://127.0.0.1:{client}"
+        peer_url = f"http://127.0.0.1:{peer}"
+        self._spawn("etcd", "--name=default", f"--data-dir={self.data_dir / 'etcd'}",
+                    f"--listen-client-urls={self.etcd_url}", f"--advertise-client-urls={self.etcd_url}",
+                    f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
+                    f"--initial-cluster=default={peer_url}",
+                    "--unsafe-no-fsync",  # throw-away data: durability only costs time
+                    "--log-level=warn")
+        self._wait_up("etcd", lambda: '"health":"true"' in self._get(f"{self.etcd_url}/health"),
+                      f"etcd {self.etcd_url}/health")
+
+    def _start_apiserver(self) -> None:
+        port = free_port()
+        self.server = f"https://127.0.0.1:{port}"
+        pki = self.pki
+        self._spawn(
+            "kube-apiserver",
+            f"--etcd-servers={self.etcd_url}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={port}",
+            f"--cert-dir={self.data_dir / 'apiserver'}",
+            f"--tls-cert-file={pki.cert('apiserver')}", f"--tls-private-key-file={pki.key('apiserver')}",
+            f"--client-ca-file={pki.ca_cert}",
+            "--authorization-mode=RBAC",
+            f"--service-account-key-file={pki.dir / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki.key('sa')}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--allow-privileged=true",
+            # The `kubernetes` Service would point at 127.0.0.1, which Endpoints may not hold.
+            "--endpoint-reconciler-type=none",
+            "--profiling=false",
+            *self.config.apiserver_args,
+        )
+        self._wait_up("kube-apiserver", lambda: self._get(f"{self.server}/readyz") == "ok",
+                      f"kube-apiserver {self.server}/readyz")
+
+    def _start_kwok(self) -> None:
+        stages = [p for p in sorted(self.testbin.kwok_manifests.glob("*.yaml")) if "_stages" not in p.name]
+        self.kubectl("apply", "--server-side", *(f"--filename={p}" for p in stages))
+        selector = ",".join(f"{k}={v}" for k, v in KWOK_ANNOTATION.items())
+        self._spawn("kwok", f"--kubeconfig={self.kubeconfig}",
+                    "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={selector}",
+                    "--enable-crds=Stage", "--node-lease-duration-seconds=40",
+                    f"--cidr={self.config.pod_cidr}", "--node-ip=127.0.0.1",
+                    f"--server-address=127.0.0.1:{free_port()}")
+
+    # -- access ------------------------------------------------------------------------------
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.data_dir / "kubeconfig"
+
+    def _write_kubeconfig(self, path: Path) -> None:
+        def b64(p: Path) -> str:
+            return base64.b64encode(p.read_bytes()).decode()
+        config = {  # JSON is YAML: kubectl, helm and the Python client all read it
+            "apiVersion": "v1", "kind": "Config", "current-context": "kubemoe-dev",
+            "clusters": [{"name": "kubemoe-dev", "cluster": {
+                "server": self.server, "certificate-authority-data": b64(self.pki.ca_cert)}}],
+            "users": [{"name": ADMIN_USER, "user": {
+                "client-certificate-data": b64(self.pki.cert("admin")),
+                "client-key-data": b64(self.pki.key("admin"))}}],
+            "contexts": [{"name": "kubemoe-dev", "context": {"cluster": "kubemoe-dev", "user": ADMIN_USER}}],
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(config, indent=1))
+        path.chmod(0o600)
+
+    def write_kubeconfig(self, path: Path | str) -> Path:
+        """Copy the admin kubeconfig (certificates embedded) to `path`."""
+        self._write_kubeconfig(Path(path))
+        return Path(path)
+
+    def api_client(self):
+        """A kubernetes.client.ApiClient authenticated as cluster admin (system:masters)."""
+        from kubernetes import config
+        return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def _get(self, url: str, verify: bool = True) -> str:
+        context = None
+        if url.startswith("https"):
+            context = ssl.create_default_context(cafile=str(self.pki.ca_cert))
+            context.load_cert_chain(self.pki.cert("admin"), self.pki.key("admin"))
+            if not verify:  # scheduler/controller-manager serve self-signed certificates
+                context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        with urllib.request.urlopen(url, timeout=5, context=context) as response:
+            return response.read().decode()
+
+    def _run(self, binary: str, *args: str, check: bool, timeout_s: float | None, env=None) -> subprocess.CompletedProcess:
+        result = subprocess.run([self.testbin.path(binary), f"--kubeconfig={self.kubeconfig}", *args],
+                                capture_output=True, text=True, timeout=timeout_s or self.config.timeout_s, env=env)
+        if check and result.returncode != 0:
+            raise ClusterError(f"{binary} {' '.join(args)} failed ({result.returncode}):\n{result.stderr}{result.stdout}")
+        return result
+
+    def kubectl(self, *args: str, check: bool = True, timeout_s: float | None = None) -> subprocess.CompletedProcess:
+        """Run the kubectl built with this control plane (no version skew) as cluster admin."""
+        return self._run("kubectl", *args, check=check, timeout_s=timeout_s)
+
+    def helm(self, *args: str, check: bool = True, timeout_s: float | None = None) -> subprocess.CompletedProcess:
+        """Run helm against this cluster, with its config/cache/data kept inside the data dir."""
+        home = self.data_dir / "helm"
+        env = {**os.environ, "HELM_CONFIG_HOME": str(home / "config"), "HELM_CACHE_HOME": str(home / "cache"),
+               "HELM_DATA_HOME": str(home / "data")}
+        return self._run("helm", *args, check=check, timeout_s=timeout_s, env=env)
+
+    # -- nodes -------------------------------------------------------------------------------
+
+    def add_gpu_nodes(self, count: int, gpus_per_node: int = 8, product: str = "NVIDIA-H100-80GB-HBM3",
+                      memory_mib: int = 81559, taints: Sequence[dict] = (), wait: bool = True) -> list[str]:
+        """Create `count` kwok-managed GPU nodes named kwok-gpu-<n>; wait until they are Ready."""
+        from kubernetes import client
+        if count < 1 or gpus_per_node < 0:
+            raise ValueError(f"need count >= 1 and gpus_per_node >= 0, got {count}, {gpus_per_node}")
+        core = client.CoreV1Api(self.api_client())
+        names = []
+        for _ in range(count):
+            name = f"kwok-gpu-{self._node_count}"
+            self._node_count += 1
+            core.create_node(gpu_node(name, gpus_per_node, product, memory_mib, taints))
+            names.append(name)
+        if wait:
+            def all_ready():
+                nodes = {n.metadata.name: n for n in core.list_node(label_selector="type=kwok").items}
+                return all(_is_ready(nodes.get(name)) for name in names)
+            wait_for(all_ready, self.config.timeout_s, f"nodes {names} to be Ready",
+                     detail=lambda: self._log_tail("kwok"))
+        return names
+
+
+def _is_ready(node) -> bool:
+    conditions = (node.status.conditions or []) if node and node.status else []
+    return any(c.type == "Ready" and c.status == "True" for c in conditions)
+
+
+def _kill_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # start_new_session: the group id is the child's pid
+    except ProcessLookupError:
+        pass
