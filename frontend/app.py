@@ -1,0 +1,114 @@
+"""A frontend assembled from its config: checkpoint, model shell, dispatcher, engine, routing watch."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kubemoe.adapters import MoEAdapter
+from kubemoe.checkpoint import Checkpoint
+from kubemoe.errors import KubemoeError
+from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher
+from kubemoe.frontend.engine import Engine
+from kubemoe.frontend.loads import LoadRecorder
+from kubemoe.frontend.metrics import FrontendMetrics
+from kubemoe.frontend.routing_table import (RoutingTableError, build_route_map, watch_configmap, watch_file)
+from kubemoe.frontend.scheduler import SchedulerConfig
+from kubemoe.proto import kubemoe_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    checkpoint: Path
+    model: str = ""  # model id clients send; default: the checkpoint folder's name
+    routing_table: Path | None = None  # a file (JSON RoutingTable), or ...
+    routing_configmap: str | None = None  # ... NAMESPACE/NAME of a ConfigMap with key routing.json
+    dtype: str | None = None  # default: the checkpoint's
+    device: str = "auto"
+    max_batch: int = 32
+    max_waiting: int = 256
+    load_window_seconds: float = 30.0
+    streaming: bool = True
+    call_timeout: float = 30.0
+
+    @property
+    def model_id(self) -> str:
+        return self.model or Path(self.checkpoint).resolve().name
+
+
+def resolve_device(device: str) -> torch.device:
+    return torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+
+
+def resolve_dtype(name: str | None, config) -> torch.dtype:
+    name = name or getattr(config, "dtype", None) or "float32"
+    dtype = name if isinstance(name, torch.dtype) else getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise KubemoeError(f"unknown dtype {name!r}; use float32, bfloat16 or float16")
+    return dtype
+
+
+class Frontend:
+    def __init__(self, config: FrontendConfig):
+        from transformers import AutoTokenizer, GenerationConfig
+
+        self.config = config
+        self.checkpoint = Checkpoint(config.checkpoint)
+        self.adapter = MoEAdapter(self.checkpoint.config)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.checkpoint.config)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint.path)
+        self.metrics = FrontendMetrics(config.model_id)
+        self.loads = LoadRecorder(config.model_id, socket.gethostname(), config.load_window_seconds)
+        self.dispatcher = Dispatcher(
+            self.adapter, self.checkpoint, DispatchConfig(config.model_id, config.streaming, config.call_timeout),
+            self.loads, self.dtype, self.device, self.metrics)
+        from kubemoe.frontend.shell import build_shell
+
+        self.model = build_shell(self.checkpoint, self.adapter, self.dispatcher.layer_module, self.dtype, self.device)
+        eos = GenerationConfig.from_pretrained(self.checkpoint.path).eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.max_context = self.checkpoint.config.max_position_embeddings
+        self.engine = Engine(self.model, self.tokenizer, eos_ids, self.max_context,
+                             SchedulerConfig(config.max_batch, config.max_waiting),
+                             before_step=self.dispatcher.apply_pending, metrics=self.metrics, loads=self.loads)
+        self._watch: asyncio.Task | None = None
+
+    @property
+    def model_id(self) -> str:
+        return self.config.model_id
+
+    @property
+    def ready(self) -> bool:
+        return self.dispatcher.ready
+
+    def set_routing_table(self, table: pb.RoutingTable) -> None:
+        """Validate a table and hand it to the dispatcher; raises RoutingTableError."""
+        self.dispatcher.set_routes(build_route_map(table, self.model_id, self.adapter.moe_layers, self.adapter.num_experts))
+
+    async def _on_table(self, table: pb.RoutingTable) -> None:
+        try:
+            self.set_routing_table(table)
+        except RoutingTableError as e:
+            log.error("routing table version %d rejected: %s", table.version, e)
+
+    def start_watching(self) -> None:
+        """Follow the configured routing table source (call from the serving event loop)."""
+        if self.config.routing_table:
+            self._watch = asyncio.create_task(watch_file(Path(self.config.routing_table), self._on_table))
+        elif self.config.routing_configmap:
+            namespace, _, name = self.config.routing_configmap.partition("/")
+            self._watch = asyncio.create_task(watch_configmap(namespace, name, self._on_table))
+
+    def close(self) -> None:
+        if self._watch:
+            self._watch.cancel()
+        self.engine.stop()
+        self.dispatcher.close()

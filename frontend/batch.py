@@ -1,0 +1,74 @@
+"""The running batch's KV cache: sequences of different lengths, left-padded into one cache.
+
+Sequences join after their own prefill (their cache is padded on the left to the batch's length,
+or the batch's to theirs) and leave by batch index; columns that only padding uses are trimmed.
+The attention mask marks padding, and each sequence keeps its own positions, so every sequence
+decodes exactly as it would alone. Shapes: B = sequences, L = cache length (with padding).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _pad_left(cache, n: int) -> None:
+    if n:
+        for layer in cache.layers:
+            layer.keys = F.pad(layer.keys, (0, 0, n, 0))
+            layer.values = F.pad(layer.values, (0, 0, n, 0))
+
+
+class BatchState:
+    def __init__(self):
+        self.cache = None  # a transformers DynamicCache holding [B, heads, L, head_dim] per layer
+        self.mask: torch.Tensor | None = None  # [B, L], 1 = real token
+        self.lengths: list[int] = []  # real tokens per sequence (its next position)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[1]
+
+    def join(self, cache, length: int) -> None:
+        """Append one sequence whose unpadded cache holds `length` tokens."""
+        mask = torch.ones(1, length, dtype=torch.long)
+        if self.cache is None:
+            self.cache, self.mask, self.lengths = cache, mask, [length]
+            return
+        width = max(self.width, length)
+        _pad_left(self.cache, width - self.width)
+        _pad_left(cache, width - length)
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([mine.keys, theirs.keys])
+            mine.values = torch.cat([mine.values, theirs.values])
+        self.mask = torch.cat([F.pad(self.mask, (width - self.width, 0)), F.pad(mask, (width - length, 0))])
+        self.lengths.append(length)
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep only these sequences (in this order); drop padding no one needs any more."""
+        if not indices:
+            self.__init__()
+            return
+        index = torch.tensor(indices)
+        self.mask = self.mask[index]
+        self.lengths = [self.lengths[i] for i in indices]
+        start = int(self.mask.any(0).long().argmax())  # first column some sequence really uses
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index, :, start:]
+            layer.values = layer.values[index, :, start:]
+        self.mask = self.mask[:, start:]
+
+    def decode_inputs(self, tokens: list[int]) -> dict:
+        """Model inputs for one decode step feeding `tokens` (one per sequence, batch order)."""
+        self.mask = F.pad(self.mask, (0, 1), value=1)
+        inputs = {
+            "input_ids": torch.tensor(tokens).view(-1, 1),
+            "attention_mask": self.mask,
+            "position_ids": torch.tensor(self.lengths).view(-1, 1),
+            "cache": self.cache,
+        }
+        self.lengths = [n + 1 for n in self.lengths]
+        return inputs

@@ -1,0 +1,204 @@
+"""The dispatcher: runs a layer's routed experts wherever the routing table says they live.
+
+Per MoE layer it groups the batch's tokens by expert, sends one request per bundle (all bundles of
+the layer at once), computes in-process bundles on the calling thread while remote calls are in
+flight, and adds the outputs back with the routing weights. Among a bundle's replicas it picks the
+one with the fewest in-flight tokens (join-the-shortest-queue); a replica that fails or times out
+is put aside for a moment and the call is retried on another, so a dead replica loses no request
+while another one lives. Shapes: T = tokens, H = hidden size, K = experts per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from kubemoe.adapters import MoEAdapter
+from kubemoe.checkpoint import Checkpoint
+from kubemoe.expert import ExpertWeights, expert_ffn
+from kubemoe.frontend.loads import LoadRecorder
+from kubemoe.frontend.loop_thread import LoopThread
+from kubemoe.frontend.routing_table import LOCAL, BundleRoute, RouteMap
+from kubemoe.moe import combine, expert_inputs, group_tokens
+
+log = logging.getLogger(__name__)
+
+NOT_RETRYABLE = {grpc.StatusCode.INVALID_ARGUMENT}  # a malformed request fails the same everywhere
+
+
+class DispatchError(RuntimeError):
+    """No replica of a bundle could run a layer's experts."""
+
+
+@dataclass
+class Replica:
+    address: str
+    inflight_tokens: int = 0
+    failed_until: float = 0.0
+    picks: int = 0
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    model: str
+    streaming: bool = True
+    call_timeout: float = 30.0  # seconds per attempt
+    max_attempts: int = 4
+    cooldown: float = 2.0  # seconds a failed replica is avoided while others are healthy
+
+
+@dataclass
+class _BundleCall:
+    route: BundleRoute
+    experts: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    groups: list = field(default_factory=list)
+    inputs: list[torch.Tensor] = field(default_factory=list)
+
+
+def pick_replica(replicas: list[Replica], exclude: set[str], now: float) -> Replica:
+    """Join-the-shortest-queue on in-flight tokens, preferring replicas that have not just failed."""
+    fresh = [r for r in replicas if r.address not in exclude] or replicas
+    healthy = [r for r in fresh if r.failed_until <= now] or fresh
+    return min(healthy, key=lambda r: (r.inflight_tokens, r.picks))
+
+
+class Dispatcher:
+    def __init__(self, adapter: MoEAdapter, checkpoint: Checkpoint, config: DispatchConfig, loads: LoadRecorder,
+                 dtype: torch.dtype, device: str | torch.device = "cpu", metrics=None):
+        self.adapter, self.checkpoint, self.config, self.loads = adapter, checkpoint, config, loads
+        self.dtype, self.device, self.metrics = dtype, device, metrics
+        self.io = LoopThread()
+        self._routes: RouteMap | None = None
+        self._pending: RouteMap | None = None
+        self._local: dict[tuple[int, int], ExpertWeights] = {}
+        self._replicas: dict[str, Replica] = {}
+        self._clients: dict[str, object] = {}
+        self._ids = itertools.count()
+
+    # -- routing table --------------------------------------------------------------------------
+
+    def set_routes(self, routes: RouteMap) -> None:
+        """Take a new table; it applies at the next step boundary (`apply_pending`)."""
+        self._pending = routes
+
+    @property
+    def ready(self) -> bool:
+        return self._routes is not None or self._pending is not None
+
+    def apply_pending(self) -> None:
+        routes, self._pending = self._pending, None
+        if routes is None:
+            return
+        wanted = {k for k, r in routes.routes.items() if LOCAL in r.addresses}
+        for key in wanted - self._local.keys():
+            self._local[key] = self.adapter.load_expert(self.checkpoint, *key, dtype=self.dtype, device=self.device)
+        for key in self._local.keys() - wanted:
+            del self._local[key]
+        self._replicas = {a: self._replicas.get(a) or Replica(a) for a in routes.addresses() if a != LOCAL}
+        for address in self._clients.keys() - self._replicas.keys():
+            self.io.submit(self._clients.pop(address).close())
+        if self._routes is None or routes.version != self._routes.version:
+            log.info("routing table version %d: %d bundles, %d remote endpoints", routes.version,
+                     len({r.bundle for r in routes.routes.values()}), len(self._replicas))
+        self._routes = routes
+
+    # -- the layer ------------------------------------------------------------------------------
+
+    def layer_module(self, layer: int) -> torch.nn.Module:
+        return _LayerExperts(self, layer)
+
+    def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:  # [T, H], [T, K], [T, K] -> [T, H]
+        if self._routes is None:
+            self.apply_pending()
+            if self._routes is None:
+                raise DispatchError("no routing table yet: the frontend is not ready")
+        weight_on_input = self.adapter.routing.weight_on_input
+        groups = group_tokens(top_k_index)
+        counts = [(g.expert, len(g.tokens)) for g in groups]
+        self.loads.record(layer, counts)
+        if self.metrics:
+            self.metrics.record_expert_tokens(layer, counts)
+        calls: dict[str, _BundleCall] = {}
+        for g in groups:
+            route = self._routes.routes[(layer, g.expert)]
+            call = calls.setdefault(route.bundle, _BundleCall(route))
+            call.experts.append(g.expert)
+            call.counts.append(len(g.tokens))
+            call.groups.append(g)
+            call.inputs.append(expert_inputs(hidden, top_k_weights, g, weight_on_input))
+        request_id = f"{uuid.uuid4().hex[:8]}-{next(self._ids)}"
+        remote = {name: self.io.submit(self._call(c.route, layer, c, torch.cat(c.inputs), request_id))
+                  for name, c in calls.items() if LOCAL not in c.route.addresses}
+        out = torch.zeros_like(hidden)
+        for name, call in calls.items():  # in-process bundles run here while remote calls are in flight
+            if name not in remote:
+                for g, x in zip(call.groups, call.inputs):
+                    y = expert_ffn(x, self._local[(layer, g.expert)], self.adapter.act)
+                    combine(out, top_k_weights, g, y, weight_on_input)
+        for name, future in remote.items():
+            call = calls[name]
+            for g, y in zip(call.groups, future.result().split(call.counts)):
+                combine(out, top_k_weights, g, y, weight_on_input)
+        return out
+
+    async def _call(self, route: BundleRoute, layer: int, call: _BundleCall, x: torch.Tensor, request_id: str):
+        replicas = [self._replicas[a] for a in route.addresses]
+        tried: set[str] = set()
+        errors = []
+        for attempt in range(self.config.max_attempts):
+            replica = pick_replica(replicas, tried, time.monotonic())
+            replica.picks += 1
+            replica.inflight_tokens += x.shape[0]
+            try:
+                return await self._client(replica.address).forward(
+                    layer, call.experts, call.counts, x, request_id=request_id, timeout=self.config.call_timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() in NOT_RETRYABLE:
+                    raise DispatchError(f"bundle {route.bundle} at {replica.address} refused layer {layer}: {e.details()}") from e
+                errors.append(f"{replica.address}: {e.code().name} {e.details()}")
+                replica.failed_until = time.monotonic() + self.config.cooldown
+                tried.add(replica.address)
+                if self.metrics:
+                    self.metrics.expert_retries.labels(bundle=route.bundle).inc()
+                log.warning("bundle %s replica %s failed (%s); retrying", route.bundle, replica.address, e.code().name)
+                if len(tried) >= len(replicas):  # every replica failed once: back off before going round again
+                    tried.clear()
+                    await asyncio.sleep(0.05 * 2**attempt)
+            finally:
+                replica.inflight_tokens -= x.shape[0]
+        raise DispatchError(f"bundle {route.bundle}: no replica could run layer {layer} after "
+                            f"{self.config.max_attempts} attempts: {'; '.join(errors)}")
+
+    def _client(self, address: str):
+        client = self._clients.get(address)
+        if client is None:
+            from kubemoe.expert_fn.client import ExpertClient
+
+            client = self._clients[address] = ExpertClient(address, model=self.config.model, streaming=self.config.streaming)
+        return client
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            self.io.run(client.close(), timeout=5)
+        self._clients.clear()
+        self.io.stop()
+
+
+class _LayerExperts(torch.nn.Module):
+    """Stands in for a layer's routed experts module inside the transformers model."""
+
+    def __init__(self, dispatcher: Dispatcher, layer: int):
+        super().__init__()
+        self.dispatcher, self.layer = dispatcher, layer
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return self.dispatcher.run_layer(self.layer, hidden_states, top_k_index, top_k_weights)

@@ -1,0 +1,213 @@
+"""The engine: continuous batching over the model shell, one step at a time on its own thread.
+
+`step()` is three calls, as in vLLM: the scheduler decides (pure), the model executes (prefill of
+new sequences, one decode for the running batch), and the results update sequences and stream
+text to their callers. The asyncio side only submits requests and reads their output queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import torch
+
+from kubemoe.frontend.batch import BatchState
+from kubemoe.frontend.sampling import SamplingParams, sample_next
+from kubemoe.frontend.scheduler import QueueFull, Scheduler, SchedulerConfig, StepPlan
+from kubemoe.frontend.text import TextStream
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "Delta", "PromptTooLong", "QueueFull", "EngineError"]
+
+
+class PromptTooLong(ValueError):
+    """The prompt does not fit the model's context."""
+
+
+class EngineError(RuntimeError):
+    """A step failed (e.g. no expert replica could serve a layer); the affected requests get this."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop", "length", "error" on the last delta
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    text: TextStream
+    emit: object  # callable(Delta), thread-safe
+    generator: torch.Generator | None
+    max_new: int
+    generated: list[int] = field(default_factory=list)
+    aborted: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+class Engine:
+    def __init__(self, model, tokenizer, eos_ids: set[int], max_context: int,
+                 scheduler: SchedulerConfig = SchedulerConfig(), before_step=None, metrics=None, loads=None):
+        self.model, self.tokenizer, self.eos_ids, self.max_context = model, tokenizer, eos_ids, max_context
+        self.scheduler = Scheduler(scheduler)
+        self.before_step = before_step  # e.g. the dispatcher switching routing tables between steps
+        self.metrics, self.loads = metrics, loads
+        self.device = next(model.parameters()).device
+        self.batch = BatchState()
+        self._tokens: list[int] = []  # last token of each running sequence, batch order
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="kubemoe-engine", daemon=True)
+        self._thread.start()
+
+    # -- asyncio side ---------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+        """Stream deltas for one request. Raises PromptTooLong or QueueFull before anything runs."""
+        if not prompt_ids:
+            raise PromptTooLong("the prompt is empty; send at least one token")
+        if len(prompt_ids) >= self.max_context:
+            raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_context} "
+                                "tokens (prompt plus at least one generated token): shorten the prompt")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Delta] = asyncio.Queue()
+        seq = Sequence(request_id, list(prompt_ids), params, TextStream(self.tokenizer, params.stop),
+                       lambda d: loop.call_soon_threadsafe(queue.put_nowait, d), params.generator(),
+                       min(params.max_tokens, self.max_context - len(prompt_ids)))
+        with self._wake:
+            self.scheduler.add(seq)  # QueueFull propagates to the caller
+            self._wake.notify()
+        if self.metrics:
+            self.metrics.queue_depth.set(len(self.scheduler.waiting))
+        try:
+            while True:
+                delta = await queue.get()
+                yield delta
+                if delta.finish_reason:
+                    return
+        finally:
+            seq.aborted = True  # a caller that went away frees its batch slot at the next step
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    # -- engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and self.scheduler.idle:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                self._drop_aborted()
+                plan = self.scheduler.schedule()
+            if plan.empty:
+                continue
+            try:
+                self.step(plan)
+            except Exception as e:  # noqa: BLE001 - fail the step's requests loudly, keep serving others
+                log.exception("engine step failed")
+                self._fail(plan.decode + plan.prefill, f"{type(e).__name__}: {e}")
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> None:
+        if self.before_step:
+            self.before_step()
+        finished = []
+        if plan.decode:
+            inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                      for k, v in self.batch.decode_inputs(self._tokens).items()}
+            logits = self.model(**inputs, use_cache=True).logits[:, -1]  # [B, V]
+            if self.loads:
+                self.loads.record_tokens(len(plan.decode))
+            for i, seq in enumerate(plan.decode):
+                if self._advance(seq, logits[i], i):
+                    finished.append(seq)
+        for seq in plan.prefill:
+            from transformers import DynamicCache
+
+            cache = DynamicCache()
+            ids = torch.tensor([seq.prompt_ids], device=self.device)
+            logits = self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+            if self.loads:
+                self.loads.record_tokens(len(seq.prompt_ids))
+            self.batch.join(cache, len(seq.prompt_ids))
+            self._tokens.append(0)
+            if self.metrics:
+                self.metrics.ttft.observe(time.monotonic() - seq.started)
+            if self._advance(seq, logits, len(self.batch) - 1):
+                finished.append(seq)
+        if finished:
+            self._leave(finished)
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor, index: int) -> bool:
+        """Sample one token for `seq`, stream it, and say whether the sequence is done."""
+        token = sample_next(logits, seq.params, seq.generator)
+        self._tokens[index] = token
+        if token in self.eos_ids:
+            seq.emit(self._delta(seq, [], seq.text.flush(), "stop"))
+            return True
+        seq.generated.append(token)
+        text = seq.text.push(token)
+        if seq.text.stopped:
+            seq.emit(self._delta(seq, [token], text, "stop"))
+            return True
+        if len(seq.generated) >= seq.max_new:
+            seq.emit(self._delta(seq, [token], text + seq.text.flush(), "length"))
+            return True
+        seq.emit(self._delta(seq, [token], text))
+        return False
+
+    def _delta(self, seq, ids, text, finish=None) -> Delta:
+        if self.metrics and finish:
+            self.metrics.completion_tokens.inc(len(seq.generated))
+            self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+        return Delta(ids, text, finish, len(seq.prompt_ids), len(seq.generated))
+
+    def _leave(self, gone: list[Sequence]) -> None:
+        with self._wake:
+            running = self.scheduler.running
+            keep = [i for i, s in enumerate(running) if s not in gone]
+            self.batch.keep(keep)
+            self._tokens = [self._tokens[i] for i in keep]
+            self.scheduler.remove(gone)
+
+    def _drop_aborted(self) -> None:
+        aborted = [s for s in list(self.scheduler.waiting) + self.scheduler.running if s.aborted]
+        if aborted:
+            running = self.scheduler.running
+            keep = [i for i, s in enumerate(running) if not s.aborted]
+            self.batch.keep(keep)
+            self._tokens = [self._tokens[i] for i in keep]
+            self.scheduler.remove(aborted)
+
+    def _fail(self, seqs: list[Sequence], message: str) -> None:
+        for seq in seqs:
+            seq.emit(Delta([], "", "error", len(seq.prompt_ids), len(seq.generated), error=message))
+        with self._wake:
+            # The batch cache may hold a half-finished step: start the survivors' batch afresh.
+            failed = set(map(id, seqs))
+            survivors = [s for s in self.scheduler.running if id(s) not in failed]
+            self.scheduler.remove(seqs)
+            for seq in survivors:
+                seq.emit(Delta([], "", "error", len(seq.prompt_ids), len(seq.generated), error=message))
+            self.scheduler.remove(survivors)
+            self.batch = BatchState()
+            self._tokens = []

@@ -1,0 +1,59 @@
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from kubemoe.frontend.sampling import SamplingParams, sample_next
+from kubemoe.frontend.text import TextStream
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+    return AutoTokenizer.from_pretrained(tiny_checkpoint("mixtral"))
+
+
+def stream_all(tokenizer, text, stop=()):
+    stream = TextStream(tokenizer, stop)
+    out = ""
+    for token in tokenizer(text)["input_ids"]:
+        out += stream.push(token)
+        if stream.stopped:
+            return out, True
+    return out + stream.flush(), False
+
+
+def test_deltas_add_up_to_the_text(tokenizer):
+    text = "Experts scale one by one: 你好 🙂 done."
+    assert stream_all(tokenizer, text) == (text, False)
+
+
+def test_stop_string_cuts_and_is_never_emitted(tokenizer):
+    out, stopped = stream_all(tokenizer, "The quick brown fox jumps over the lazy dog", stop=("fox j",))
+    assert stopped and out == "The quick brown "
+
+
+def test_held_back_prefix_is_released_when_no_stop_follows(tokenizer):
+    out, stopped = stream_all(tokenizer, "foxes fox", stop=("fox jumps",))
+    assert not stopped and out == "foxes fox"
+
+
+def test_greedy_and_seeded_sampling():
+    logits = torch.tensor([0.1, 3.0, 0.2, 2.9])
+    assert sample_next(logits, SamplingParams(temperature=0), None) == 1
+    params = SamplingParams(temperature=1.0, seed=7)
+    a = [sample_next(logits, params, g) for g in [params.generator()] * 20]
+    b = [sample_next(logits, params, g) for g in [params.generator()] * 20]
+    assert a == b and set(a) <= {0, 1, 2, 3}
+
+
+def test_top_k_and_top_p_restrict_the_choice():
+    logits = torch.tensor([5.0, 4.0, -3.0, -3.0])
+    g = torch.Generator().manual_seed(0)
+    assert {sample_next(logits, SamplingParams(top_k=2), g) for _ in range(200)} == {0, 1}
+    assert {sample_next(logits, SamplingParams(top_p=0.5), g) for _ in range(50)} == {0}
+
+
+@pytest.mark.parametrize("kwargs, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+                                            ({"top_k": -1}, "top_k"), ({"max_tokens": 0}, "max_tokens")])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
