@@ -12,6 +12,7 @@ Shapes: T = tokens, H = hidden size, E = experts, I = expert intermediate size.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -202,7 +203,7 @@ class MoEAdapter:
             experts = self.experts_module(self.meta_model, layer)
             gate_up = list(self._to_checkpoint_names({f"{prefix}.gate_up_proj": experts.gate_up_proj}))
             down = list(self._to_checkpoint_names({f"{prefix}.down_proj": experts.down_proj}))
-            if len(down) == 1:  # the checkpoint keeps the fused 3-D tensors
+            if not re.search(r"\.experts\.0\.", down[0]):  # the checkpoint keeps the fused 3-D tensors
                 names[layer] = [ExpertTensors(gate_up[0], gate_up[0], down[0], e) for e in range(self.num_experts)]
                 continue
             # The reverse conversion splits gate_up into all gate tensors, then all up tensors.

@@ -94,15 +94,16 @@ def checkpoint_verify(path: Path) -> None:
     click.echo("OK")
 
 
-def _add_optional_groups() -> None:
-    try:
-        from kubemoe.devcluster.cli import dev
-    except ImportError:  # the dev tools are optional in a slim install
-        return
-    cli.add_command(dev)
+def _add_component_commands() -> None:
+    # Each component owns its commands; importing them is cheap (heavy imports happen inside).
+    from kubemoe.devcluster.cli import dev
+    from kubemoe.expert_fn.cli import command as expert_fn
+
+    for command in (expert_fn, dev):
+        cli.add_command(command)
 
 
-_add_optional_groups()
+_add_component_commands()
 
 
 def main() -> None:

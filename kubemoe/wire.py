@@ -27,11 +27,18 @@ class WireError(ValueError):
 
 
 def encode(tensor: torch.Tensor) -> pb.Tensor:
+    return encode_into(tensor, pb.Tensor())
+
+
+def encode_into(tensor: torch.Tensor, msg: pb.Tensor) -> pb.Tensor:
+    """Fill `msg` (e.g. a request's `hidden` field) in place: cheaper than building and copying a Tensor."""
     if tensor.dtype not in TO_WIRE:
         raise WireError(f"dtype {tensor.dtype} cannot travel; use one of {', '.join(DTYPE_NAMES.values())}")
     flat = tensor.detach().contiguous().cpu().reshape(-1)
-    return pb.Tensor(dtype=TO_WIRE[tensor.dtype], shape=list(tensor.shape),
-                     data=flat.view(torch.uint8).numpy().tobytes())
+    msg.dtype = TO_WIRE[tensor.dtype]
+    msg.shape[:] = list(tensor.shape)
+    msg.data = flat.view(torch.uint8).numpy().tobytes()
+    return msg
 
 
 def decode(msg: pb.Tensor) -> torch.Tensor:
@@ -46,8 +53,9 @@ def decode(msg: pb.Tensor) -> torch.Tensor:
     for d in shape:
         numel *= d
     expected = numel * dtype.itemsize
-    if len(msg.data) != expected:
-        raise WireError(f"tensor of shape {shape} and dtype {DTYPE_NAMES[dtype]} needs {expected} bytes, got {len(msg.data)}")
+    data = msg.data  # every read of a bytes field copies it: read once
+    if len(data) != expected:
+        raise WireError(f"tensor of shape {shape} and dtype {DTYPE_NAMES[dtype]} needs {expected} bytes, got {len(data)}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(msg.data, dtype=dtype).view(shape)
+    return torch.frombuffer(data, dtype=dtype).view(shape)

@@ -1,0 +1,95 @@
+"""Shared by the benchmarks: what machine ran them, at which commit, and the results file with its goals.
+
+A results file is benchmarks/results/<benchmark>_<machine>.json:
+{"machine": ..., "date": ..., "commit": ..., "device": ..., "raw": [rows], "goals": {name: {"value", "goal", "met"}}}
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Goal:
+    value: float
+    goal: str  # "<= 1.0" or ">= 2.0"
+
+    @property
+    def met(self) -> bool:
+        op, bound = self.goal.split()
+        return self.value <= float(bound) if op == "<=" else self.value >= float(bound)
+
+    def as_dict(self) -> dict:
+        return {"value": round(self.value, 4), "goal": self.goal, "met": self.met}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine_slug(device: torch.device) -> str:
+    """A short file-name part: the GPU model (`h200`) on CUDA, `cpu<cores>` otherwise."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        match = re.search(r"\b([a-z]\d{2,4}[a-z]?)\b", name)
+        return match.group(1) if match else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    return f"cpu{os.cpu_count()}"
+
+
+def describe_machine(device: torch.device) -> dict:
+    info = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "load_average_1m": os.getloadavg()[0]}  # other work on the machine skews latencies: say so
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_results(benchmark: str, device: torch.device, raw: list[dict], goals: dict[str, Goal],
+                  out: Path = RESULTS, **extra) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{benchmark}_{machine_slug(device)}.json"
+    doc = {
+        "machine": machine_slug(device),
+        "machine_info": describe_machine(device),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "device": str(device),
+        **extra,
+        "raw": raw,
+        "goals": {name: goal.as_dict() for name, goal in goals.items()},
+    }
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """columns: (key, header, format spec)."""
+    widths = [max(len(h), 8) for _, h, _ in columns]
+    print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))
+    for row in rows:
+        print("  ".join(format(row[k], f).rjust(w) for (k, _, f), w in zip(columns, widths)))

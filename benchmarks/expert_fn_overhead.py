@@ -1,0 +1,282 @@
+"""Per-call overhead of an expert function: gRPC round trip minus the server's own compute time.
+
+For one expert at Mixtral size (hidden 4096 x intermediate 14336) and at Qwen3-30B-A3B size
+(2048 x 768), and 1, 16, 64 and 256 tokens, it measures over loopback, unary and streaming:
+- rtt: the client's round trip of ExpertClient (encode, send, server, receive, decode);
+- compute: the server-reported ServerTiming.compute_seconds (the expert FFN itself);
+- overhead = rtt - compute, and the transport rate (request + response bytes) / overhead;
+- inproc: the same expert on the same input called in this process, and rtt / inproc.
+The server runs in its own process (`kubemoe.expert_fn.cli`), as in production: the client's
+event loop never shares a thread or the GIL with the server's compute. Weights: bfloat16 on CUDA,
+float32 on CPU (CPU matmuls in bfloat16 are slow and not what a CPU deployment would use).
+
+To see where the time goes it also times, for 64 tokens at Mixtral size, the pieces of the path:
+protobuf building / serializing / parsing, tensor decode, and a raw-bytes gRPC echo of the same
+size with the same channel options (the transport floor without kubemoe or protobuf).
+
+    python benchmarks/expert_fn_overhead.py --device cuda --out DIR   # writes DIR/expert_fn_<machine>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, Goal, print_table, write_results  # noqa: E402
+
+SIZES = {"mixtral": (4096, 14336), "qwen3-30b-a3b": (2048, 768)}  # hidden, expert intermediate
+TOKENS = (1, 16, 64, 256)
+
+
+# -- setup ------------------------------------------------------------------------------------------
+
+def make_one_layer_checkpoint(hidden: int, intermediate: int, dtype: str, out: Path) -> Path:
+    """A Mixtral-architecture checkpoint with one layer and two experts of the given size (no full model).
+
+    Two, not one: MoEAdapter reads a single per-expert tensor name as a fused 3-D layout.
+    """
+    from kubemoe.presets import Preset
+    from kubemoe.synth import make_checkpoint
+
+    preset = Preset("mixtral", "bench-expert", dict(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1, num_local_experts=2,
+        num_experts_per_tok=1, vocab_size=512, num_attention_heads=4, num_key_value_heads=1,
+        max_position_embeddings=512, tie_word_embeddings=False), dtype=dtype, shard_bytes=4 << 30)
+    return make_checkpoint(preset, out, progress=False)
+
+
+async def start_server(checkpoint: Path, device: str, batch_wait_ms: float):
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kubemoe.expert_fn.cli", "--checkpoint", str(checkpoint), "--bundle", "0:0",
+        "--port", "0", "--host", "127.0.0.1", "--metrics-port", "-1", "--device", device, "--model", "bench",
+        "--batch-wait-ms", str(batch_wait_ms), stderr=asyncio.subprocess.PIPE)
+    port = None
+    while True:
+        line = (await asyncio.wait_for(process.stderr.readline(), 600)).decode()
+        if not line:
+            raise RuntimeError("the expert function exited during start")
+        port = port or (m.group(1) if (m := re.search(r"on port (\d+)", line)) else None)
+        if "loaded bundle" in line:
+            asyncio.get_running_loop().create_task(_drain(process.stderr))
+            return process, f"127.0.0.1:{port}"
+
+
+async def _drain(stream) -> None:
+    while await stream.readline():
+        pass
+
+
+# -- measurements -----------------------------------------------------------------------------------
+
+def repeats(seconds_per_call: float, budget: float, lo: int = 5, hi: int = 300) -> int:
+    return int(min(hi, max(lo, budget / max(seconds_per_call, 1e-6))))
+
+
+def time_inprocess(x: torch.Tensor, weights, act, device: torch.device, budget: float) -> float:
+    from kubemoe.expert import expert_ffn
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        for _ in range(3):
+            expert_ffn(x, weights, act)
+        sync()
+        start = time.perf_counter()
+        expert_ffn(x, weights, act)
+        sync()
+        times = []
+        for _ in range(repeats(time.perf_counter() - start, budget)):
+            t0 = time.perf_counter()
+            expert_ffn(x, weights, act)
+            sync()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+async def time_remote(client, x: torch.Tensor, budget: float) -> dict:
+    from kubemoe import wire
+    from kubemoe.proto import kubemoe_pb2 as pb
+
+    def request() -> pb.ForwardRequest:  # built per call as ExpertClient.forward does: part of the overhead
+        req = pb.ForwardRequest(model="bench", layer=0, experts=[0], counts=[x.shape[0]])
+        req.hidden.CopyFrom(wire.encode(x))
+        return req
+
+    async def one() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        response = await client.forward_response(request())
+        wire.decode(response.hidden)
+        return time.perf_counter() - t0, response.timing.compute_seconds
+
+    for _ in range(3):
+        rtt, _ = await one()
+    samples = [await one() for _ in range(repeats(rtt, budget))]
+    rtts, computes = [s[0] for s in samples], [s[1] for s in samples]
+    return {"rtt_us": statistics.median(rtts) * 1e6, "compute_us": statistics.median(computes) * 1e6,
+            "overhead_us": statistics.median(r - c for r, c in samples) * 1e6, "calls": len(samples)}
+
+
+def time_codec(x: torch.Tensor) -> dict:
+    """Microseconds per piece of the protobuf path for one message of x (each side does all of them)."""
+    from kubemoe import wire
+    from kubemoe.proto import kubemoe_pb2 as pb
+
+    def build():
+        req = pb.ForwardRequest(model="bench", layer=0, experts=[0], counts=[x.shape[0]])
+        req.hidden.CopyFrom(wire.encode(x))
+        return req
+
+    req = build()
+    data = req.SerializeToString()
+    parsed = pb.ForwardRequest.FromString(data)
+    pieces = {"build_message": build, "serialize": req.SerializeToString,
+              "parse": lambda: pb.ForwardRequest.FromString(data), "decode": lambda: wire.decode(parsed.hidden)}
+    out = {}
+    for name, fn in pieces.items():
+        fn()
+        t0 = time.perf_counter()
+        n = 50
+        for _ in range(n):
+            fn()
+        out[name + "_us"] = (time.perf_counter() - t0) / n * 1e6
+    return out
+
+
+def _echo_server(port_queue, max_message_bytes: int) -> None:
+    import grpc
+
+    from kubemoe.expert_fn.transport import grpc_options
+
+    async def run():
+        async def echo(request, context):
+            async for message in request:
+                yield message
+        handler = grpc.method_handlers_generic_handler("bench.Echo", {"Stream": grpc.stream_stream_rpc_method_handler(echo)})
+        server = grpc.aio.server(options=grpc_options(max_message_bytes))
+        server.add_generic_rpc_handlers((handler,))
+        port_queue.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+    asyncio.run(run())
+
+
+async def time_raw_echo(nbytes: int, budget: float) -> float:
+    """Median round trip (us) of nbytes each way over a stream with kubemoe's options, no protobuf."""
+    import grpc
+
+    from kubemoe.expert_fn.transport import grpc_options
+
+    queue = multiprocessing.get_context("spawn").Queue()
+    server = multiprocessing.get_context("spawn").Process(target=_echo_server, args=(queue, 64 << 20), daemon=True)
+    server.start()
+    port = queue.get(timeout=120)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=grpc_options(64 << 20)) as channel:
+            call = channel.stream_stream("/bench.Echo/Stream")()
+            payload = b"\1" * nbytes
+            times = []
+            deadline = time.perf_counter() + budget
+            while time.perf_counter() < deadline or len(times) < 20:
+                t0 = time.perf_counter()
+                await call.write(payload)
+                await call.read()
+                times.append(time.perf_counter() - t0)
+            await call.done_writing()
+        return statistics.median(times[5:]) * 1e6
+    finally:
+        server.kill()
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+async def bench_size(name: str, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype,
+                     tokens: tuple[int, ...], budget: float, batch_wait_ms: float, workdir: Path) -> tuple[list[dict], dict]:
+    from kubemoe.adapters import MoEAdapter
+    from kubemoe.checkpoint import Checkpoint
+    from kubemoe.expert_fn.client import ExpertClient
+
+    t0 = time.perf_counter()
+    checkpoint = make_one_layer_checkpoint(hidden, intermediate, str(dtype).removeprefix("torch."), workdir / name)
+    print(f"# {name}: checkpoint in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    ckpt = Checkpoint(checkpoint)
+    adapter = MoEAdapter(ckpt.config)
+    weights = adapter.load_expert(ckpt, 0, 0, dtype, device)
+    process, address = await start_server(checkpoint, str(device), batch_wait_ms)
+    rows, breakdown = [], {}
+    try:
+        clients = {"unary": ExpertClient(address, model="bench", streaming=False),
+                   "streaming": ExpertClient(address, model="bench", streaming=True)}
+        for n in tokens:
+            x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(n)).to(dtype)
+            inproc = time_inprocess(x.to(device), weights, adapter.act, device, budget)
+            payload = 2 * x.numel() * x.element_size()
+            for mode, client in clients.items():
+                remote = await time_remote(client, x, budget)
+                rows.append({"size": name, "hidden": hidden, "intermediate": intermediate, "tokens": n, "mode": mode,
+                             "dtype": str(dtype).removeprefix("torch."), **remote, "inproc_us": inproc * 1e6,
+                             "ratio": remote["rtt_us"] / (inproc * 1e6), "bytes": payload,
+                             "transport_gbps": payload / max(remote["overhead_us"], 1e-3) / 1e3})
+                print(f"# {name} {n:4d} tokens {mode:9s}: overhead {remote['overhead_us']:8.0f} us", file=sys.stderr)
+            if name == "mixtral" and n == 64:
+                breakdown = {"message_bytes": payload // 2, **time_codec(x),
+                             "raw_grpc_echo_us": await time_raw_echo(payload // 2, budget)}
+        for client in clients.values():
+            await client.close()
+    finally:
+        process.terminate()
+        await process.wait()
+    return rows, breakdown
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for expert_fn_<machine>.json")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--seconds", type=float, default=1.5, help="time budget per measurement")
+    parser.add_argument("--batch-wait-ms", type=float, default=0.5, help="the server's setting (the default)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    rows, breakdown = [], {}
+    with tempfile.TemporaryDirectory(prefix="kubemoe-bench-") as workdir:
+        for name in args.sizes:
+            size_rows, size_breakdown = await bench_size(name, *SIZES[name], device, dtype, tuple(args.tokens),
+                                                         args.seconds, args.batch_wait_ms, Path(workdir))
+            rows += size_rows
+            breakdown = breakdown or size_breakdown
+
+    print_table(rows, [("size", "size", "s"), ("tokens", "tokens", "d"), ("mode", "mode", "s"),
+                       ("rtt_us", "rtt us", ".0f"), ("compute_us", "compute us", ".0f"),
+                       ("overhead_us", "overhead us", ".0f"), ("inproc_us", "in-proc us", ".0f"),
+                       ("ratio", "grpc/in-proc", ".2f"), ("transport_gbps", "GB/s", ".2f")])
+    if breakdown:
+        print("where the time goes, 64 tokens at Mixtral size, per message (us):",
+              ", ".join(f"{k.removesuffix('_us')} {v:.0f}" for k, v in breakdown.items()))
+    goals = {}
+    key = [r for r in rows if r["size"] == "mixtral" and r["tokens"] == 64 and r["mode"] == "streaming"]
+    if key:
+        goal_name, bound = ("overhead_ms_64tok_h200", "<= 0.3") if device.type == "cuda" else ("overhead_ms_64tok_cpu", "<= 1.0")
+        goals[goal_name] = Goal(key[0]["overhead_us"] / 1e3, bound)
+    path = write_results("expert_fn", device, rows, goals, args.out, breakdown_64tok_mixtral=breakdown,
+                         settings={"batch_wait_ms": args.batch_wait_ms, "seconds_per_point": args.seconds,
+                                   "weights_dtype": str(dtype).removeprefix("torch.")})
+    for name, goal in goals.items():
+        print(f"goal {name}: {goal.value:.3f} {goal.goal}: {'met' if goal.met else 'NOT met'}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,190 @@
+"""Micro-batching: requests for the same (layer, expert) from different calls run as ONE matrix product.
+
+A frontend sends each bundle endpoint one request per layer and step; several frontends (and the
+layers of several sequences) reach one expert function at once. Their tokens for one expert are
+concatenated, run through the expert once (one read of its weights: what bounds a small-batch
+expert on a GPU), and split back.
+
+When to run a batch (the same policy as Triton's dynamic batcher, plus a bounded wait):
+- compute runs one round at a time; requests that arrive while a round runs join the next round;
+- an isolated request (nothing pending or running, no other call in progress when it arrived) runs
+  at once: waiting could only add latency (a single frontend calling layer after layer never waits);
+- once arrivals overlap (a request arrived while others were pending or running), the next round
+  waits up to `wait_s` from its oldest request's arrival for more to join, or until `max_tokens`.
+
+Shapes: T = tokens of one request, H = hidden size, N = tokens of one expert in a round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+import torch
+
+from kubemoe.bundles import ExpertKey
+from kubemoe.expert import ExpertWeights, expert_ffn
+from kubemoe.expert_fn.errors import ExpertFnError
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's tokens: rows of `x` grouped by expert, group after group."""
+
+    x: torch.Tensor  # [T, H] as decoded from the request (CPU, request dtype, read-only)
+    groups: list[tuple[ExpertKey, int]]  # (key, tokens) per group, in row order
+    arrived: float = field(default_factory=time.perf_counter)
+    # Set by the round that runs it:
+    out: torch.Tensor | None = None  # [T, H], CPU, request dtype
+    error: Exception | None = None
+    queue_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    done: asyncio.Future | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.x.shape[0]
+
+
+class Part(NamedTuple):
+    job: int  # index into the round's jobs
+    group: int  # index into that job's groups
+    start: int  # first row in the job's x
+    tokens: int
+
+
+def plan_round(jobs: list[Job]) -> dict[ExpertKey, list[Part]]:
+    """Which rows of which jobs each expert runs on, in arrival order: one FFN call per key."""
+    plan: dict[ExpertKey, list[Part]] = {}
+    for j, job in enumerate(jobs):
+        start = 0
+        for g, (key, tokens) in enumerate(job.groups):
+            plan.setdefault(key, []).append(Part(j, g, start, tokens))
+            start += tokens
+    return plan
+
+
+def run_round(
+    jobs: list[Job],
+    weights_of: Callable[[ExpertKey], ExpertWeights],
+    act: Callable[[torch.Tensor], torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[ExpertKey, int]:
+    """Run every job's groups, one FFN per expert; fills job.out / job.error. Returns tokens per key."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        inputs = [job.x.to(device=device, dtype=dtype, non_blocking=True) for job in jobs]  # no copy on CPU in dtype
+        plan = plan_round(jobs)
+        pieces: list[list[torch.Tensor | None]] = [[None] * len(job.groups) for job in jobs]
+        sync()
+        start = time.perf_counter()
+        for key, parts in plan.items():
+            try:
+                weights = weights_of(key)  # an Unload may have raced the request's check
+            except ExpertFnError as e:
+                for part in parts:
+                    jobs[part.job].error = e
+                continue
+            xs = [inputs[p.job][p.start:p.start + p.tokens] for p in parts]
+            y = expert_ffn(xs[0] if len(xs) == 1 else torch.cat(xs), weights, act)  # [N, H]
+            split = (y,) if len(parts) == 1 else y.split([p.tokens for p in parts])  # split costs ~15 us
+            for part, piece in zip(parts, split):
+                pieces[part.job][part.group] = piece
+        sync()
+        compute = time.perf_counter() - start
+        for job, job_pieces, x in zip(jobs, pieces, inputs):
+            job.compute_seconds = compute
+            if job.error is None:
+                out = x if not job_pieces else job_pieces[0] if len(job_pieces) == 1 else torch.cat(job_pieces)
+                job.out = out.to(device="cpu", dtype=job.x.dtype)  # [T, H]; no copy on CPU in dtype
+    return {key: sum(p.tokens for p in parts) for key, parts in plan.items()}
+
+
+class MicroBatcher:
+    """Queues jobs and runs them in rounds, on `executor` or, where `inline(jobs)` says so, on the loop.
+
+    A hop to the compute thread and back costs ~150 us of event-loop wake-ups (measured on CPU);
+    a small round is cheaper run in place. A long one must not block the loop: requests arriving
+    meanwhile would not be read, so could not join the next round.
+    """
+
+    def __init__(self, run: Callable[[list[Job]], None], *, wait_s: float, max_tokens: int,
+                 executor: Executor | None, inline: Callable[[list[Job]], bool] = lambda jobs: False):
+        self._run, self._wait_s, self._max_tokens, self._executor = run, wait_s, max_tokens, executor
+        self._inline = inline
+        self._pending: list[Job] = []
+        self._pending_tokens = 0
+        self._busy = False  # a round is running
+        self._overlapping = False  # the latest arrival found work pending or running
+        self._wakeup: asyncio.Event | None = None
+        self._dispatcher: asyncio.Task | None = None
+        self.rounds = 0
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    async def submit(self, job: Job, *, concurrent: bool = False) -> Job:
+        """Run `job` in a round; returns it with `out` or `error` set.
+
+        `concurrent`: the caller knows of other calls in progress (the servicer counts them), so
+        more requests are likely to come: a round run inline leaves no pending work to see that by.
+        """
+        if self._dispatcher is None:
+            self._wakeup = asyncio.Event()
+            self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch())
+        self._overlapping = concurrent or self._busy or bool(self._pending)
+        job.done = asyncio.get_running_loop().create_future()
+        self._pending.append(job)
+        self._pending_tokens += job.tokens
+        self._wakeup.set()
+        await job.done
+        return job
+
+    async def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            if not self._pending:
+                continue
+            if self._overlapping and self._wait_s > 0:
+                await self._gather_more()
+            jobs, self._pending, self._pending_tokens = self._pending, [], 0
+            started = time.perf_counter()
+            for job in jobs:
+                job.queue_seconds = started - job.arrived
+            self._busy = True
+            try:
+                if self._executor is None or self._inline(jobs):
+                    self._run(jobs)
+                else:
+                    await loop.run_in_executor(self._executor, self._run, jobs)
+            except Exception as e:  # a bug, not a bad request: fail these jobs, keep serving
+                for job in jobs:
+                    job.error = job.error or e
+            finally:
+                self._busy = False
+                self.rounds += 1
+            for job in jobs:
+                if not job.done.done():
+                    job.done.set_result(None)
+
+    async def _gather_more(self) -> None:
+        deadline = self._pending[0].arrived + self._wait_s
+        while self._pending_tokens < self._max_tokens and (left := deadline - time.perf_counter()) > 0:
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), left)
+            except TimeoutError:
+                return
+            self._wakeup.clear()
+
+    async def close(self) -> None:
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            await asyncio.gather(self._dispatcher, return_exceptions=True)
+            self._dispatcher = None

@@ -1,0 +1,46 @@
+"""`kubemoe expert-fn`: run an expert function for one bundle of a checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import click
+
+from kubemoe.expert_fn.config import DEFAULT_MAX_MESSAGE_BYTES, DTYPES
+
+
+@click.command("expert-fn")
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True,
+              help="Safetensors checkpoint folder.")
+@click.option("--bundle", default="*", show_default=True, help="Experts to serve: LAYER:EXPERTS[;...], e.g. '1:0-3;3:*'.")
+@click.option("--port", type=int, default=8080, show_default=True, help="gRPC port (0: any free port).")
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--model", default=None, help="Model id requests must name [default: the checkpoint folder's name].")
+@click.option("--device", default="auto", show_default=True, help="auto (cuda when there is one), cpu, cuda, cuda:N.")
+@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None, help="Weight dtype [default: the checkpoint's].")
+@click.option("--metrics-port", type=int, default=9090, show_default=True, help="Prometheus /metrics port; -1: none.")
+@click.option("--batch-wait-ms", type=float, default=0.5, show_default=True,
+              help="Longest wait for more requests to merge into one expert call, under concurrency only.")
+@click.option("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, show_default=True,
+              help="Largest gRPC message accepted or sent.")
+@click.option("--grace-seconds", type=float, default=25.0, show_default=True,
+              help="On SIGTERM, how long in-flight calls may take to finish.")
+def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | None, device: str, dtype: str | None,
+            metrics_port: int, batch_wait_ms: float, max_message_bytes: int, grace_seconds: float) -> None:
+    """Serve a bundle of experts over gRPC until SIGTERM."""
+    from kubemoe.expert_fn.config import ExpertFnConfig
+    from kubemoe.expert_fn.server import serve
+
+    config = ExpertFnConfig.build(
+        checkpoint, bundle, model=model, device=device, dtype=dtype, host=host, port=port,
+        metrics_port=None if metrics_port < 0 else metrics_port, batch_wait_ms=batch_wait_ms,
+        max_message_bytes=max_message_bytes, grace_seconds=grace_seconds,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    command()

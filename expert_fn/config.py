@@ -1,0 +1,90 @@
+"""The expert function's configuration: one frozen object, built once from flags, passed down whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kubemoe.adapters import MoEAdapter
+from kubemoe.bundles import ExpertKey, format_bundle_spec, parse_bundle_spec
+from kubemoe.checkpoint import Checkpoint
+from kubemoe.errors import KubemoeError
+from kubemoe.wire import DTYPE_NAMES
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 4096 tokens of Mixtral hidden states in float32 each way
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class ExpertFnConfig:
+    checkpoint: Path
+    bundle: tuple[ExpertKey, ...]  # the (layer, expert) pairs this function loads at start
+    model: str  # model id requests must name; defaults to the checkpoint folder's name
+    device: torch.device
+    dtype: torch.dtype  # weights and compute; requests in another dtype are converted
+    host: str = "0.0.0.0"
+    port: int = 8080
+    metrics_port: int | None = 9090  # None: no HTTP metrics endpoint
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # How long a micro-batch waits for more requests, and only under concurrency (see batcher.py).
+    batch_wait_ms: float = 0.5
+    max_batch_tokens: int = 8192  # a batch stops waiting once it holds this many tokens
+    grace_seconds: float = 25.0  # below Knative's default 30 s terminationGracePeriod
+    arch: str = field(default="", compare=False)
+
+    @property
+    def bundle_spec(self) -> str:
+        """The bundle in canonical spec form, e.g. `1:0-3;3:0-7`; names the bundle in metrics and errors."""
+        return format_bundle_spec(self.bundle)
+
+    @classmethod
+    def build(
+        cls,
+        checkpoint: str | Path,
+        bundle: str = "*",
+        *,
+        model: str | None = None,
+        device: str = "auto",
+        dtype: str | torch.dtype | None = None,
+        **settings,
+    ) -> "ExpertFnConfig":
+        """Resolve defaults against the checkpoint: bundle spec -> keys, device `auto`, dtype, model id."""
+        ckpt = Checkpoint(checkpoint)
+        adapter = MoEAdapter(ckpt.config)
+        try:
+            keys = parse_bundle_spec(bundle, adapter.moe_layers, adapter.num_experts)
+        except ValueError as e:
+            raise KubemoeError(f"bad --bundle: {e}") from None
+        return cls(
+            checkpoint=ckpt.path,
+            bundle=keys,
+            model=model or ckpt.path.resolve().name,
+            device=_resolve_device(device),
+            dtype=_resolve_dtype(dtype, ckpt.config),
+            arch=adapter.arch.name,
+            **settings,
+        )
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise KubemoeError(f"--device {device}: no CUDA device is visible; use --device cpu or auto")
+    return resolved
+
+
+def _resolve_dtype(dtype, model_config) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        name = str(dtype or getattr(model_config, "dtype", None) or "float32").removeprefix("torch.")
+        if name not in DTYPES:
+            raise KubemoeError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
+        resolved = DTYPES[name]
+    if resolved not in DTYPE_NAMES:
+        raise KubemoeError(f"dtype {resolved} is not supported; use one of {', '.join(DTYPES)}")
+    return resolved

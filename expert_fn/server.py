@@ -1,0 +1,83 @@
+"""The expert-function server: `create_server` builds one (tests bind port 0), `serve` runs it until a signal.
+
+Knative scales a pod down with SIGTERM: `serve` then stops accepting calls, lets in-flight ones
+finish within the grace period (`server.stop(grace)`), and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from kubemoe.adapters import MoEAdapter
+from kubemoe.checkpoint import Checkpoint
+from kubemoe.expert_fn.config import ExpertFnConfig
+from kubemoe.expert_fn.metrics import ExpertFnMetrics
+from kubemoe.expert_fn.servicer import SERVICE_NAME, ExpertServicer
+from kubemoe.expert_fn.store import ExpertStore
+from kubemoe.expert_fn.transport import grpc_options
+from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+async def create_server(
+    address: str,
+    config: ExpertFnConfig,
+    *,
+    metrics: ExpertFnMetrics | None = None,
+    preload: bool = True,
+) -> tuple[grpc.aio.Server, int]:
+    """A server for `config`'s bundle bound to `address` (port 0: any free port), not yet started.
+
+    With `preload` the bundle's weights start loading now, in a thread; health reports NOT_SERVING
+    until they are in. Without it nothing loads until a Load call (tests use this).
+    """
+    checkpoint = Checkpoint(config.checkpoint)
+    store = ExpertStore(checkpoint, MoEAdapter(checkpoint.config), config.bundle, config.dtype, config.device)
+    # One compute thread: torch already spreads one matmul over all cores, and one round at a
+    # time is what lets requests arriving meanwhile merge into the next round.
+    compute = ThreadPoolExecutor(1, thread_name_prefix="expert-compute")
+    servicer = ExpertServicer(config, store, metrics or ExpertFnMetrics(config.bundle_spec),
+                              health_aio.HealthServicer(), compute)
+    server = grpc.aio.server(options=grpc_options(config.max_message_bytes))
+    pb_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}: the address is taken or not local")
+    await servicer.report_health()  # NOT_SERVING until the bundle is in
+    if preload:
+        servicer.start_loading()
+    return server, port
+
+
+async def serve(config: ExpertFnConfig) -> None:
+    """Serve until SIGTERM or SIGINT, then drain in-flight calls for up to `config.grace_seconds`."""
+    metrics = ExpertFnMetrics(config.bundle_spec)
+    server, port = await create_server(f"{config.host}:{config.port}", config, metrics=metrics)
+    if config.metrics_port is not None:
+        metrics.serve_http(config.metrics_port, config.host)
+    await server.start()
+    log.info("expert function for %s bundle %s on port %d (%s, %s)", config.model, config.bundle_spec, port,
+             config.device, str(config.dtype).removeprefix("torch."))
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping: draining in-flight calls for up to %.0fs", config.grace_seconds)
+    await server.stop(config.grace_seconds)  # new calls are refused at once; running ones may finish
+    log.info("stopped")

@@ -1,0 +1,226 @@
+"""The ExpertService servicer: checks requests at the boundary, runs them through the micro-batcher.
+
+Requests may carry hidden states in any wire dtype (float32, bfloat16, float16): the server converts
+them to the dtype it holds its weights in, computes there, and answers in the request's dtype. A
+mismatch therefore costs one cast on each side, never a failed call; the precision is the server's.
+
+ForwardStream answers each request as soon as it is done, so replies can come out of order; the
+client matches them by request_id. ForwardResponse has no error field, so a bad request on a stream
+ends the stream with its status, and the trailing metadata `kubemoe-request-id` names the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Executor
+from typing import AsyncIterator, Iterable
+
+import grpc
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
+
+from kubemoe import wire
+from kubemoe.expert_fn.batcher import Job, MicroBatcher, run_round
+from kubemoe.expert_fn.config import ExpertFnConfig
+from kubemoe.expert_fn.errors import ExpertFnError, invalid, not_found
+from kubemoe.expert_fn.metrics import ExpertFnMetrics
+from kubemoe.expert_fn.store import ExpertStore
+from kubemoe.proto import kubemoe_pb2 as pb
+from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertService"].full_name
+REQUEST_ID_METADATA = "kubemoe-request-id"
+# Rounds up to this many FLOPs run on the event loop (see MicroBatcher): about a millisecond of work.
+# A GPU round of any expert call size is that short (Mixtral, 256 tokens: 90 GFLOP).
+INLINE_FLOPS = {"cpu": 20e6, "cuda": 1e12}
+log = logging.getLogger(__name__)
+
+
+class ExpertServicer(pb_grpc.ExpertServiceServicer):
+    def __init__(self, config: ExpertFnConfig, store: ExpertStore, metrics: ExpertFnMetrics,
+                 health: health_aio.HealthServicer, compute_executor: Executor | None):
+        self.config, self.store, self.metrics, self.health = config, store, metrics, health
+        self.batcher = MicroBatcher(self._run_round, wait_s=config.batch_wait_ms / 1e3,
+                                    max_tokens=config.max_batch_tokens, executor=compute_executor,
+                                    inline=self._is_small)
+        adapter = store.adapter
+        self._flops_per_token = 6 * adapter.hidden_size * adapter.expert_intermediate_size
+        self._inline_flops = INLINE_FLOPS[config.device.type]
+        self._dtype = wire.TO_WIRE[config.dtype]
+        self._forwards_in_progress = 0
+
+    # -- Forward ------------------------------------------------------------------------------
+
+    def _job(self, request: pb.ForwardRequest) -> Job:
+        if request.model != self.config.model:
+            raise not_found(f"this expert function serves model {self.config.model!r}, not {request.model!r}; "
+                            "check which endpoint the routing table gives for that model")
+        experts, counts = list(request.experts), list(request.counts)
+        if len(experts) != len(counts):
+            raise invalid(f"experts and counts must pair up: got {len(experts)} experts and {len(counts)} counts")
+        if any(c < 0 for c in counts):
+            raise invalid(f"counts must not be negative, got {counts}")
+        if not request.HasField("hidden"):
+            raise invalid("hidden is missing: send the tokens as a [tokens, hidden_size] tensor")
+        try:
+            x = wire.decode(request.hidden)
+        except wire.WireError as e:
+            raise invalid(f"hidden: {e}") from None
+        hidden_size = self.store.adapter.hidden_size
+        if x.dim() != 2 or x.shape[1] != hidden_size:
+            raise invalid(f"hidden must have shape [tokens, {hidden_size}] for this model, got {list(x.shape)}")
+        if sum(counts) != x.shape[0]:
+            raise invalid(f"counts sum to {sum(counts)} but hidden has {x.shape[0]} rows")
+        for expert in set(experts):
+            self.store.get(request.layer, expert)  # raises with what is wrong: not in the model, or not held
+        return Job(x, [((request.layer, e), c) for e, c in zip(experts, counts)])
+
+    def _is_small(self, jobs: list[Job]) -> bool:
+        return sum(job.tokens for job in jobs) * self._flops_per_token <= self._inline_flops
+
+    def _run_round(self, jobs: list[Job]) -> None:  # on the compute thread, or inline when small
+        tokens = run_round(jobs, lambda key: self.store.get(*key), self.store.adapter.act,
+                           self.config.device, self.config.dtype)
+        self.metrics.round(tokens, jobs[0].compute_seconds, [job.queue_seconds for job in jobs])
+
+    async def _forward(self, request: pb.ForwardRequest) -> pb.ForwardResponse:
+        started = time.perf_counter()
+        job = self._job(request)
+        self.metrics.queue_depth.set(self.batcher.queue_depth + 1)
+        self._forwards_in_progress += 1
+        try:
+            await self.batcher.submit(job, concurrent=self._forwards_in_progress > 1)
+        finally:
+            self._forwards_in_progress -= 1
+        self.metrics.queue_depth.set(self.batcher.queue_depth)
+        if job.error is not None:
+            raise job.error
+        response = pb.ForwardResponse(request_id=request.request_id)
+        wire.encode_into(job.out, response.hidden)  # in place: no second copy of the bytes
+        timing = response.timing
+        timing.queue_seconds, timing.compute_seconds = job.queue_seconds, job.compute_seconds
+        timing.total_seconds = time.perf_counter() - started
+        return response
+
+    async def Forward(self, request, context):
+        return await self._call("Forward", context, self._forward(request))
+
+    async def ForwardStream(self, request_iterator, context) -> AsyncIterator[pb.ForwardResponse]:
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()  # None: the client sent its last request
+        running: set[asyncio.Task] = set()
+
+        async def read_requests() -> None:
+            async for request in request_iterator:
+                task = loop.create_task(self._forward(request))
+                task.request_id = request.request_id
+                running.add(task)
+                task.add_done_callback(finished.put_nowait)
+            finished.put_nowait(None)
+
+        reader = loop.create_task(read_requests())
+        reading = True
+        try:
+            while reading or running:
+                task = await finished.get()
+                if task is None:
+                    reading = False
+                    reader.result()  # a broken request stream surfaces here
+                    continue
+                running.discard(task)
+                try:
+                    response = task.result()
+                except Exception as e:
+                    code, message = self._status(e, "ForwardStream")
+                    await context.abort(code, f"request {task.request_id!r}: {message}",
+                                        trailing_metadata=((REQUEST_ID_METADATA, task.request_id),))
+                yield response
+            self.metrics.call("ForwardStream", "OK")
+        finally:
+            reader.cancel()
+            for task in running:
+                task.cancel()
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def _check_model(self, model: str) -> None:
+        if model != self.config.model:
+            raise not_found(f"this expert function serves model {self.config.model!r}, not {model!r}")
+
+    async def load(self, keys: Iterable[tuple[int, int]]) -> pb.LoadResponse:
+        bytes_loaded, seconds = await asyncio.to_thread(self.store.load, list(keys))
+        self.metrics.loaded(seconds, self.store.nbytes, len(self.store.held()))
+        await self.report_health()
+        return pb.LoadResponse(bytes_loaded=bytes_loaded, seconds=seconds, held=self._held())
+
+    def start_loading(self) -> asyncio.Task:
+        """Read the whole bundle in the background; health turns SERVING when it is in."""
+        self._loading = asyncio.get_running_loop().create_task(self.load(self.config.bundle))
+        self._loading.add_done_callback(self._loaded)
+        return self._loading
+
+    def _loaded(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            log.error("loading bundle %s failed; health stays NOT_SERVING. Fix the checkpoint or --bundle and "
+                      "restart", self.store.bundle_spec, exc_info=task.exception())
+            return
+        response = task.result()
+        log.info("loaded bundle %s: %d experts, %.1f MiB in %.2fs", self.store.bundle_spec, len(response.held),
+                 response.bytes_loaded / 2**20, response.seconds)
+
+    async def _unload(self, request: pb.UnloadRequest) -> pb.UnloadResponse:
+        self._check_model(request.model)
+        freed = await asyncio.to_thread(self.store.unload, [(k.layer, k.expert) for k in request.experts])
+        self.metrics.held(self.store.nbytes, len(self.store.held()))
+        await self.report_health()
+        return pb.UnloadResponse(bytes_freed=freed, held=self._held())
+
+    async def _load(self, request: pb.LoadRequest) -> pb.LoadResponse:
+        self._check_model(request.model)
+        return await self.load((k.layer, k.expert) for k in request.experts)
+
+    async def Load(self, request, context):
+        return await self._call("Load", context, self._load(request))
+
+    async def Unload(self, request, context):
+        return await self._call("Unload", context, self._unload(request))
+
+    async def Describe(self, request, context):
+        return pb.DescribeResponse(
+            model=self.config.model, arch=self.store.adapter.arch.name, dtype=self._dtype,
+            hidden_size=self.store.adapter.hidden_size, device=str(self.config.device), held=self._held(),
+            max_message_bytes=self.config.max_message_bytes,
+        )
+
+    def _held(self) -> list[pb.ExpertKey]:
+        return [pb.ExpertKey(layer=layer, expert=expert) for layer, expert in self.store.held()]
+
+    async def report_health(self) -> None:
+        # Ready means able to serve the whole bundle: Knative sends no traffic before, or after an Unload of part of it.
+        status = health_pb2.HealthCheckResponse.SERVING if self.store.ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    # -- errors -------------------------------------------------------------------------------
+
+    async def _call(self, method: str, context: grpc.aio.ServicerContext, work):
+        """Await a unary handler's work; a refused request leaves with its status code and message."""
+        try:
+            response = await work
+        except Exception as e:
+            await context.abort(*self._status(e, method))
+        self.metrics.call(method, "OK")
+        return response
+
+    def _status(self, error: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+        if isinstance(error, ExpertFnError):
+            code, message = error.code, str(error)
+        else:  # a bug: log it whole, tell the caller it is the server's fault
+            log.error("%s failed", method, exc_info=error)
+            code, message = grpc.StatusCode.INTERNAL, f"{method} failed on the server: {type(error).__name__}: {error}"
+        self.metrics.call(method, code.name)
+        return code, message

@@ -1,0 +1,96 @@
+"""The weights an expert function holds: ExpertWeights per (layer, expert), read lazily from the checkpoint.
+
+Only the bundle's own tensors are read (safetensors memory-maps the shards), straight into the
+serving dtype on the serving device. Load and Unload change the held set at run time; the function
+is ready (health SERVING) while it holds its whole bundle.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterable
+
+import grpc
+import torch
+
+from kubemoe.adapters import MoEAdapter
+from kubemoe.bundles import ExpertKey, format_bundle_spec
+from kubemoe.checkpoint import Checkpoint
+from kubemoe.expert import ExpertWeights
+from kubemoe.expert_fn.errors import ExpertFnError, invalid, not_found
+
+
+class ExpertStore:
+    def __init__(self, checkpoint: Checkpoint, adapter: MoEAdapter, bundle: Iterable[ExpertKey],
+                 dtype: torch.dtype, device: torch.device):
+        self.checkpoint, self.adapter = checkpoint, adapter
+        self.bundle = frozenset(bundle)
+        self.bundle_spec = format_bundle_spec(self.bundle)
+        self.dtype, self.device = dtype, device
+        self._weights: dict[ExpertKey, ExpertWeights] = {}  # replaced, never mutated: readers need no lock
+        self._lock = threading.Lock()  # one load/unload at a time
+        self._loading: frozenset[ExpertKey] = frozenset()
+
+    # -- reads (hot path) ---------------------------------------------------------------------
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        """The weights of a held expert; a request error naming what is wrong otherwise."""
+        weights = self._weights.get((layer, expert))
+        if weights is None:
+            self.check_in_model(layer, expert)
+            if (layer, expert) in self._loading:
+                raise ExpertFnError(grpc.StatusCode.UNAVAILABLE, f"expert {expert} of layer {layer} is still loading; "
+                                    "retry shortly (health turns SERVING when the bundle is in)")
+            raise not_found(
+                f"expert {expert} of layer {layer} is not held by this expert function "
+                f"(bundle {self.bundle_spec}, holding {format_bundle_spec(self._weights) or 'nothing'}); "
+                "send it to the endpoint the routing table names for it, or Load it here"
+            )
+        return weights
+
+    def check_in_model(self, layer: int, expert: int) -> None:
+        if layer not in self.adapter.moe_layers:
+            raise invalid(f"layer {layer} is not an MoE layer of this {self.adapter.arch.name} model "
+                          f"(MoE layers: {', '.join(map(str, self.adapter.moe_layers))})")
+        if not 0 <= expert < self.adapter.num_experts:
+            raise invalid(f"expert {expert} does not exist: layer {layer} has experts 0..{self.adapter.num_experts - 1}")
+
+    def held(self) -> list[ExpertKey]:
+        return sorted(self._weights)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self._weights.values())
+
+    @property
+    def ready(self) -> bool:
+        return self.bundle <= self._weights.keys()
+
+    # -- changes (blocking: run them off the event loop) ----------------------------------------
+
+    def load(self, keys: Iterable[ExpertKey]) -> tuple[int, float]:
+        """Read the given experts not held yet; returns (bytes loaded, seconds)."""
+        keys = list(dict.fromkeys(keys))
+        for layer, expert in keys:
+            self.check_in_model(layer, expert)
+        start = time.perf_counter()
+        with self._lock:
+            self._loading = frozenset(keys) - self._weights.keys()
+            try:
+                new = {key: self.adapter.load_expert(self.checkpoint, *key, self.dtype, self.device)
+                       for key in keys if key in self._loading}
+                self._weights = {**self._weights, **new}
+            finally:
+                self._loading = frozenset()
+        return sum(w.nbytes for w in new.values()), time.perf_counter() - start
+
+    def unload(self, keys: Iterable[ExpertKey]) -> int:
+        """Drop the given experts (those not held are ignored); returns the bytes freed."""
+        keys = set(keys)
+        for layer, expert in keys:
+            self.check_in_model(layer, expert)
+        with self._lock:
+            freed = sum(w.nbytes for k, w in self._weights.items() if k in keys)
+            self._weights = {k: w for k, w in self._weights.items() if k not in keys}
+        return freed

@@ -1,0 +1,75 @@
+"""Expert-function fixtures: real servers on port 0, called over real channels."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kubemoe.expert_fn.client import ExpertClient
+from kubemoe.expert_fn.config import ExpertFnConfig
+from kubemoe.expert_fn.metrics import ExpertFnMetrics
+from kubemoe.expert_fn.server import create_server
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass
+class Running:
+    config: ExpertFnConfig
+    address: str
+    metrics: ExpertFnMetrics
+
+    def client(self, **kw) -> ExpertClient:
+        return ExpertClient(self.address, model=self.config.model, **kw)
+
+
+async def health_status(address: str, service: str = "") -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))).status
+
+
+async def wait_serving(address: str, timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while await health_status(address) != SERVING:
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"{address} is not SERVING after {timeout}s")
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def running_server(checkpoint, bundle: str = "*", *, preload: bool = True, **settings):
+    """A started server for `checkpoint`'s `bundle` on 127.0.0.1:0; with `preload`, SERVING when yielded."""
+    config = ExpertFnConfig.build(checkpoint, bundle, **{"device": "cpu", "metrics_port": None, **settings})
+    metrics = ExpertFnMetrics(config.bundle_spec)
+    server, port = await create_server("127.0.0.1:0", config, metrics=metrics, preload=preload)
+    await server.start()
+    running = Running(config, f"127.0.0.1:{port}", metrics)
+    try:
+        if preload:
+            await wait_serving(running.address)
+        yield running
+    finally:
+        await server.stop(None)
+
+
+@pytest.fixture
+def serve():
+    """serve(checkpoint, bundle="*", preload=True, **config) -> async context manager yielding Running."""
+    return running_server
+
+
+@pytest.fixture
+def health():
+    return health_status
+
+
+@pytest.fixture
+def serving():
+    return wait_serving
+
