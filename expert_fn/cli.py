@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from kubemoe.expert_fn.config import DEFAULT_MAX_MESSAGE_BYTES, DTYPES
+from kubemoe.devices import DTYPE_CHOICES
+from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 
 @click.command("expert-fn")
@@ -19,7 +20,7 @@ from kubemoe.expert_fn.config import DEFAULT_MAX_MESSAGE_BYTES, DTYPES
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option("--model", default=None, help="Model id requests must name [default: the checkpoint folder's name].")
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when there is one), cpu, cuda, cuda:N.")
-@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None, help="Weight dtype [default: the checkpoint's].")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None, help="Weight dtype [default: the checkpoint's].")
 @click.option("--metrics-port", type=int, default=9090, show_default=True, help="Prometheus /metrics port; -1: none.")
 @click.option("--batch-wait-ms", type=float, default=0.5, show_default=True,
               help="Longest wait for more requests to merge into one expert call, under concurrency only.")

@@ -88,8 +88,12 @@ class ExpertClient:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
             if done.done() and not done.cancelled() and done.exception() is not None:
                 raise done.exception() from None  # the reader's verdict is the more precise one
-            if isinstance(e, grpc.aio.AioRpcError):
+            # A write into a stream the server has just dropped fails with INTERNAL ("Failed
+            # execute_batch") before the reader notices: that is a broken stream, safe to retry.
+            if isinstance(e, grpc.aio.AioRpcError) and e.code() != grpc.StatusCode.INTERNAL:
                 raise
+            if self._stream is stream:
+                self._stream = None  # the next call opens a new stream
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream to {self.address} closed: {e}") from None
         finally:
             self._pending.pop(rid, None)

@@ -10,11 +10,10 @@ import torch
 from kubemoe.adapters import MoEAdapter
 from kubemoe.bundles import ExpertKey, format_bundle_spec, parse_bundle_spec
 from kubemoe.checkpoint import Checkpoint
+from kubemoe.devices import resolve_device, resolve_dtype
 from kubemoe.errors import KubemoeError
-from kubemoe.wire import DTYPE_NAMES
+from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES
 
-DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 4096 tokens of Mixtral hidden states in float32 each way
-DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -61,30 +60,8 @@ class ExpertFnConfig:
             checkpoint=ckpt.path,
             bundle=keys,
             model=model or ckpt.path.resolve().name,
-            device=_resolve_device(device),
-            dtype=_resolve_dtype(dtype, ckpt.config),
+            device=resolve_device(device),
+            dtype=resolve_dtype(dtype, ckpt.config),
             arch=adapter.arch.name,
             **settings,
         )
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise KubemoeError(f"--device {device}: no CUDA device is visible; use --device cpu or auto")
-    return resolved
-
-
-def _resolve_dtype(dtype, model_config) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        resolved = dtype
-    else:
-        name = str(dtype or getattr(model_config, "dtype", None) or "float32").removeprefix("torch.")
-        if name not in DTYPES:
-            raise KubemoeError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
-        resolved = DTYPES[name]
-    if resolved not in DTYPE_NAMES:
-        raise KubemoeError(f"dtype {resolved} is not supported; use one of {', '.join(DTYPES)}")
-    return resolved

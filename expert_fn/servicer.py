@@ -138,6 +138,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                                         trailing_metadata=((REQUEST_ID_METADATA, task.request_id),))
                 yield response
             self.metrics.call("ForwardStream", "OK")
+        except asyncio.CancelledError:
+            return  # the server is stopping (SIGTERM) or the client left: nobody is waiting for an answer
         finally:
             reader.cancel()
             for task in running:

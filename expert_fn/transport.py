@@ -9,6 +9,8 @@ alone gains little; together they let a message cross in a few large reads.
 
 from __future__ import annotations
 
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 4096 tokens of Mixtral hidden states in float32 each way
+
 HTTP2_WINDOW_BYTES = 64 << 20
 
 
