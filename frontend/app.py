@@ -8,11 +8,9 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
-from kubemoe.errors import KubemoeError
+from kubemoe.devices import resolve_device, resolve_dtype
 from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher
 from kubemoe.frontend.engine import Engine
 from kubemoe.frontend.loads import LoadRecorder
@@ -34,6 +32,7 @@ class FrontendConfig:
     device: str = "auto"
     max_batch: int = 32
     max_waiting: int = 256
+    micro_batches: int = 1  # 2: two-batch overlap of attention and remote expert calls
     load_window_seconds: float = 30.0
     streaming: bool = True
     call_timeout: float = 30.0
@@ -41,18 +40,6 @@ class FrontendConfig:
     @property
     def model_id(self) -> str:
         return self.model or Path(self.checkpoint).resolve().name
-
-
-def resolve_device(device: str) -> torch.device:
-    return torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
-
-
-def resolve_dtype(name: str | None, config) -> torch.dtype:
-    name = name or getattr(config, "dtype", None) or "float32"
-    dtype = name if isinstance(name, torch.dtype) else getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise KubemoeError(f"unknown dtype {name!r}; use float32, bfloat16 or float16")
-    return dtype
 
 
 class Frontend:
@@ -78,7 +65,8 @@ class Frontend:
         self.max_context = self.checkpoint.config.max_position_embeddings
         self.engine = Engine(self.model, self.tokenizer, eos_ids, self.max_context,
                              SchedulerConfig(config.max_batch, config.max_waiting),
-                             before_step=self.dispatcher.apply_pending, metrics=self.metrics, loads=self.loads)
+                             before_step=self.dispatcher.apply_pending, metrics=self.metrics, loads=self.loads,
+                             micro_batches=config.micro_batches)
         self._watch: asyncio.Task | None = None
 
     @property

@@ -94,7 +94,7 @@ class Dispatcher:
         return self._routes is not None or self._pending is not None
 
     def apply_pending(self) -> None:
-        routes, self._pending = self._pending, None
+        routes = self._pending
         if routes is None:
             return
         wanted = {k for k, r in routes.routes.items() if LOCAL in r.addresses}
@@ -109,6 +109,8 @@ class Dispatcher:
             log.info("routing table version %d: %d bundles, %d remote endpoints", routes.version,
                      len({r.bundle for r in routes.routes.values()}), len(self._replicas))
         self._routes = routes
+        if self._pending is routes:  # cleared only now: `ready` never reads False while a table loads
+            self._pending = None
 
     # -- the layer ------------------------------------------------------------------------------
 

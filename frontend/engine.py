@@ -11,6 +11,7 @@ import asyncio
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -58,16 +59,33 @@ class Sequence:
     started: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class MicroBatch:
+    """A share of the running sequences with its own KV cache, decoded by its own forward pass."""
+
+    state: BatchState = field(default_factory=BatchState)
+    seqs: list[Sequence] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # each sequence's last token, batch order
+
+    def keep(self, keep: list[int]) -> None:
+        self.state.keep(keep)
+        self.seqs = [self.seqs[i] for i in keep]
+        self.tokens = [self.tokens[i] for i in keep]
+
+
 class Engine:
     def __init__(self, model, tokenizer, eos_ids: set[int], max_context: int,
-                 scheduler: SchedulerConfig = SchedulerConfig(), before_step=None, metrics=None, loads=None):
+                 scheduler: SchedulerConfig = SchedulerConfig(), before_step=None, metrics=None, loads=None,
+                 micro_batches: int = 1):
         self.model, self.tokenizer, self.eos_ids, self.max_context = model, tokenizer, eos_ids, max_context
         self.scheduler = Scheduler(scheduler)
         self.before_step = before_step  # e.g. the dispatcher switching routing tables between steps
         self.metrics, self.loads = metrics, loads
         self.device = next(model.parameters()).device
-        self.batch = BatchState()
-        self._tokens: list[int] = []  # last token of each running sequence, batch order
+        # Two micro-batches overlap: while one waits for its remote experts, the other runs its
+        # attention (the two-batch overlap of DeepSeek-V3 and SGLang). One is plain batching.
+        self.micro = [MicroBatch() for _ in range(micro_batches)]
+        self._pool = ThreadPoolExecutor(micro_batches, thread_name_prefix="kubemoe-micro") if micro_batches > 1 else None
         self._wake = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="kubemoe-engine", daemon=True)
@@ -106,6 +124,8 @@ class Engine:
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=10)
+        if self._pool:
+            self._pool.shutdown(wait=False)
 
     # -- engine thread --------------------------------------------------------------------------
 
@@ -131,15 +151,13 @@ class Engine:
         if self.before_step:
             self.before_step()
         finished = []
-        if plan.decode:
-            inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                      for k, v in self.batch.decode_inputs(self._tokens).items()}
-            logits = self.model(**inputs, use_cache=True).logits[:, -1]  # [B, V]
-            if self.loads:
-                self.loads.record_tokens(len(plan.decode))
-            for i, seq in enumerate(plan.decode):
-                if self._advance(seq, logits[i], i):
-                    finished.append(seq)
+        busy = [mb for mb in self.micro if mb.seqs]
+        if busy:
+            run = self._pool.map if self._pool and len(busy) > 1 else map
+            for mb, logits in zip(busy, list(run(self._decode, busy))):
+                if self.loads:
+                    self.loads.record_tokens(len(mb.seqs))
+                finished += [seq for i, seq in enumerate(mb.seqs) if self._advance(seq, logits[i], mb, i)]
         for seq in plan.prefill:
             from transformers import DynamicCache
 
@@ -148,19 +166,27 @@ class Engine:
             logits = self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
             if self.loads:
                 self.loads.record_tokens(len(seq.prompt_ids))
-            self.batch.join(cache, len(seq.prompt_ids))
-            self._tokens.append(0)
+            mb = min(self.micro, key=lambda m: len(m.seqs))
+            mb.state.join(cache, len(seq.prompt_ids))
+            mb.seqs.append(seq)
+            mb.tokens.append(0)
             if self.metrics:
                 self.metrics.ttft.observe(time.monotonic() - seq.started)
-            if self._advance(seq, logits, len(self.batch) - 1):
+            if self._advance(seq, logits, mb, len(mb.seqs) - 1):
                 finished.append(seq)
         if finished:
-            self._leave(finished)
+            self._remove(finished)
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor, index: int) -> bool:
+    def _decode(self, mb: MicroBatch) -> torch.Tensor:  # -> logits [B, V] of the micro-batch
+        with torch.inference_mode():
+            inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                      for k, v in mb.state.decode_inputs(mb.tokens).items()}
+            return self.model(**inputs, use_cache=True).logits[:, -1]
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor, mb: MicroBatch, index: int) -> bool:
         """Sample one token for `seq`, stream it, and say whether the sequence is done."""
         token = sample_next(logits, seq.params, seq.generator)
-        self._tokens[index] = token
+        mb.tokens[index] = token
         if token in self.eos_ids:
             seq.emit(self._delta(seq, [], seq.text.flush(), "stop"))
             return True
@@ -181,33 +207,25 @@ class Engine:
             self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
         return Delta(ids, text, finish, len(seq.prompt_ids), len(seq.generated))
 
-    def _leave(self, gone: list[Sequence]) -> None:
+    def _remove(self, gone: list[Sequence]) -> None:
+        """Finished or aborted sequences leave their micro-batch and the scheduler."""
+        gone_ids = {id(s) for s in gone}
         with self._wake:
-            running = self.scheduler.running
-            keep = [i for i, s in enumerate(running) if s not in gone]
-            self.batch.keep(keep)
-            self._tokens = [self._tokens[i] for i in keep]
+            for mb in self.micro:
+                if any(id(s) in gone_ids for s in mb.seqs):
+                    mb.keep([i for i, s in enumerate(mb.seqs) if id(s) not in gone_ids])
             self.scheduler.remove(gone)
 
     def _drop_aborted(self) -> None:
         aborted = [s for s in list(self.scheduler.waiting) + self.scheduler.running if s.aborted]
         if aborted:
-            running = self.scheduler.running
-            keep = [i for i, s in enumerate(running) if not s.aborted]
-            self.batch.keep(keep)
-            self._tokens = [self._tokens[i] for i in keep]
-            self.scheduler.remove(aborted)
+            self._remove(aborted)
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
-        for seq in seqs:
-            seq.emit(Delta([], "", "error", len(seq.prompt_ids), len(seq.generated), error=message))
+        """A step failed: its caches may hold half a step, so every running sequence ends with the error."""
         with self._wake:
-            # The batch cache may hold a half-finished step: start the survivors' batch afresh.
-            failed = set(map(id, seqs))
-            survivors = [s for s in self.scheduler.running if id(s) not in failed]
-            self.scheduler.remove(seqs)
-            for seq in survivors:
-                seq.emit(Delta([], "", "error", len(seq.prompt_ids), len(seq.generated), error=message))
-            self.scheduler.remove(survivors)
-            self.batch = BatchState()
-            self._tokens = []
+            failed = list({id(s): s for s in seqs + self.scheduler.running}.values())
+            self.scheduler.remove(failed)
+            self.micro = [MicroBatch() for _ in self.micro]
+        for seq in failed:
+            seq.emit(Delta([], "", "error", len(seq.prompt_ids), len(seq.generated), error=message))

@@ -25,6 +25,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         if len(self.stop) > 16 or any(not s for s in self.stop):
             raise ValueError("stop takes at most 16 non-empty strings")
 

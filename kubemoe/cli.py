@@ -98,8 +98,10 @@ def _add_component_commands() -> None:
     # Each component owns its commands; importing them is cheap (heavy imports happen inside).
     from kubemoe.devcluster.cli import dev
     from kubemoe.expert_fn.cli import command as expert_fn
+    from kubemoe.frontend.cli import frontend_command, serve_command
+    from kubemoe.operator.cli import command as operator_command
 
-    for command in (expert_fn, dev):
+    for command in (serve_command, frontend_command, expert_fn, operator_command, dev):
         cli.add_command(command)
 
 

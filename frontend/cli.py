@@ -1,0 +1,97 @@
+"""`kubemoe frontend` (one frontend, experts wherever its routing table says) and `kubemoe serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+import click
+
+
+checkpoint_option = click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
+                                 help="Checkpoint folder (safetensors, config.json, tokenizer).")
+host_option = click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+port_option = click.option("--port", default=8000, show_default=True, help="HTTP port (OpenAI-compatible API).")
+grpc_port_option = click.option("--grpc-port", default=50051, show_default=True, help="gRPC port (Generate).")
+max_batch_option = click.option("--max-batch", default=32, show_default=True, help="Sequences decoded together.")
+micro_batches_option = click.option("--micro-batches", type=click.IntRange(1, 2), default=1, show_default=True,
+                                    help="2 overlaps one half-batch's attention with the other's remote experts.")
+
+
+def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
+    from kubemoe.frontend.app import Frontend
+    from kubemoe.frontend.server import serve_frontend
+
+    frontend = Frontend(config)
+    asyncio.run(serve_frontend(frontend, host, port, grpc_port, on_ready=lambda h, g: banner(frontend, h, g)))
+
+
+@click.command("frontend")
+@checkpoint_option
+@click.option("--routing-table", type=click.Path(dir_okay=False, path_type=Path),
+              help="Routing table file (JSON kubemoe.v1.RoutingTable), re-read when it changes.")
+@click.option("--routing-configmap", metavar="NAMESPACE/NAME", help="ConfigMap holding routing.json (watched).")
+@host_option
+@port_option
+@grpc_port_option
+@max_batch_option
+@micro_batches_option
+@click.option("--model", default="", help="Model id clients send (default: the checkpoint folder's name).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's).")
+def frontend_command(checkpoint, routing_table, routing_configmap, host, port, grpc_port, max_batch, micro_batches,
+                     model, device, dtype):
+    """Serve a model: attention and routing here, routed experts per the routing table."""
+    from kubemoe.frontend.app import FrontendConfig
+
+    if checkpoint is None:
+        raise click.UsageError("--checkpoint is required")
+    if bool(routing_table) == bool(routing_configmap):
+        raise click.UsageError("give exactly one of --routing-table and --routing-configmap")
+    config = FrontendConfig(checkpoint=checkpoint, model=model, routing_table=routing_table,
+                            routing_configmap=routing_configmap, dtype=dtype, device=device, max_batch=max_batch,
+                            micro_batches=micro_batches)
+    _serve(config, host, port, grpc_port, _banner)
+
+
+@click.command("serve")
+@checkpoint_option
+@click.option("--arch", default="mixtral", show_default=True,
+              help="Architecture of the generated tiny checkpoint used when --checkpoint is not given.")
+@click.option("--experts", default=2, show_default=True, help="Local expert-function processes.")
+@host_option
+@port_option
+@grpc_port_option
+@max_batch_option
+@micro_batches_option
+def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, micro_batches):
+    """Run everything locally: a frontend and expert functions over gRPC on loopback.
+
+    With no arguments it generates (or reuses) a tiny checkpoint in ~/.cache/kubemoe."""
+    from kubemoe.frontend.app import FrontendConfig
+    from kubemoe.frontend.embedded import default_checkpoint, embedded_bundles, expert_processes
+    from kubemoe.frontend.routing_table import table_for_bundles, to_json
+
+    checkpoint = checkpoint or default_checkpoint(arch)
+    bundles = embedded_bundles(checkpoint, experts)
+    model = checkpoint.resolve().name
+    click.echo(f"starting {len(bundles)} expert functions for {model} ...", err=True)
+    with expert_processes(checkpoint, bundles, model) as experts, tempfile.TemporaryDirectory() as tmp:
+        table = Path(tmp) / "routing.json"
+        table.write_text(to_json(table_for_bundles(model, bundles, experts.addresses)))
+        config = FrontendConfig(checkpoint=checkpoint, routing_table=table, max_batch=max_batch,
+                                micro_batches=micro_batches)
+        _serve(config, host, port, grpc_port,
+               lambda fe, h, g: _banner(fe, h, g, f", experts in {len(bundles)} local processes"))
+    click.echo("stopped", err=True)
+
+
+def _banner(frontend, http_port: int, grpc_port: int, extra: str = "") -> None:
+    host = "127.0.0.1"
+    click.echo(f"kubemoe is serving {frontend.model_id} at http://{host}:{http_port}/v1 (gRPC {host}:{grpc_port}){extra}")
+    click.echo(f"try: curl http://{host}:{http_port}/v1/chat/completions -H 'Content-Type: application/json' "
+               f"-d '{{\"model\": \"{frontend.model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+               f"\"Hello!\"}}], \"max_tokens\": 16}}'")
+    click.echo("press Ctrl-C to stop", err=True)
+

@@ -1,0 +1,103 @@
+"""The frontend with its experts in expert functions over real gRPC channels."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kubemoe.bundles import bundles_by_count
+from kubemoe.expert_fn.config import ExpertFnConfig
+from kubemoe.expert_fn.server import create_server
+from kubemoe.frontend.app import Frontend, FrontendConfig
+from kubemoe.frontend.embedded import embedded_bundles, expert_processes
+from kubemoe.frontend.loop_thread import LoopThread
+from kubemoe.frontend.routing_table import LOCAL, table_for_bundles
+from kubemoe.frontend.sampling import SamplingParams
+
+from .test_correctness import ARCHS, PROMPTS, generate_all, reference_greedy
+
+
+class ExpertServers:
+    """Expert-function servers for a checkpoint's bundles, in this process, on a loop thread of their own."""
+
+    def __init__(self, path, bundles, replicas=1):
+        self.loop = LoopThread("expert-servers")
+        self.servers, self.addresses = [], {}
+        for bundle in bundles:
+            config = ExpertFnConfig.build(path, bundle.spec(), device="cpu", metrics_port=None)
+            for _ in range(replicas):
+                server, port = self.loop.run(create_server("127.0.0.1:0", config))
+                self.loop.run(server.start())
+                self.servers.append(server)
+                self.addresses.setdefault(bundle.name, []).append(f"127.0.0.1:{port}")
+        from kubemoe.frontend.embedded import wait_serving
+
+        for addresses in self.addresses.values():
+            for address in addresses:
+                wait_serving(address, None, timeout=60)
+
+    def stop(self):
+        for server in self.servers:
+            self.loop.run(server.stop(0))
+        self.loop.stop()
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["stream", "unary"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generation_over_grpc_matches_transformers(arch, streaming, tiny_checkpoint):
+    path = tiny_checkpoint(arch)
+    fe = Frontend(FrontendConfig(checkpoint=path, streaming=streaming))
+    bundles = bundles_by_count(fe.adapter.moe_layers, fe.adapter.num_experts, 2)
+    servers = ExpertServers(path, bundles)
+    try:
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, servers.addresses))
+        fe.engine.eos_ids = set()
+        ours = asyncio.run(generate_all(fe, PROMPTS))
+    finally:
+        fe.close()
+        servers.stop()
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert ours == reference_greedy(reference, PROMPTS)
+
+
+def test_a_killed_replica_loses_no_request(tiny_checkpoint):
+    """Two replica processes of one bundle; one is SIGKILLed while requests are decoding."""
+    path = tiny_checkpoint("mixtral")
+    bundles = embedded_bundles(path, 1)
+    fe = Frontend(FrontendConfig(checkpoint=path, call_timeout=5.0))
+    fe.engine.eos_ids = set()
+    try:
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
+        expected = asyncio.run(generate_all(fe, PROMPTS, max_tokens=40))
+        with expert_processes(path, bundles, fe.model_id, replicas=2) as experts:
+            table = table_for_bundles(fe.model_id, bundles, experts.addresses, version=2)
+            fe.set_routing_table(table)
+            victims = [addresses[0] for addresses in experts.addresses.values()]
+
+            async def run():
+                first = asyncio.Event()
+
+                async def one(i, prompt):
+                    tokens = []
+                    async for delta in fe.engine.generate(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=40)):
+                        assert delta.error is None, delta.error
+                        tokens += delta.token_ids
+                        first.set()
+                    return tokens
+
+                tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(PROMPTS)]
+                await first.wait()
+                for address in victims:
+                    os.kill(experts.procs[address].pid, signal.SIGKILL)
+                return await asyncio.gather(*tasks)
+
+            after_kill = asyncio.run(run())
+            assert all(experts.procs[a].poll() is not None for a in victims)
+    finally:
+        fe.close()
+    assert after_kill == expected
+    retries = fe.metrics.registry.get_sample_value
+    assert sum(retries("kubemoe_frontend_expert_retries_total", {"bundle": b.name}) or 0 for b in bundles) >= 1
