@@ -1,8 +1,19 @@
-"""Shared fixtures: small generated checkpoints, made once per test session."""
+"""Shared fixtures: small generated checkpoints, and one real control plane (etcd, kube-apiserver,
+scheduler, controller-manager, kwok) for the tests marked `cluster`, both made once per session.
+
+The control-plane binaries are built on first use (`kubemoe dev testbin build`); the cluster is torn
+down at the end of the session, also when tests fail.
+"""
 
 from __future__ import annotations
 
+import time
+import uuid
+
 import pytest
+from kubernetes import client
+
+from kubemoe.devcluster import Cluster, ClusterConfig, wait_for
 
 from kubemoe.adapters import arch_names
 from kubemoe.presets import get_preset
@@ -22,3 +33,56 @@ def tiny_checkpoint(tmp_path_factory):
         return made[arch]
 
     return get
+
+
+# -- the session's control plane -------------------------------------------------------------------
+
+H100 = dict(gpus_per_node=8, product="NVIDIA-H100-80GB-HBM3", memory_mib=81559)
+A10 = dict(gpus_per_node=1, product="NVIDIA-A10", memory_mib=23028)
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+
+_stats: dict[str, float] = {}
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    started = time.monotonic()
+    with Cluster(ClusterConfig(nodes=2, gpus_per_node=H100["gpus_per_node"], gpu_product=H100["product"],
+                               gpu_memory_mib=H100["memory_mib"])) as running:
+        # A third, different node (one small GPU, tainted like many GPU pools) to choose between.
+        running.add_gpu_nodes(1, A10["gpus_per_node"], A10["product"], A10["memory_mib"], taints=[GPU_TAINT])
+        _stats["startup_s"] = time.monotonic() - started
+        yield running
+        core = client.CoreV1Api(running.api_client())
+        _stats["nodes"] = len(core.list_node().items)
+        _stats["pods"] = len(core.list_pod_for_all_namespaces().items)
+
+
+@pytest.fixture(scope="session")
+def gpu_nodes(cluster) -> dict[str, dict]:
+    """What the session cluster's fake nodes were created with, by node name."""
+    return {"kwok-gpu-0": H100, "kwok-gpu-1": H100, "kwok-gpu-2": A10}
+
+
+@pytest.fixture(scope="session")
+def api(cluster):
+    return cluster.api_client()
+
+
+@pytest.fixture
+def namespace(cluster, api):
+    """A fresh namespace whose `default` service account exists (pods need it to be admitted)."""
+    core = client.CoreV1Api(api)
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    core.create_namespace({"metadata": {"name": name}})
+    wait_for(lambda: core.read_namespaced_service_account("default", name), 30,
+             f"service account default in namespace {name} (kube-controller-manager creates it)")
+    yield name
+    core.delete_namespace(name)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _stats:
+        terminalreporter.write_line(
+            "devcluster: start-up {:.1f}s, {:.0f} nodes, {:.0f} pods at teardown".format(
+                _stats["startup_s"], _stats.get("nodes", 0), _stats.get("pods", 0)))

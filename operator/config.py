@@ -1,0 +1,37 @@
+"""The operator's own settings, read once from the environment (the Helm chart sets them; see
+`kubemoe operator --help` for the same settings as flags)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+FIELD_MANAGER = "kubemoe-operator"
+PREFIX = "KUBEMOE_OPERATOR_"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    frontend_image: str = "ghcr.io/kubemoe/frontend:0.1.0"
+    expert_image: str = "ghcr.io/kubemoe/expert-fn:0.1.0"
+    s3_fetch_image: str = "docker.io/amazon/aws-cli:2.17.0"             # runs `aws s3 sync`
+    gs_fetch_image: str = "gcr.io/google.com/cloudsdktool/google-cloud-cli:stable"  # runs `gcloud storage rsync`
+    loads_interval_s: float = 30.0     # how often the timer pulls /loads and re-plans
+    loads_port: int = 8000             # the frontend's HTTP port, where /loads is served
+    loads_timeout_s: float = 2.0       # per frontend; a frontend that does not answer is left out
+    field_manager: str = FIELD_MANAGER
+    apply_concurrency: int = 8         # objects applied at once (the API server, not the operator, is the limit)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "OperatorConfig":
+        """KUBEMOE_OPERATOR_<FIELD> overrides each field, e.g. KUBEMOE_OPERATOR_LOADS_INTERVAL_S=5."""
+        values = {}
+        for f in fields(cls):
+            raw = environ.get(PREFIX + f.name.upper())
+            if raw is not None:
+                try:
+                    values[f.name] = type(f.default)(raw)
+                except ValueError:
+                    raise ValueError(f"{PREFIX}{f.name.upper()}={raw!r}: expected a {type(f.default).__name__}") from None
+        return cls(**values)

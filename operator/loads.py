@@ -1,0 +1,71 @@
+"""Where the planner's expert loads come from: the frontends' `/loads` (JSON kubemoe.v1.LoadReport).
+
+`FrontendLoads` asks every running frontend pod of a MoEDeployment (GET http://<pod IP>:8000/loads)
+and sums what answered; pod IPs rather than the Service, because each frontend reports only its
+own traffic. `aggregate` is the pure part. Anything with a `fetch(deployment) -> Loads | None` can
+stand in (tests, benchmarks, a future Prometheus source).
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Protocol
+
+from google.protobuf import json_format
+
+from kubemoe.operator.kube import Kube
+from kubemoe.operator.plan import Loads
+from kubemoe.operator.render import FRONTEND, selector
+from kubemoe.operator.spec import MoEDeployment
+from kubemoe.proto import kubemoe_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class LoadSource(Protocol):
+    def fetch(self, deployment: MoEDeployment) -> Loads | None:
+        """Current loads, or None when no frontend answered (the caller keeps what it had)."""
+
+
+def aggregate(reports: Iterable[pb.LoadReport], model: str) -> Loads | None:
+    """Sum tokens/s per (layer, expert) over the frontends' reports of `model`."""
+    per_expert: dict[tuple[int, int], float] = {}
+    tokens, frontends = 0.0, 0
+    for report in reports:
+        if report.model and report.model != model:
+            log.warning("frontend %s reports loads of model %r, expected %r: ignored", report.frontend, report.model, model)
+            continue
+        frontends += 1
+        tokens += report.tokens / report.window_seconds if report.window_seconds > 0 else 0.0
+        for load in report.loads:
+            key = (load.layer, load.expert)
+            per_expert[key] = per_expert.get(key, 0.0) + load.tokens_per_second
+    return Loads(per_expert, tokens, frontends) if frontends else None
+
+
+class FrontendLoads:
+    def __init__(self, kube: Kube, port: int, timeout_s: float):
+        self.kube, self.port, self.timeout_s = kube, port, timeout_s
+        # Pod IPs are cluster-internal: never send them through an HTTP proxy from the environment.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def fetch(self, deployment: MoEDeployment) -> Loads | None:
+        pods = self.kube.list("v1", "Pod", deployment.namespace, selector(deployment, FRONTEND))
+        ips = [p["status"]["podIP"] for p in pods
+               if p.get("status", {}).get("phase") == "Running" and p["status"].get("podIP")]
+        if not ips:
+            return None
+        with ThreadPoolExecutor(max_workers=min(8, len(ips))) as pool:
+            reports = [r for r in pool.map(self._report, ips) if r is not None]
+        return aggregate(reports, deployment.name)
+
+    def _report(self, ip: str) -> pb.LoadReport | None:
+        url = f"http://{ip}:{self.port}/loads"
+        try:
+            with self._opener.open(url, timeout=self.timeout_s) as response:
+                return json_format.Parse(response.read(), pb.LoadReport(), ignore_unknown_fields=True)
+        except (OSError, json_format.ParseError) as e:  # one silent frontend must not stop planning
+            log.info("no loads from %s: %s", url, e)
+            return None

@@ -1,0 +1,228 @@
+"""One reconcile of a MoEDeployment: observe -> plan -> render -> apply what changed -> prune -> status.
+
+The only place that combines the pure modules with API calls; handlers call `Reconciler.reconcile`
+and turn its outcome into events and Kopf errors. Everything it needs to continue after a restart
+is in the cluster (children's annotations, the routing ConfigMap), never in memory.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from kubemoe.operator import conditions as c
+from kubemoe.operator.config import OperatorConfig
+from kubemoe.operator.kube import ApiError, Kube
+from kubemoe.operator.plan import NO_LOADS, Loads, NodeInfo, Plan, PlanError, plan
+from kubemoe.operator.render import (COMPONENT, EXPERT, FINGERPRINT_ANNOTATION, FRONTEND, KINDS, KNATIVE,
+                                     RETIRED_ANNOTATION, ROUTING, observe, render, selector)
+from kubemoe.operator.spec import MoEDeployment, MoESpec, SpecError
+
+Object = dict[str, Any]
+ObjectKey = tuple[str, str, str]  # (apiVersion, kind, name)
+
+
+@dataclass
+class Changes:
+    applied: list[str] = field(default_factory=list)   # kind/name created or changed
+    deleted: list[str] = field(default_factory=list)
+    retired: list[str] = field(default_factory=list)   # newly out of the plan, kept warm
+    unchanged: int = 0
+
+
+@dataclass
+class Outcome:
+    plan: Plan | None
+    changes: Changes
+    status: dict[str, Any]
+    error: c.Condition | None = None   # PlanApplied False: why nothing (more) was applied
+    retry: bool = True                 # the error may clear by itself (capacity, Knative installed later)
+
+
+def key_of(obj: Mapping[str, Any]) -> ObjectKey:
+    return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, config: OperatorConfig, clock: Callable[[], float] = time.time):
+        self.kube, self.config, self.clock = kube, config, clock
+        self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+
+    def reconcile(self, body: Mapping[str, Any], loads: Loads | None = None) -> Outcome:
+        # Handlers and the timer run in worker threads: one reconcile per object at a time.
+        with self._locks[body["metadata"]["uid"]]:
+            return self._reconcile(body, loads or NO_LOADS)
+
+    def _reconcile(self, body: Mapping[str, Any], loads: Loads) -> Outcome:
+        now = self.clock()
+        try:
+            deployment = MoEDeployment.from_body(body)
+        except SpecError as e:
+            failed = c.Condition(c.PLAN_APPLIED, False, c.INVALID_SPEC, str(e))
+            return self._finish(body, None, [], Changes(), loads, failed, retry=False)
+        children = self._children(deployment)
+        mode = deployment.spec.mode
+        previous = observe(deployment.spec, mode, children.values())
+        nodes = [NodeInfo.from_node(n) for n in self.kube.list("v1", "Node")]
+        try:
+            new = plan(deployment.spec, loads, nodes, previous, now)
+        except PlanError as e:
+            return self._finish(body, None, list(children.values()), Changes(), loads,
+                                c.Condition(c.PLAN_APPLIED, False, e.reason, str(e)), retry=True)
+        if new.mode == "distributed" and deployment.spec.experts.runtime == "knative" and not self._has_knative():
+            missing = c.Condition(c.PLAN_APPLIED, False, c.RUNTIME_MISSING,
+                                  "runtime knative needs Knative Serving (serving.knative.dev/v1 Services): install "
+                                  "it (see the chart's README) or set spec.experts.runtime: deployment")
+            return self._finish(body, new, list(children.values()), Changes(), loads, missing, retry=True)
+
+        changes = Changes()
+        wanted = render(deployment, new, self.config)
+        wanted.sort(key=_apply_order)
+        try:
+            stale = [o for o in wanted if _fingerprint(children.get(key_of(o)) or {"metadata": {}}) != _fingerprint(o)]
+            changes.unchanged = len(wanted) - len(stale)
+            # Apply in order groups (experts, frontend, routing table last), each group concurrently:
+            # a DeepSeek-V3-sized plan is ~650 objects, one round trip each.
+            for _, group in itertools.groupby(stale, key=lambda o: _apply_order(o) // 10):
+                batch = list(group)
+                with ThreadPoolExecutor(max_workers=self.config.apply_concurrency) as pool:
+                    list(pool.map(self.kube.apply, batch))
+                changes.applied += [f"{o['kind']}/{o['metadata']['name']}" for o in batch]
+            changes.retired = [f"{bundle} on {node}" for bundle, node in sorted(new.retired)
+                               if (bundle, node) not in previous.retired]
+            rendered = {key_of(o) for o in wanted}
+            for key, live in children.items():
+                if key not in rendered:  # left the plan and its keep-alive is over, or no longer rendered
+                    self.kube.delete(key[0], key[1], deployment.namespace, key[2])
+                    changes.deleted.append(f"{key[1]}/{key[2]}")
+        except ApiError as e:
+            failed = c.Condition(c.PLAN_APPLIED, False, c.APPLY_FAILED,
+                                 f"the API server refused an object ({e.message}); the operator retries")
+            return self._finish(body, new, list(children.values()), changes, loads, failed, retry=True)
+        return self._finish(body, new, list(children.values()), changes, loads, None, retry=False,
+                            fresh={key_of(o) for o in wanted if f"{o['kind']}/{o['metadata']['name']}" in changes.applied})
+
+    # -- observation --------------------------------------------------------------------------------
+
+    def _children(self, deployment: MoEDeployment) -> dict[ObjectKey, Object]:
+        found: dict[ObjectKey, Object] = {}
+        for api_version, kind in KINDS:
+            try:
+                items = self.kube.list(api_version, kind, deployment.namespace, selector(deployment, ""))
+            except ApiError as e:
+                if e.status == 404 and (api_version, kind) == KNATIVE:
+                    continue  # Knative not installed: nothing of that kind to find
+                raise
+            for item in items:
+                owners = item["metadata"].get("ownerReferences") or []
+                if any(o.get("uid") == deployment.uid for o in owners):  # never touch what is not ours
+                    found[key_of(item)] = item
+        return found
+
+    def _has_knative(self) -> bool:
+        try:
+            self.kube.request("discovery", "GET", "/apis/serving.knative.dev/v1")
+            return True
+        except ApiError as e:
+            if e.status == 404:
+                return False
+            raise
+
+    # -- status -------------------------------------------------------------------------------------
+
+    def _finish(self, body: Mapping[str, Any], new: Plan | None, children: list[Object], changes: Changes,
+                loads: Loads, error: c.Condition | None, retry: bool,
+                fresh: set[ObjectKey] = frozenset()) -> Outcome:
+        meta = body["metadata"]
+        generation = int(meta.get("generation", 0))
+        live = {key_of(o): o for o in children if key_of(o) not in fresh}
+        applied = error or c.Condition(c.PLAN_APPLIED, True, c.APPLIED,
+                                       f"plan version {new.version}: {new.replicas} expert replicas in "
+                                       f"{len(new.services())} services on {len(new.node_names)} nodes")
+        parts = [_frontend_ready(live), _experts_ready(new, live), applied]
+        status: dict[str, Any] = {
+            "observedGeneration": generation,
+            "conditions": c.to_status([c.ready_from(parts), *parts], (body.get("status") or {}).get("conditions"),
+                                      generation, dt.datetime.fromtimestamp(self.clock(), dt.timezone.utc)),
+            "loads": {"frontends": loads.frontends, "tokensPerSecond": round(loads.tokens_per_second, 3)},
+        }
+        if new is not None:
+            status["mode"] = new.mode
+            status["plan"] = {"replicas": new.replicas, "functions": len(new.services()), "bundles": len(new.bundles),
+                              "nodes": len(new.node_names), "retired": len(new.retired), "cv": new.cv,
+                              "version": new.version}
+            status["cost"] = _cost(MoEDeployment.from_body(body).spec, new, loads)
+        self.kube.patch_status(meta["namespace"], meta["name"], status)
+        return Outcome(new, changes, status, error, retry)
+
+
+def _apply_order(obj: Object) -> int:
+    # Expert services before the routing table that names them; the table last, so frontends switch
+    # only to services that exist. Deletions (prune) come after everything.
+    component = obj["metadata"]["labels"].get(COMPONENT)
+    return {EXPERT: 1, FRONTEND: 2, ROUTING: 3}.get(component, 0) * 10 + [k for k in KINDS].index(
+        (obj["apiVersion"], obj["kind"]))
+
+
+def _fingerprint(obj: Mapping[str, Any]) -> str | None:
+    return (obj["metadata"].get("annotations") or {}).get(FINGERPRINT_ANNOTATION)
+
+
+def _frontend_ready(live: Mapping[ObjectKey, Object]) -> c.Condition:
+    deployment = next((o for (v, k, n), o in live.items() if k == "Deployment"
+                       and o["metadata"]["labels"].get(COMPONENT) == FRONTEND), None)
+    if deployment is None:
+        return c.Condition(c.FRONTEND_READY, False, c.PROGRESSING, "the frontend Deployment is being created")
+    want = deployment["spec"].get("replicas", 1)
+    ready = _ready_replicas(deployment)
+    if ready >= want:
+        return c.Condition(c.FRONTEND_READY, True, c.AS_EXPECTED, f"{ready}/{want} frontend pods ready")
+    return c.Condition(c.FRONTEND_READY, False, c.PROGRESSING,
+                       f"{ready}/{want} frontend pods ready (kubectl describe deployment {deployment['metadata']['name']})")
+
+
+def _experts_ready(new: Plan | None, live: Mapping[ObjectKey, Object]) -> c.Condition:
+    if new is None:
+        return c.Condition(c.EXPERTS_READY, None, c.PROGRESSING, "no plan yet")
+    if new.mode == "offload":
+        return c.Condition(c.EXPERTS_READY, True, c.NOT_NEEDED, "mode offload: the frontend holds every expert")
+    services = [o for o in live.values() if o["metadata"]["labels"].get(COMPONENT) == EXPERT
+                and o["kind"] in ("Deployment", KNATIVE[1]) and o["apiVersion"] != "v1"
+                and RETIRED_ANNOTATION not in (o["metadata"].get("annotations") or {})]
+    want = len(new.services())
+    ready = sum(1 for o in services if _service_ready(o))
+    if ready >= want:
+        return c.Condition(c.EXPERTS_READY, True, c.AS_EXPECTED, f"{ready}/{want} expert services ready")
+    return c.Condition(c.EXPERTS_READY, False, c.PROGRESSING,
+                       f"{ready}/{want} expert services ready (pods starting or loading weights)")
+
+
+def _service_ready(obj: Mapping[str, Any]) -> bool:
+    status = obj.get("status") or {}
+    if obj["kind"] == "Deployment":
+        return _ready_replicas(obj) >= obj["spec"].get("replicas", 1)
+    current = status.get("observedGeneration") == obj["metadata"].get("generation")
+    return current and any(x.get("type") == "Ready" and x.get("status") == "True" for x in status.get("conditions", []))
+
+
+def _ready_replicas(deployment: Mapping[str, Any]) -> int:
+    status = deployment.get("status") or {}
+    if status.get("observedGeneration", 0) < deployment["metadata"].get("generation", 0):
+        return 0  # the controller has not seen the latest spec yet
+    return int(status.get("readyReplicas", 0))
+
+
+def _cost(spec: MoESpec, new: Plan, loads: Loads) -> dict[str, float]:
+    gpus = spec.frontend.replicas * spec.frontend.gpus + spec.experts.gpus * (
+        new.replicas + sum(r.replicas for r in new.retired.values()))
+    usd = gpus * spec.gpu_hour_price
+    cost = {"gpuHoursPerHour": float(gpus), "usdPerHour": round(usd, 4)}
+    if loads.tokens_per_second > 0:
+        cost["usdPerMillionTokens"] = round(usd / (loads.tokens_per_second * 3600 / 1e6), 6)
+    return cost

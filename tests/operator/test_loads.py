@@ -1,0 +1,56 @@
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+from kubemoe.operator.loads import FrontendLoads, aggregate
+from kubemoe.operator.spec import MoEDeployment
+from kubemoe.proto import kubemoe_pb2 as pb
+
+
+def report(frontend: str, model: str = "tiny", **loads) -> pb.LoadReport:
+    return pb.LoadReport(model=model, frontend=frontend, window_seconds=10, tokens=100, loads=[
+        pb.ExpertLoad(layer=int(k[1]), expert=int(k[3]), tokens_per_second=v) for k, v in loads.items()])
+
+
+def test_aggregate_sums_frontends_and_ignores_other_models():
+    loads = aggregate([report("a", l0e1=5.0), report("b", l0e1=3.0, l1e2=1.0), report("c", model="other", l0e1=99.0)],
+                      "tiny")
+    assert loads.per_expert == {(0, 1): 8.0, (1, 2): 1.0} and loads.frontends == 2 and loads.tokens_per_second == 20.0
+    assert aggregate([], "tiny") is None
+
+
+class FakeKube:
+    def __init__(self, pods):
+        self.pods = pods
+
+    def list(self, api_version, kind, namespace, label_selector):
+        assert (kind, namespace) == ("Pod", "default") and "app.kubernetes.io/component=frontend" in label_selector
+        return self.pods
+
+
+def test_frontend_loads_pulls_every_running_frontend_and_skips_silent_ones(f):
+    body = json.dumps({"model": "tiny", "frontend": "a", "windowSeconds": 10, "tokens": "50",
+                       "loads": [{"layer": 0, "expert": 2, "tokensPerSecond": 4.0}]}).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        pods = [{"status": {"phase": "Running", "podIP": "127.0.0.1"}},
+                {"status": {"phase": "Pending", "podIP": "127.0.0.2"}}]
+        source = FrontendLoads(FakeKube(pods), server.server_port, timeout_s=1.0)
+        loads = source.fetch(MoEDeployment.from_body(f.moed_body()))
+        assert loads.per_expert == {(0, 2): 4.0} and loads.frontends == 1
+        silent = FrontendLoads(FakeKube([{"status": {"phase": "Running", "podIP": "127.0.0.1"}}]), 1, timeout_s=0.5)
+        assert silent.fetch(MoEDeployment.from_body(f.moed_body())) is None
+    finally:
+        server.shutdown()
+        server.server_close()

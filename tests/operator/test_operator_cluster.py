@@ -1,0 +1,199 @@
+"""The operator end to end on a real control plane: chart installed with helm, the operator running
+as a process under the chart's ServiceAccount (its RBAC is what is tested), kwok fake GPU nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+from kubernetes import client
+
+from kubemoe.operator.render import RETIRED_ANNOTATION
+
+pytestmark = pytest.mark.cluster
+
+MOED = dict(group="kubemoe.io", version="v1alpha1", plural="moedeployments")
+KSVC = dict(group="serving.knative.dev", version="v1", plural="services")
+
+
+def children(api, namespace: str, name: str) -> dict[str, list[dict]]:
+    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/managed-by=kubemoe-operator"
+    core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+    ksvcs = client.CustomObjectsApi(api).list_namespaced_custom_object(namespace=namespace, label_selector=selector,
+                                                                        **KSVC)["items"]
+    return {
+        "Deployment": [d.to_dict() for d in apps.list_namespaced_deployment(namespace, label_selector=selector).items],
+        "Service": [s.to_dict() for s in core.list_namespaced_service(namespace, label_selector=selector).items],
+        "ConfigMap": [c.to_dict() for c in core.list_namespaced_config_map(namespace, label_selector=selector).items],
+        "KnativeService": ksvcs,
+    }
+
+
+def moed(api, namespace: str, name: str) -> dict:
+    return client.CustomObjectsApi(api).get_namespaced_custom_object(namespace=namespace, name=name, **MOED)
+
+
+def condition(obj: dict, kind: str) -> dict:
+    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == kind), {})
+
+
+def routing_table(api, namespace: str, name: str) -> dict:
+    cm = client.CoreV1Api(api).read_namespaced_config_map(f"{name}-routing", namespace)
+    return json.loads(cm.data["routing.json"])
+
+
+class LoadServer:
+    """Serves a LoadReport on a frontend pod's IP and port 8000: kwok pod IPs are loopback addresses."""
+
+    def __init__(self, ip: str, report: dict):
+        body = json.dumps(report).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200 if self.path == "/loads" else 404)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = HTTPServer((ip, 8000), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def hostpath_body(f, name: str, namespace: str) -> dict:
+    # A host path, not a PVC: the scheduler would hold pods of a claim that does not exist.
+    body = f.moed_body(name=name, namespace=namespace, model={"uri": "hostpath:///models/tiny"})
+    del body["metadata"]["uid"], body["metadata"]["generation"]
+    return body
+
+
+def test_deployment_runtime_end_to_end(cluster, api, operator, namespace, f):
+    body = hostpath_body(f, "tiny", namespace)
+    f.apply(cluster, body)
+
+    # Children: frontend Deployment + Service, routing ConfigMap, 4 expert Deployments + Services.
+    def all_children():
+        found = children(api, namespace, "tiny")
+        return len(found["Deployment"]) == 5 and len(found["Service"]) == 5 and found["ConfigMap"] and found
+    found = f.wait(all_children, 60, "the operator to create the frontend, routing table and 4 expert services", operator)
+    owner_uid = moed(api, namespace, "tiny")["metadata"]["uid"]
+    for obj in found["Deployment"] + found["Service"] + found["ConfigMap"]:
+        assert [o["uid"] for o in obj["metadata"]["owner_references"]] == [owner_uid]
+    service = next(s for s in found["Service"] if s["metadata"]["name"] == "tiny-frontend")
+    assert {(p["name"], p["port"]) for p in service["spec"]["ports"]} == {("http", 8000), ("grpc", 50051)}
+
+    # Expert pods run on exactly the planned fake GPU nodes; the MoEDeployment becomes Ready.
+    core = client.CoreV1Api(api)
+    planned = {d["metadata"]["labels"]["kubemoe.io/bundle"]: d["metadata"]["annotations"]["kubemoe.io/node"]
+               for d in found["Deployment"] if d["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"}
+
+    def expert_pods_running():
+        pods = core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=expert").items
+        running = {p.metadata.labels["kubemoe.io/bundle"]: p.spec.node_name for p in pods if p.status.phase == "Running"}
+        return running == planned
+    f.wait(expert_pods_running, 60, f"expert pods Running on {planned}", operator)
+    ready = f.wait(lambda: condition(moed(api, namespace, "tiny"), "Ready").get("status") == "True"
+                   and moed(api, namespace, "tiny"), 60, "status Ready=True", operator)
+    status = ready["status"]
+    assert status["observedGeneration"] == ready["metadata"]["generation"]
+    assert status["plan"]["replicas"] == 4 and status["plan"]["functions"] == 4 and status["mode"] == "distributed"
+    assert {c["type"] for c in status["conditions"]} == {"Ready", "FrontendReady", "ExpertsReady", "PlanApplied"}
+    assert all(c["observedGeneration"] == ready["metadata"]["generation"] and c["reason"] and c["message"]
+               for c in status["conditions"])
+    table = cluster.kubectl("get", "moed", "tiny", f"--namespace={namespace}").stdout
+    assert table.split()[:7] == ["NAME", "MODE", "READY", "REPLICAS", "FUNCTIONS", "COST", "AGE"]
+    assert table.split()[7:12] == ["tiny", "distributed", "True", "4", "4"]
+    events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=tiny").items
+    assert any(e.reason == "Applied" for e in events), [(e.reason, e.involved_object.name, e.message) for e in core.list_namespaced_event(namespace).items][:20]
+
+    # Loads from the frontend move a bundle; its old service stays (warm) out of the routing table.
+    frontend_pod = f.wait(lambda: [p for p in core.list_namespaced_pod(
+        namespace, label_selector="app.kubernetes.io/component=frontend").items if p.status.pod_ip], 30,
+        "the frontend pod's IP")[0]
+    version = routing_table(api, namespace, "tiny")["version"]
+    report = {"model": "tiny", "frontend": frontend_pod.metadata.name, "windowSeconds": 10, "tokens": "1000",
+              "loads": [{"layer": 0, "expert": 0, "tokensPerSecond": 80.0}, {"layer": 0, "expert": 1, "tokensPerSecond": 80.0}]}
+    server = LoadServer(frontend_pod.status.pod_ip, report)
+    try:
+        f.wait(lambda: int(routing_table(api, namespace, "tiny")["version"]) > int(version), 30,
+               "a new plan after the load change", operator)
+    finally:
+        server.close()
+    found = children(api, namespace, "tiny")
+    retired = [d for d in found["Deployment"] if RETIRED_ANNOTATION in (d["metadata"]["annotations"] or {})]
+    assert retired, "the moved bundle's old service is kept warm"
+    addresses = {e["address"] for r in routing_table(api, namespace, "tiny")["routes"] for e in r["endpoints"]}
+    assert not any(d["metadata"]["name"] in a for d in retired for a in addresses)
+    status = moed(api, namespace, "tiny")["status"]
+    assert status["loads"]["frontends"] == 1 and status["plan"]["retired"] == len(retired)
+    assert status["cost"]["usdPerMillionTokens"] > 0
+
+    # A shorter keep-alive (a spec update) lets the retired services go.
+    patch = {"spec": {"experts": {"scaling": {"keepAlive": "1s"}}}}
+    client.CustomObjectsApi(api).patch_namespaced_custom_object(namespace=namespace, name="tiny", body=patch, **MOED)
+    f.wait(lambda: not [d for d in children(api, namespace, "tiny")["Deployment"]
+                        if RETIRED_ANNOTATION in (d["metadata"]["annotations"] or {})], 30,
+           "retired services deleted once keepAlive passed", operator)
+
+    # Deleting the MoEDeployment deletes every child (owner references + garbage collector).
+    client.CustomObjectsApi(api).delete_namespaced_custom_object(namespace=namespace, name="tiny", **MOED)
+    f.wait(lambda: not any(children(api, namespace, "tiny").values()), 60, "garbage collection of every child")
+
+
+def test_restart_mid_way_creates_no_duplicates(cluster, api, operator, namespace, f):
+    body = hostpath_body(f, "again", namespace)
+    operator.kill(signal.SIGKILL)
+    operator.start()
+    f.apply(cluster, body)
+    # Kill it as soon as it has started applying, then start it again.
+    f.wait(lambda: any(children(api, namespace, "again").values()), 60, "the first child", operator)
+    operator.kill(signal.SIGKILL)
+    operator.start()
+    f.wait(lambda: condition(moed(api, namespace, "again"), "PlanApplied").get("status") == "True", 60,
+           "PlanApplied after the restart", operator)
+    found = children(api, namespace, "again")
+    names = [(kind, o["metadata"]["name"]) for kind, objs in found.items() for o in objs]
+    assert len(names) == len(set(names)) == 5 + 5 + 1  # Deployments, Services, ConfigMap
+    apps = client.AppsV1Api(api)
+    replica_sets = apps.list_namespaced_replica_set(namespace).items
+    assert len(replica_sets) == 5  # no Deployment was rolled: the restart re-applied nothing that changed
+
+
+def test_knative_runtime_renders_pinned_services_with_the_plan(cluster, api, operator, namespace, f):
+    body = f.moed_body(name="kn", namespace=namespace, experts={
+        "runtime": "knative", "bundleBytes": "256Mi", "scaling": {"keepAlive": "7m", "maxReplicasPerExpert": 3},
+        "placement": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}})
+    del body["metadata"]["uid"], body["metadata"]["generation"]
+    f.apply(cluster, body)
+    ksvcs = f.wait(lambda: len(children(api, namespace, "kn")["KnativeService"]) == 4
+                   and children(api, namespace, "kn")["KnativeService"], 60, "4 Knative Services", operator)
+    nodes = {n.metadata.name for n in client.CoreV1Api(api).list_node().items}
+    for ksvc in ksvcs:
+        template = ksvc["spec"]["template"]
+        annotations = template["metadata"]["annotations"]
+        assert annotations["autoscaling.knative.dev/min-scale"] == "1"
+        assert annotations["autoscaling.knative.dev/max-scale"] == "3"
+        assert annotations["autoscaling.knative.dev/scale-down-delay"] == "7m"
+        assert annotations["serving.knative.dev/progress-deadline"] == "15m"
+        term = template["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"][0]["matchExpressions"][0]
+        assert term["key"] == "kubernetes.io/hostname" and term["values"][0] in nodes
+        container = template["spec"]["containers"][0]
+        assert container["ports"][0]["name"] == "h2c" and container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert template["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"  # not pruned
+    table = f.wait(lambda: routing_table(api, namespace, "kn"), 30, "the routing table (applied last)", operator)
+    addresses = {e["address"] for r in table["routes"] for e in r["endpoints"]}
+    assert addresses == {f"{k['metadata']['name']}.{namespace}.svc.cluster.local:80" for k in ksvcs}
+    # No Knative controller runs here, so the services never report Ready: ExpertsReady says so.
+    experts = f.wait(lambda: condition(moed(api, namespace, "kn"), "ExpertsReady") or None, 30, "ExpertsReady", operator)
+    assert experts["status"] == "False" and experts["reason"] == "Progressing"

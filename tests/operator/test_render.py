@@ -1,0 +1,141 @@
+import json
+
+from kubemoe.frontend.routing_table import build_route_map, parse_table
+from kubemoe.operator.config import OperatorConfig
+from kubemoe.operator.plan import Loads, plan
+from kubemoe.operator.render import (FINGERPRINT_ANNOTATION, RETIRED_ANNOTATION, child_name, observe, render)
+from kubemoe.operator.spec import MoEDeployment
+
+NOW = 1_000_000.0
+CONFIG = OperatorConfig()
+
+
+def rendered(f, nodes=2, loads=Loads(), previous=None, **overrides):
+    deployment = MoEDeployment.from_body(f.moed_body(**overrides))
+    p = plan(deployment.spec, loads, f.gpu_nodes(nodes), previous, NOW)
+    return deployment, p, render(deployment, p, CONFIG)
+
+
+def by_kind(objects, kind, api_version=None):
+    return [o for o in objects if o["kind"] == kind and (api_version is None or o["apiVersion"] == api_version)]
+
+
+def test_every_child_has_owner_labels_and_fingerprint(f):
+    deployment, _, objects = rendered(f)
+    for obj in objects:
+        meta = obj["metadata"]
+        assert meta["namespace"] == "default"
+        assert meta["ownerReferences"] == [{"apiVersion": "kubemoe.io/v1alpha1", "kind": "MoEDeployment",
+                                            "name": "tiny", "uid": "uid-1", "controller": True,
+                                            "blockOwnerDeletion": True}]
+        assert {meta["labels"][k] for k in ("app.kubernetes.io/name", "app.kubernetes.io/part-of")} == {"kubemoe"}
+        assert meta["labels"]["app.kubernetes.io/instance"] == "tiny"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "kubemoe-operator"
+        assert FINGERPRINT_ANNOTATION in meta["annotations"]
+        assert len(meta["name"]) <= 63
+
+
+def test_render_is_deterministic(f):
+    assert json.dumps(rendered(f)[2], sort_keys=True) == json.dumps(rendered(f)[2], sort_keys=True)
+
+
+def test_frontend_deployment_service_and_rbac(f):
+    _, _, objects = rendered(f, frontend={"replicas": 2, "gpus": 1})
+    deployment = next(o for o in by_kind(objects, "Deployment") if o["metadata"]["name"] == "tiny-frontend")
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert deployment["spec"]["replicas"] == 2
+    assert container["args"][:9] == ["frontend", "--checkpoint", "/models/tiny", "--routing-configmap",
+                                     "default/tiny-routing", "--host", "0.0.0.0", "--port", "8000"]
+    assert container["args"][9:11] == ["--grpc-port", "50051"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert container["securityContext"]["readOnlyRootFilesystem"] and container["securityContext"]["runAsNonRoot"]
+    assert pod["volumes"][0] == {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    service = next(o for o in by_kind(objects, "Service") if o["metadata"]["name"] == "tiny-frontend")
+    assert [(p["name"], p["port"]) for p in service["spec"]["ports"]] == [("http", 8000), ("grpc", 50051)]
+    role = by_kind(objects, "Role")[0]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["tiny-routing"],
+                              "verbs": ["get", "list", "watch"]}]
+
+
+def test_deployment_runtime_renders_a_pinned_deployment_and_service_per_bundle_and_node(f):
+    _, p, objects = rendered(f)
+    experts = [o for o in by_kind(objects, "Deployment") if o["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"]
+    assert len(experts) == 4 == len(p.services())
+    for d in experts:
+        node = d["metadata"]["annotations"]["kubemoe.io/node"]
+        pod = d["spec"]["template"]["spec"]
+        terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert terms == [{"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]
+        args = pod["containers"][0]["args"]
+        assert args[0] == "expert-fn" and args[args.index("--port") + 1] == "8080"
+        assert pod["containers"][0]["ports"] == [{"name": "h2c", "containerPort": 8080}]
+    routing = by_kind(objects, "ConfigMap")[0]
+    table = parse_table(routing["data"]["routing.json"])
+    routes = build_route_map(table, "tiny", [0, 1], 4)  # the frontend accepts it: every expert once
+    assert all(a.endswith(".default.svc.cluster.local:8080") for a in routes.addresses())
+
+
+def test_knative_runtime_annotations_affinity_and_address(f):
+    _, _, objects = rendered(f, experts={"runtime": "knative", "bundleBytes": "256Mi",
+                                         "scaling": {"keepAlive": "5m", "maxReplicasPerExpert": 4},
+                                         "placement": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}})
+    services = by_kind(objects, "Service", "serving.knative.dev/v1")
+    assert len(services) == 4
+    template = services[0]["spec"]["template"]
+    assert template["metadata"]["annotations"] == {
+        "autoscaling.knative.dev/min-scale": "1", "autoscaling.knative.dev/max-scale": "4",
+        "autoscaling.knative.dev/initial-scale": "1", "autoscaling.knative.dev/scale-down-delay": "5m",
+        "serving.knative.dev/progress-deadline": "15m"}
+    assert template["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+    assert template["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert not by_kind(objects, "Deployment")[1:]  # only the frontend is a Deployment
+    table = parse_table(by_kind(objects, "ConfigMap")[0]["data"]["routing.json"])
+    assert {e.address for r in table.routes for e in r.endpoints} == {
+        f"{s['metadata']['name']}.default.svc.cluster.local:80" for s in services}
+
+
+def test_retired_service_renders_unchanged_template_and_leaves_the_routing_table(f):
+    deployment, first, objects = rendered(f)
+    previous = observe(deployment.spec, "distributed", objects)
+    assert previous.nodes == first.nodes and previous.version == first.version
+    _, second, again = rendered(f, loads=Loads({(0, 0): 50.0, (0, 1): 50.0}), previous=previous)
+    assert second.retired
+    retired = [o for o in again if RETIRED_ANNOTATION in o["metadata"]["annotations"] and o["kind"] == "Deployment"]
+    assert len(retired) == len(second.retired)
+    before = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    for obj in retired:
+        assert obj["spec"]["template"] == before[("Deployment", obj["metadata"]["name"])]["spec"]["template"]  # pods stay warm
+    table = parse_table(by_kind(again, "ConfigMap")[0]["data"]["routing.json"])
+    addresses = {e.address for r in table.routes for e in r.endpoints}
+    assert not any(o["metadata"]["name"] in a for o in retired for a in addresses)
+    assert table.version == first.version + 1
+    assert set(observe(deployment.spec, "distributed", again).retired) == set(second.retired)
+
+
+def test_offload_mode_frontend_on_single_gpu_nodes_and_local_experts(f):
+    _, p, objects = rendered(f, mode="offload", offload={"gpuMemoryBudget": "20Gi"})
+    assert p.mode == "offload" and by_kind(objects, "Deployment")[0]["metadata"]["name"] == "tiny-frontend"
+    assert len(by_kind(objects, "Deployment")) == 1 and not by_kind(objects, "Service", "serving.knative.dev/v1")
+    pod = by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]
+    assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"] == [{"key": "nvidia.com/gpu.count", "operator": "In", "values": ["1"]}]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["KUBEMOE_MODE"] == "offload" and env["KUBEMOE_OFFLOAD_GPU_MEMORY_BUDGET"] == str(20 * 2**30)
+    table = parse_table(by_kind(objects, "ConfigMap")[0]["data"]["routing.json"])
+    assert {e.address for r in table.routes for e in r.endpoints} == {"local"}
+
+
+def test_object_store_checkpoint_is_copied_by_an_init_container(f):
+    _, _, objects = rendered(f, model={"uri": "s3://bucket/tiny", "layout": f.moed_body()["spec"]["model"]["layout"]})
+    pod = by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]
+    assert pod["initContainers"][0]["command"][:3] == ["aws", "s3", "sync"]
+    assert pod["volumes"][0] == {"name": "model", "emptyDir": {}}
+    _, _, objects = rendered(f, model={"uri": "hostpath:///data/tiny", "layout": f.moed_body()["spec"]["model"]["layout"]})
+    assert by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]["volumes"][0]["hostPath"]["path"] == "/data/tiny"
+
+
+def test_long_names_are_cut_with_a_hash_and_stay_unique():
+    a, b = child_name("x" * 60, "bundle-a"), child_name("x" * 60, "bundle-b")
+    assert len(a) == 63 and len(b) == 63 and a != b

@@ -1,0 +1,101 @@
+"""Malformed MoEDeployments are refused by the real API server with a message that says what to fix:
+OpenAPI types and enums by the server's own words, everything else by the CRD's CEL rules."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+pytestmark = pytest.mark.cluster
+
+MOED = dict(group="kubemoe.io", version="v1alpha1", plural="moedeployments")
+
+
+def _set(body: dict, path: str, value) -> dict:
+    body = copy.deepcopy(body)
+    *parents, last = path.split(".")
+    target = body
+    for key in parents:
+        target = target.setdefault(key, {})
+    if value is DELETE:
+        target.pop(last, None)
+    else:
+        target[last] = value
+    return body
+
+
+DELETE = object()
+
+# (id, dotted path under the body, value, what the API server's message must contain)
+BAD_SPECS = [
+    ("replicas-not-int", "spec.frontend.replicas", "two", "spec.frontend.replicas: Invalid value: \"string\""),
+    ("replicas-negative", "spec.frontend.replicas", -1, "must be at least 0"),
+    ("unknown-mode", "spec.mode", "hybrid", 'supported values: "distributed", "offload", "auto"'),
+    ("unknown-runtime", "spec.experts.runtime", "lambda", 'supported values: "knative", "deployment"'),
+    ("unknown-dtype", "spec.model.dtype", "int3", 'supported values: "bfloat16", "float16", "float32"'),
+    ("missing-uri", "spec.model.uri", DELETE, "spec.model.uri: Required value"),
+    ("hub-uri", "spec.model.uri", "hf://mistralai/Mixtral-8x7B", "spec.model.uri must be pvc://CLAIM/path"),
+    ("missing-layout", "spec.model.layout", DELETE, "spec.model.layout: Required value"),
+    ("experts-per-layer-zero", "spec.model.layout.expertsPerLayer", 0, "must be at least 1"),
+    ("no-moe-layers", "spec.model.layout.moeLayers", [], "should have at least 1 items"),
+    ("duplicate-layer", "spec.model.layout.moeLayers", [0, 0], "Duplicate value"),
+    ("expert-bytes-negative", "spec.model.layout.expertBytes", -5, "expertBytes must be a positive quantity"),
+    ("expert-bytes-not-quantity", "spec.model.layout.expertBytes", "big", "expertBytes must be a positive quantity"),
+    ("bundle-bytes-not-quantity", "spec.experts.bundleBytes", "256 megs", "bundleBytes must be a positive quantity"),
+    ("cv-zero", "spec.experts.scaling.cvThreshold", 0, "cvThreshold must be in (0, 1]"),
+    ("cv-above-one", "spec.experts.scaling.cvThreshold", 1.5, "cvThreshold must be in (0, 1]"),
+    ("cv-not-number", "spec.experts.scaling.cvThreshold", "low", "must be of type number"),
+    ("keepalive-not-duration", "spec.experts.scaling.keepAlive", "10 minutes",
+     "keepAlive must be a duration such as 90s, 10m or 1h30m"),
+    ("max-replicas-zero", "spec.experts.scaling.maxReplicasPerExpert", 0, "must be at least 1 and at most 1024"),
+    ("prediction-distance-zero", "spec.experts.scaling.predictionDistance", 0, "must be at least 1 and at most 8"),
+    ("gpus-negative", "spec.experts.gpus", -1, "must be at least 0"),
+    ("gpu-price-negative", "spec.cost.gpuHourPrice", -0.5, "gpuHourPrice must not be negative"),
+    ("offload-without-section", "spec.mode", "offload", "mode offload needs spec.offload.gpuMemoryBudget"),
+    ("knative-fields-with-deployment-runtime", "spec.experts",
+     {"runtime": "deployment", "knative": {"progressDeadline": "5m"}},
+     "spec.experts.knative is only used with runtime knative"),
+    ("offload-section-in-distributed", "spec.offload", {"gpuMemoryBudget": "20Gi"},
+     "spec.offload is only used in mode offload or auto"),
+    ("layer-cap-too-small", "spec.experts.scaling.layerMemoryCap", "1Mi",
+     "layerMemoryCap must hold one replica of every expert of a layer"),
+    ("progress-deadline-not-duration", "spec.experts.knative.progressDeadline", "soon",
+     "progressDeadline must be a duration"),
+    ("tolerations-not-list", "spec.experts.placement.tolerations", {"key": "x"}, "must be of type array"),
+]
+
+
+@pytest.fixture(scope="module")
+def valid_body(f):
+    body = f.moed_body(name="bad")
+    body["metadata"] = {"name": "bad"}  # the request's namespace applies
+    return body
+
+
+def test_the_corpus_is_large_enough():
+    assert len(BAD_SPECS) >= 20 and len({case[0] for case in BAD_SPECS}) == len(BAD_SPECS)
+
+
+def test_the_valid_body_is_accepted(api, chart, namespace, valid_body):
+    objects = client.CustomObjectsApi(api)
+    created = objects.create_namespaced_custom_object(namespace=namespace, body=valid_body, **MOED)
+    assert created["spec"]["experts"]["scaling"]["keepAlive"] == "10m"  # defaults applied by the server
+
+
+@pytest.mark.parametrize("case, path, value, message", BAD_SPECS, ids=[c[0] for c in BAD_SPECS])
+def test_bad_spec_is_rejected_with_a_message_that_says_what_to_fix(api, chart, namespace, valid_body, case, path,
+                                                                   value, message):
+    body = _set(valid_body, path, value)
+    with pytest.raises(ApiException) as rejected:
+        client.CustomObjectsApi(api).create_namespaced_custom_object(namespace=namespace, body=body, **MOED)
+    assert rejected.value.status == 422, rejected.value.body
+    assert message in rejected.value.body.replace('\\"', '"'), rejected.value.body
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "phi-3.5-moe", "llama-4-scout", "deepseek-v2-lite", "qwen3-30b-a3b",
+                                  "moonlight-16b-a3b"])
+def test_every_sample_is_accepted(api, chart, namespace, f, name):
+    client.CustomObjectsApi(api).create_namespaced_custom_object(namespace=namespace, body=f.sample(name), **MOED)
