@@ -62,6 +62,9 @@ def describe_machine(device: torch.device) -> dict:
 
 
 def git_commit() -> str:
+    """HEAD here; on a machine that got the tree without .git (the lent GPU), KUBEMOE_COMMIT."""
+    if os.environ.get("KUBEMOE_COMMIT"):
+        return os.environ["KUBEMOE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).resolve().parent).stdout.strip()
