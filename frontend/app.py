@@ -21,6 +21,8 @@ from kubemoe.proto import kubemoe_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+NOT_READY = "the frontend has no routing table yet, so no expert can run; retry in a few seconds"
+
 
 @dataclass(frozen=True)
 class FrontendConfig:

@@ -24,10 +24,14 @@ from kubemoe.frontend.text import TextStream
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "Delta", "PromptTooLong", "QueueFull", "EngineError"]
+__all__ = ["Engine", "Delta", "InvalidPrompt", "PromptTooLong", "QueueFull", "EngineError"]
 
 
-class PromptTooLong(ValueError):
+class InvalidPrompt(ValueError):
+    """The prompt cannot run: empty, or a token id outside the vocabulary."""
+
+
+class PromptTooLong(InvalidPrompt):
     """The prompt does not fit the model's context."""
 
 
@@ -82,6 +86,7 @@ class Engine:
         self.before_step = before_step  # e.g. the dispatcher switching routing tables between steps
         self.metrics, self.loads = metrics, loads
         self.device = next(model.parameters()).device
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         # Two micro-batches overlap: while one waits for its remote experts, the other runs its
         # attention (the two-batch overlap of DeepSeek-V3 and SGLang). One is plain batching.
         self.micro = [MicroBatch() for _ in range(micro_batches)]
@@ -94,9 +99,13 @@ class Engine:
     # -- asyncio side ---------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
-        """Stream deltas for one request. Raises PromptTooLong or QueueFull before anything runs."""
+        """Stream deltas for one request. Raises InvalidPrompt (PromptTooLong) or QueueFull before anything runs."""
         if not prompt_ids:
-            raise PromptTooLong("the prompt is empty; send at least one token")
+            raise InvalidPrompt("the prompt is empty; send at least one token")
+        bad = next((i for i in prompt_ids if isinstance(i, bool) or not isinstance(i, int)
+                    or not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidPrompt(f"token id {bad!r} is not in this model's vocabulary [0, {self.vocab_size})")
         if len(prompt_ids) >= self.max_context:
             raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_context} "
                                 "tokens (prompt plus at least one generated token): shorten the prompt")

@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from kubemoe.frontend.engine import PromptTooLong, QueueFull
-from kubemoe.frontend.http_api import NOT_READY, token_id_problem, vocab_size
+from kubemoe.frontend.app import NOT_READY
+from kubemoe.frontend.engine import InvalidPrompt, QueueFull
 from kubemoe.frontend.sampling import SamplingParams
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
@@ -52,16 +52,12 @@ def sampling_params(proto: pb.SamplingParams) -> SamplingParams:
 class GeneratorServicer(pb_grpc.GeneratorServicer):
     def __init__(self, frontend):
         self.frontend = frontend
-        self.vocab_size = vocab_size(frontend)
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         which = request.WhichOneof("input")
         if which is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "set prompt (text) or prompt_ids (token ids)")
-        ids = self.frontend.tokenizer.encode(request.prompt) if which == "prompt" else list(request.prompt_ids.ids)
-        if problem := token_id_problem(ids, self.vocab_size):
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{which}: {problem}")
-        return ids
+        return self.frontend.tokenizer.encode(request.prompt) if which == "prompt" else list(request.prompt_ids.ids)
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         code = grpc.StatusCode.OK
@@ -82,7 +78,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                         yield pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text,
                                                   finish_reason=delta.finish_reason or "",
                                                   usage=usage if delta.finish_reason else None)
-                except PromptTooLong as e:
+                except InvalidPrompt as e:  # empty, unknown token ids, or longer than the context
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
                 except QueueFull as e:
                     raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the server is busy: {e}") from None

@@ -21,13 +21,13 @@ from google.protobuf import json_format
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kubemoe.frontend.engine import Delta, PromptTooLong, QueueFull
+from kubemoe.frontend.app import NOT_READY
+from kubemoe.frontend.engine import Delta, InvalidPrompt, PromptTooLong, QueueFull
 from kubemoe.frontend.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 PROTOBUF = "application/x-protobuf"
-NOT_READY = "the frontend has no routing table yet, so no expert can run; retry in a few seconds"
 # OpenAI parameters this server does not implement: accepted only at a value that changes nothing.
 NO_OP_VALUES = {
     "n": (None, 1), "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
@@ -60,20 +60,6 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 def unknown_model(model: str, served: str) -> ApiError:
     return ApiError(404, f"the model {model!r} does not exist here; this server serves {served!r}",
                     param="model", code="model_not_found")
-
-
-def token_id_problem(ids, vocab_size: int) -> str | None:
-    """What is wrong with a prompt given as token ids, or None."""
-    if not ids:
-        return "the prompt is empty; send at least one token"
-    bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size), None)
-    if bad is not None:
-        return f"token id {bad!r} is not in this model's vocabulary [0, {vocab_size})"
-    return None
-
-
-def vocab_size(frontend) -> int:
-    return frontend.model.get_input_embeddings().num_embeddings
 
 
 # -- reading request bodies ---------------------------------------------------------------------
@@ -194,7 +180,6 @@ async def _chain(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delt
 class HttpApi:
     def __init__(self, frontend):
         self.frontend = frontend
-        self.vocab_size = vocab_size(frontend)
         self.created = int(time.time())
 
     # -- generation -------------------------------------------------------------------------------
@@ -210,8 +195,6 @@ class HttpApi:
             ids = prompt
         else:
             raise invalid("'prompt' must be a string or a list of token ids (one prompt per request)", param="prompt")
-        if problem := token_id_problem(ids, self.vocab_size):
-            raise invalid(problem, param="prompt")
         return await self._generate(request, body, COMPLETIONS, ids, _sampling(body, default_max_tokens=16))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -255,9 +238,10 @@ class HttpApi:
         async with contextlib.aclosing(self.frontend.engine.generate(request_id, ids, params)) as deltas:
             try:
                 first = await anext(deltas)
-            except PromptTooLong as e:
+            except InvalidPrompt as e:
                 param = "messages" if kind.chat else "prompt"
-                raise invalid(str(e), param=param, code="context_length_exceeded") from None
+                code = "context_length_exceeded" if isinstance(e, PromptTooLong) else None
+                raise invalid(str(e), param=param, code=code) from None
             except QueueFull as e:
                 raise ApiError(429, f"the server is busy: {e}", code="rate_limit_exceeded") from None
             if stream:
