@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -105,32 +106,46 @@ async def watch_file(path: Path, on_table: Callable[[pb.RoutingTable], Awaitable
         await asyncio.sleep(interval)
 
 
-async def watch_configmap(namespace: str, name: str, on_table: Callable[[pb.RoutingTable], Awaitable[None]]) -> None:
-    """Watch a ConfigMap's `routing.json` key with the Kubernetes API (in-cluster or kubeconfig credentials)."""
+async def watch_configmap(namespace: str, name: str, on_table: Callable[[pb.RoutingTable], Awaitable[None]],
+                          api_client=None) -> None:
+    """Watch a ConfigMap's `routing.json` key until cancelled.
+
+    Credentials: `api_client` if given, else in-cluster (the pod's service account), else kubeconfig.
+    """
     from kubernetes import client, config, watch
 
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    api = client.CoreV1Api()
-    loop = asyncio.get_running_loop()
-
-    def stream():  # the kubernetes client is synchronous: its watch runs in a worker thread
-        for event in watch.Watch().stream(api.list_namespaced_config_map, namespace,
-                                          field_selector=f"metadata.name={name}", timeout_seconds=0):
-            data = (event["object"].data or {}).get(CONFIGMAP_KEY)
-            if data and event["type"] in ("ADDED", "MODIFIED"):
-                try:
-                    table = parse_table(data)
-                except RoutingTableError as e:
-                    log.error("ignoring ConfigMap %s/%s: %s", namespace, name, e)
-                    continue
-                asyncio.run_coroutine_threadsafe(on_table(table), loop).result()
-
-    while True:
+    if api_client is None:
         try:
-            await asyncio.to_thread(stream)
-        except Exception as e:  # noqa: BLE001 - a broken watch is re-opened, never fatal
-            log.warning("routing ConfigMap watch ended (%s); re-opening", e)
-            await asyncio.sleep(1.0)
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+    api = client.CoreV1Api(api_client)
+    loop = asyncio.get_running_loop()
+    stop = threading.Event()
+
+    def follow() -> None:  # the kubernetes client is synchronous: it watches on a thread of its own
+        while not stop.is_set():
+            try:
+                for event in watch.Watch().stream(api.list_namespaced_config_map, namespace,
+                                                  field_selector=f"metadata.name={name}", timeout_seconds=60):
+                    if stop.is_set():
+                        return
+                    data = (event["object"].data or {}).get(CONFIGMAP_KEY)
+                    if not data or event["type"] not in ("ADDED", "MODIFIED"):
+                        continue
+                    try:
+                        table = parse_table(data)
+                    except RoutingTableError as e:
+                        log.error("ignoring ConfigMap %s/%s: %s", namespace, name, e)
+                        continue
+                    asyncio.run_coroutine_threadsafe(on_table(table), loop).result()
+            except Exception as e:  # noqa: BLE001 - a broken watch is re-opened, never fatal
+                if not stop.is_set():
+                    log.warning("routing ConfigMap %s/%s watch ended (%s); re-opening", namespace, name, e)
+                    stop.wait(1.0)
+
+    threading.Thread(target=follow, name=f"watch-{namespace}-{name}", daemon=True).start()
+    try:
+        await asyncio.Event().wait()  # until cancelled
+    finally:
+        stop.set()
