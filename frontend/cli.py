@@ -16,7 +16,9 @@ port_option = click.option("--port", default=8000, show_default=True, help="HTTP
 grpc_port_option = click.option("--grpc-port", default=50051, show_default=True, help="gRPC port (Generate).")
 max_batch_option = click.option("--max-batch", default=32, show_default=True, help="Sequences decoded together.")
 micro_batches_option = click.option("--micro-batches", type=click.IntRange(1, 2), default=1, show_default=True,
-                                    help="2 overlaps one half-batch's attention with the other's remote experts.")
+                                    help="2 decodes two half-batches on two threads so one's attention overlaps the "
+                                         "other's remote expert calls (experimental: slower than 1 in "
+                                         "benchmarks/results/frontend_*.json so far).")
 
 
 def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
