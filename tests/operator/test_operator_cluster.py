@@ -197,3 +197,19 @@ def test_knative_runtime_renders_pinned_services_with_the_plan(cluster, api, ope
     # No Knative controller runs here, so the services never report Ready: ExpertsReady says so.
     experts = f.wait(lambda: condition(moed(api, namespace, "kn"), "ExpertsReady") or None, 30, "ExpertsReady", operator)
     assert experts["status"] == "False" and experts["reason"] == "Progressing"
+
+
+def test_a_second_operator_replica_stands_by(cluster, api, operator, namespace, f, tmp_path):
+    """Peering: a lower-priority replica pauses while the running one acts, and never touches objects."""
+    standby = type(operator)(cluster, operator.kubeconfig, tmp_path / "standby.log")
+    standby.starts = -1000  # priority 1000 + starts: below every start of the session's operator
+    standby.start()
+    try:
+        f.wait(lambda: "Pausing operations in favour of" in standby.tail(200), 60, "the standby to pause", standby)
+        f.apply(cluster, hostpath_body(f, "peered", namespace))
+        f.wait(lambda: condition(moed(api, namespace, "peered"), "PlanApplied").get("status") == "True", 60,
+               "PlanApplied by the active operator", operator)
+        assert "peered" not in standby.tail(500), standby.tail(40)
+        assert standby.proc.poll() is None, "the standby must keep running, ready to take over"
+    finally:
+        standby.kill(signal.SIGTERM)
