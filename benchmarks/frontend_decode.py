@@ -12,7 +12,6 @@ monolithic model, and for kubemoe the share of the step spent in expert dispatch
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import tempfile

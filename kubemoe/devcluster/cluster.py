@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .pki import ADMIN_USER, Pki, create_pki
+from .pki import ADMIN_USER, create_pki
 from .testbin import Testbin, ensure_testbin
 
 KWOK_ANNOTATION = {"kwok.x-k8s.io/node": "fake"}
