@@ -28,6 +28,7 @@ NOT_READY = "the frontend has no routing table yet, so no expert can run; retry 
 class FrontendConfig:
     checkpoint: Path
     model: str = ""  # model id clients send; default: the checkpoint folder's name
+    name: str = ""  # this frontend in load reports; default: the host name (a pod's name in Kubernetes)
     routing_table: Path | None = None  # a file (JSON RoutingTable), or ...
     routing_configmap: str | None = None  # ... NAMESPACE/NAME of a ConfigMap with key routing.json
     dtype: str | None = None  # default: the checkpoint's
@@ -55,7 +56,7 @@ class Frontend:
         self.dtype = resolve_dtype(config.dtype, self.checkpoint.config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint.path)
         self.metrics = FrontendMetrics(config.model_id)
-        self.loads = LoadRecorder(config.model_id, socket.gethostname(), config.load_window_seconds)
+        self.loads = LoadRecorder(config.model_id, config.name or socket.gethostname(), config.load_window_seconds)
         self.dispatcher = Dispatcher(
             self.adapter, self.checkpoint, DispatchConfig(config.model_id, config.streaming, config.call_timeout),
             self.loads, self.dtype, self.device, self.metrics)

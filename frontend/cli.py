@@ -40,10 +40,12 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
 @max_batch_option
 @micro_batches_option
 @click.option("--model", default="", help="Model id clients send (default: the checkpoint folder's name).")
+@click.option("--name", default="", envvar="KUBEMOE_FRONTEND_NAME",
+              help="This frontend's name in load reports (default: the host name).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's).")
 def frontend_command(checkpoint, routing_table, routing_configmap, host, port, grpc_port, max_batch, micro_batches,
-                     model, device, dtype):
+                     model, name, device, dtype):
     """Serve a model: attention and routing here, routed experts per the routing table."""
     from kubemoe.frontend.app import FrontendConfig
 
@@ -51,7 +53,7 @@ def frontend_command(checkpoint, routing_table, routing_configmap, host, port, g
         raise click.UsageError("--checkpoint is required")
     if bool(routing_table) == bool(routing_configmap):
         raise click.UsageError("give exactly one of --routing-table and --routing-configmap")
-    config = FrontendConfig(checkpoint=checkpoint, model=model, routing_table=routing_table,
+    config = FrontendConfig(checkpoint=checkpoint, model=model, name=name, routing_table=routing_table,
                             routing_configmap=routing_configmap, dtype=dtype, device=device, max_batch=max_batch,
                             micro_batches=micro_batches)
     _serve(config, host, port, grpc_port, _banner)

@@ -64,8 +64,9 @@ def test_logits_and_greedy_generation_match_transformers(arch, tiny_checkpoint):
 
 
 def test_frontend_never_loads_routed_expert_weights(tiny_checkpoint):
-    fe = Frontend(FrontendConfig(checkpoint=tiny_checkpoint("qwen3_moe")))
+    fe = Frontend(FrontendConfig(checkpoint=tiny_checkpoint("qwen3_moe"), name="frontend-7f9c"))
     try:
+        assert fe.loads.report().frontend == "frontend-7f9c"  # the pod name the operator passes in
         names = [n for n, _ in fe.model.named_parameters()]
         assert not [n for n in names if ".experts." in n]
         assert any("mlp.gate.weight" in n for n in names) and any("embed_tokens" in n for n in names)
