@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
@@ -205,10 +206,13 @@ def test_a_second_operator_replica_stands_by(cluster, api, operator, namespace, 
     standby.starts = -1000  # priority 1000 + starts: below every start of the session's operator
     standby.start()
     try:
-        f.wait(lambda: "Pausing operations in favour of" in standby.tail(200), 60, "the standby to pause", standby)
+        # Kopf logs "Pausing operations in favour of ..." once it has read the peering object; on a
+        # loaded machine that can take a while, so wait for its startup and then for it to hold back.
+        f.wait(lambda: "Initial authentication has finished" in standby.tail(200), 60, "the standby to start", standby)
         f.apply(cluster, hostpath_body(f, "peered", namespace))
         f.wait(lambda: condition(moed(api, namespace, "peered"), "PlanApplied").get("status") == "True", 60,
                "PlanApplied by the active operator", operator)
+        time.sleep(5)  # time for a standby that wrongly acts to show it
         assert "peered" not in standby.tail(500), standby.tail(40)
         assert standby.proc.poll() is None, "the standby must keep running, ready to take over"
     finally:
