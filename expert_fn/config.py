@@ -9,7 +9,7 @@ import torch
 
 from kubemoe.adapters import MoEAdapter
 from kubemoe.bundles import ExpertKey, format_bundle_spec, parse_bundle_spec
-from kubemoe.checkpoint import Checkpoint
+from kubemoe.checkpoint import Checkpoint, default_model_id
 from kubemoe.devices import resolve_device, resolve_dtype
 from kubemoe.errors import KubemoeError
 from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES
@@ -59,7 +59,7 @@ class ExpertFnConfig:
         return cls(
             checkpoint=ckpt.path,
             bundle=keys,
-            model=model or ckpt.path.resolve().name,
+            model=model or default_model_id(ckpt.path),
             device=resolve_device(device),
             dtype=resolve_dtype(dtype, ckpt.config),
             arch=adapter.arch.name,

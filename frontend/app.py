@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kubemoe.adapters import MoEAdapter
-from kubemoe.checkpoint import Checkpoint
+from kubemoe.checkpoint import Checkpoint, default_model_id
 from kubemoe.devices import resolve_device, resolve_dtype
 from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher
 from kubemoe.frontend.engine import Engine
@@ -42,7 +42,7 @@ class FrontendConfig:
 
     @property
     def model_id(self) -> str:
-        return self.model or Path(self.checkpoint).resolve().name
+        return self.model or default_model_id(self.checkpoint)
 
 
 class Frontend:

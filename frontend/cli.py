@@ -73,13 +73,14 @@ def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, m
     """Run everything locally: a frontend and expert functions over gRPC on loopback.
 
     With no arguments it generates (or reuses) a tiny checkpoint in ~/.cache/kubemoe."""
+    from kubemoe.checkpoint import default_model_id
     from kubemoe.frontend.app import FrontendConfig
     from kubemoe.frontend.embedded import default_checkpoint, embedded_bundles, expert_processes
     from kubemoe.frontend.routing_table import table_for_bundles, to_json
 
     checkpoint = checkpoint or default_checkpoint(arch)
     bundles = embedded_bundles(checkpoint, experts)
-    model = checkpoint.resolve().name
+    model = default_model_id(checkpoint)
     click.echo(f"starting {len(bundles)} expert functions for {model} ...", err=True)
     with expert_processes(checkpoint, bundles, model) as experts, tempfile.TemporaryDirectory() as tmp:
         table = Path(tmp) / "routing.json"

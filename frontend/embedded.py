@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import closing, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kubemoe.bundles import Bundle, bundles_by_count
 from kubemoe.errors import KubemoeError
+from kubemoe.net import free_port
 
 DEFAULT_ARCH = "mixtral"
 
@@ -41,12 +41,6 @@ def default_checkpoint(arch: str = DEFAULT_ARCH) -> Path:
         make_checkpoint(get_preset(arch, "tiny"), tmp / "ckpt", progress=False)
         (tmp / "ckpt").rename(path)  # atomic: a half-written checkpoint is never reused
     return path
-
-
-def free_port() -> int:
-    with closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import torch
+from transformers import DynamicCache
 
 from kubemoe.frontend.batch import BatchState
 from kubemoe.frontend.sampling import SamplingParams, sample_next
@@ -168,8 +169,6 @@ class Engine:
                     self.loads.record_tokens(len(mb.seqs))
                 finished += [seq for i, seq in enumerate(mb.seqs) if self._advance(seq, logits[i], mb, i)]
         for seq in plan.prefill:
-            from transformers import DynamicCache
-
             cache = DynamicCache()
             ids = torch.tensor([seq.prompt_ids], device=self.device)
             logits = self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
@@ -187,7 +186,7 @@ class Engine:
             self._remove(finished)
 
     def _decode(self, mb: MicroBatch) -> torch.Tensor:  # -> logits [B, V] of the micro-batch
-        with torch.inference_mode():
+        with torch.inference_mode():  # inference mode is per thread: micro-batches run on pool threads
             inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
                       for k, v in mb.state.decode_inputs(mb.tokens).items()}
             return self.model(**inputs, use_cache=True).logits[:, -1]

@@ -21,6 +21,14 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+def default_model_id(path: str | Path) -> str:
+    """The model id clients and expert functions use when none is given: the checkpoint folder's name.
+
+    Frontends and expert functions must agree on it, so both take it from here.
+    """
+    return Path(path).resolve().name
+
+
 class Checkpoint:
     """A read-only view of a checkpoint folder."""
 

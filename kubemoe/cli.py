@@ -53,13 +53,11 @@ def checkpoint_inspect(path: Path) -> None:
     """Print what kubemoe sees in a checkpoint: MoE layers, experts, routing, sizes."""
     from kubemoe.adapters import MoEAdapter
     from kubemoe.checkpoint import Checkpoint
+    from kubemoe.devices import resolve_dtype
 
     ckpt = Checkpoint(path)
     adapter = MoEAdapter(ckpt.config)
-    dtype = ckpt.config.dtype
-    import torch
-
-    dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype or "float32"))
+    dtype = resolve_dtype(None, ckpt.config)
     rows = [
         ("architecture", adapter.arch.name),
         ("layers", adapter.num_layers),

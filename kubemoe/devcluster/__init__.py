@@ -1,7 +1,7 @@
 """A real Kubernetes control plane for tests and demos: etcd, kube-apiserver, kube-scheduler,
 kube-controller-manager and kwok (fake GPU nodes), built from the Go module proxy and cached.
 
-Standalone on purpose: stdlib and the `kubernetes` client only, no other kubemoe module.
+Standalone on purpose: stdlib, the `kubernetes` client and the stdlib-only `kubemoe.net`; no other kubemoe module.
 """
 
 from .cluster import Cluster, ClusterConfig, ClusterError, gpu_node, wait_for

@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -28,6 +27,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Callable, Sequence
+
+from kubemoe.net import free_port
 
 from .pki import ADMIN_USER, create_pki
 from .testbin import Testbin, ensure_testbin
@@ -74,12 +75,6 @@ def _stop_live_clusters() -> None:
 def _die_with_parent() -> None:
     # Runs in the child between fork and exec: the kernel SIGKILLs it when our thread dies.
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(check: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.2,
