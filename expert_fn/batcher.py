@@ -36,6 +36,7 @@ class Job:
 
     x: torch.Tensor  # [T, H] as decoded from the request (CPU, request dtype, read-only)
     groups: list[tuple[ExpertKey, int]]  # (key, tokens) per group, in row order
+    out_buffer: torch.Tensor | None = None  # [T, H] where the reply goes (a shared-memory region); None: new
     arrived: float = field(default_factory=time.perf_counter)
     # Set by the round that runs it:
     out: torch.Tensor | None = None  # [T, H], CPU, request dtype
@@ -100,7 +101,11 @@ def run_round(
             job.compute_seconds = compute
             if job.error is None:
                 out = x if not job_pieces else job_pieces[0] if len(job_pieces) == 1 else torch.cat(job_pieces)
-                job.out = out.to(device="cpu", dtype=job.x.dtype)  # [T, H]; no copy on CPU in dtype
+                if job.out_buffer is None:
+                    job.out = out.to(device="cpu", dtype=job.x.dtype)  # [T, H]; no copy on CPU in dtype
+                else:  # over the request's own region: every input of the round has been read by now
+                    job.out = job.out_buffer.copy_(out, non_blocking=True)  # async DMA when the region is pinned
+        sync()
     return {key: sum(p.tokens for p in parts) for key, parts in plan.items()}
 
 
@@ -122,6 +127,7 @@ class MicroBatcher:
         self._overlapping = False  # the latest arrival found work pending or running
         self._wakeup: asyncio.Event | None = None
         self._dispatcher: asyncio.Task | None = None
+        self._when_idle: list[Callable[[], None]] = []
         self.rounds = 0
 
     @property
@@ -156,23 +162,51 @@ class MicroBatcher:
                 await self._gather_more()
             jobs, self._pending, self._pending_tokens = self._pending, [], 0
             started = time.perf_counter()
-            for job in jobs:
-                job.queue_seconds = started - job.arrived
-            self._busy = True
-            try:
-                if self._executor is None or self._inline(jobs):
-                    self._run(jobs)
-                else:
+            if self._executor is None or self._inline(jobs):
+                self._run_now(jobs, started)
+            else:
+                self._start(jobs, started)
+                try:
                     await loop.run_in_executor(self._executor, self._run, jobs)
-            except Exception as e:  # a bug, not a bad request: fail these jobs, keep serving
-                for job in jobs:
-                    job.error = job.error or e
-            finally:
-                self._busy = False
-                self.rounds += 1
+                except Exception as e:  # a bug, not a bad request: fail these jobs, keep serving
+                    self._fail(jobs, e)
+                self._finish(jobs)
             for job in jobs:
                 if not job.done.done():
                     job.done.set_result(None)
+
+    def _run_now(self, jobs: list[Job], started: float) -> None:
+        """Run a round on the event loop (it blocks the loop: only for short rounds)."""
+        self._start(jobs, started)
+        try:
+            self._run(jobs)
+        except Exception as e:  # a bug, not a bad request: fail these jobs, keep serving
+            self._fail(jobs, e)
+        self._finish(jobs)
+
+    def _start(self, jobs: list[Job], started: float) -> None:
+        for job in jobs:
+            job.queue_seconds = started - job.arrived
+        self._busy = True
+
+    @staticmethod
+    def _fail(jobs: list[Job], error: Exception) -> None:
+        for job in jobs:
+            job.error = job.error or error
+
+    def _finish(self, jobs: list[Job]) -> None:
+        self._busy = False
+        self.rounds += 1
+        callbacks, self._when_idle = self._when_idle, []
+        for callback in callbacks:
+            callback()
+
+    def call_when_idle(self, callback: Callable[[], None]) -> None:
+        """Call now if no round is running, else right after the running one."""
+        if self._busy:
+            self._when_idle.append(callback)
+        else:
+            callback()
 
     async def _gather_more(self) -> None:
         deadline = self._pending[0].arrived + self._wait_s

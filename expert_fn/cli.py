@@ -28,8 +28,10 @@ from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES
               help="Largest gRPC message accepted or sent.")
 @click.option("--grace-seconds", type=float, default=25.0, show_default=True,
               help="On SIGTERM, how long in-flight calls may take to finish.")
+@click.option("--shm-dir", default="/dev/shm", show_default=True,
+              help="tmpfs folder shared with frontends on this node, for tensors without copies through gRPC; '' : none.")
 def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | None, device: str, dtype: str | None,
-            metrics_port: int, batch_wait_ms: float, max_message_bytes: int, grace_seconds: float) -> None:
+            metrics_port: int, batch_wait_ms: float, max_message_bytes: int, grace_seconds: float, shm_dir: str) -> None:
     """Serve a bundle of experts over gRPC until SIGTERM."""
     from kubemoe.expert_fn.config import ExpertFnConfig
     from kubemoe.expert_fn.server import serve
@@ -37,7 +39,7 @@ def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | No
     config = ExpertFnConfig.build(
         checkpoint, bundle, model=model, device=device, dtype=dtype, host=host, port=port,
         metrics_port=None if metrics_port < 0 else metrics_port, batch_wait_ms=batch_wait_ms,
-        max_message_bytes=max_message_bytes, grace_seconds=grace_seconds,
+        max_message_bytes=max_message_bytes, grace_seconds=grace_seconds, shm_dir=Path(shm_dir) if shm_dir else None,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(config))

@@ -1,9 +1,14 @@
 """The client a frontend uses to call one expert-function endpoint.
 
-With `streaming=True` (the default) every forward() goes over ONE long-lived ForwardStream per
+With `streaming=True` (the default) every call goes over ONE long-lived ForwardStream per
 client: no per-call HTTP/2 stream setup, and replies, which may come out of order, are matched to
 callers by request_id. If the stream breaks, the calls waiting on it fail with UNAVAILABLE (expert
 calls have no side effects: retrying them is safe) and the next call opens a new stream.
+
+With `shm_dir` set, each new stream offers the server a shared-memory segment (shm.py). A server on
+this node that sees the same folder attaches it; a call then copies its hidden states into a region
+of the segment, sends only the region's offset, and reads the reply from the same region. A server
+elsewhere refuses, and tensors travel inline, as do calls that find no free region large enough.
 
 Errors surface as grpc.aio.AioRpcError: `.code()` is the status, `.details()` says what was wrong.
 """
@@ -12,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import grpc
@@ -20,25 +27,65 @@ import torch
 
 from kubemoe import wire
 from kubemoe.expert_fn.servicer import REQUEST_ID_METADATA
-from kubemoe.expert_fn.transport import grpc_options
+from kubemoe.expert_fn.shm import ATTACHED, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError
+from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+class _Stream:
+    """One open ForwardStream: its calls in flight and, when the server attached one, its segment."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, segment: Segment | None):
+        self.call, self.segment = call, segment
+        self.allocator = Allocator(HEADER_BYTES, segment.size) if segment is not None else None
+        self.write_lock = asyncio.Lock()  # one writer at a time
+        self.pending: dict[str, asyncio.Future] = {}  # request_id -> its caller's future
+        self.regions: dict[str, int] = {}  # request_id -> offset of its region, until the reply is read
+        self.reader: asyncio.Task | None = None
+
+    def place(self, request_id: str, hidden: torch.Tensor, msg: pb.Tensor) -> bool:
+        """Copy `hidden` into a free region and name it in `msg`; False when none is large enough."""
+        if self.allocator is None:
+            return False
+        offset = self.allocator.alloc(hidden.numel() * hidden.element_size())
+        if offset is None:
+            return False
+        shape = list(hidden.shape)
+        self.segment.view(offset, hidden.dtype, shape).copy_(hidden)
+        wire.describe_shared(msg, hidden.dtype, shape, offset)
+        self.regions[request_id] = offset
+        return True
+
+    def release(self, request_id: str) -> None:
+        offset = self.regions.pop(request_id, None)
+        if offset is not None:
+            self.allocator.free(offset)
+
+
 class ExpertClient:
-    def __init__(self, address: str, *, model: str, streaming: bool = True, max_message_bytes: int = 64 << 20):
+    def __init__(self, address: str, *, model: str, streaming: bool = True,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, shm_dir: str | Path | None = None,
+                 shm_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self.address, self.model, self.streaming = address, model, streaming
+        self.shm_dir, self.shm_bytes = shm_dir, shm_bytes
         self._options = grpc_options(max_message_bytes)
         self._channel: grpc.aio.Channel | None = None  # made on first use, inside the event loop
-        self._stream: grpc.aio.StreamStreamCall | None = None
-        self._reader: asyncio.Task | None = None
-        self._write_lock: asyncio.Lock | None = None  # one writer at a time on the stream
-        self._pending: dict[str, asyncio.Future] = {}
+        self._stream: _Stream | None = None
+        self._open_lock = asyncio.Lock()
+        self._told_inline = False  # said once in the log why tensors travel inline
         self._ids = (f"{os.getpid():x}-{id(self):x}-{n}" for n in itertools.count())
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether the open stream moves tensors through shared memory."""
+        return self._stream is not None and self._stream.segment is not None
 
     @property
     def _stub(self) -> pb_grpc.ExpertServiceStub:
@@ -57,32 +104,42 @@ class ExpertClient:
         request_id: str = "",
         timeout: float | None = None,
     ) -> torch.Tensor:  # [sum(counts), H], hidden's dtype and device
+        return (await self.call(layer, experts, counts, hidden, request_id=request_id, timeout=timeout))[0]
+
+    async def call(self, layer: int, experts: Sequence[int], counts: Sequence[int], hidden: torch.Tensor, *,
+                   request_id: str = "", timeout: float | None = None) -> tuple[torch.Tensor, pb.ServerTiming]:
+        """forward(), and the server's timing of the call (for benchmarks and tools)."""
         request = pb.ForwardRequest(model=self.model, request_id=request_id or next(self._ids), layer=layer,
                                     experts=experts, counts=counts)
-        wire.encode_into(hidden, request.hidden)  # in place: no second copy of the bytes
-        response = await self.forward_response(request, timeout=timeout)
-        out = wire.decode(response.hidden)  # aliases the response's bytes, which nothing else holds
-        return out if hidden.device.type == "cpu" else out.to(hidden.device)
-
-    async def forward_response(self, request: pb.ForwardRequest, *, timeout: float | None = None) -> pb.ForwardResponse:
-        """Send a prepared request; the whole response, ServerTiming included (for benchmarks and tools)."""
-        if not request.request_id:
-            request.request_id = next(self._ids)
         if self.streaming:
-            return await self._forward_streamed(request, timeout)
-        return await self._stub.Forward(request, timeout=timeout)
+            return await self._call_streamed(request, hidden, timeout)
+        wire.encode_into(hidden, request.hidden)  # in place: no second copy of the bytes
+        response = await self._stub.Forward(request, timeout=timeout)
+        out = wire.decode(response.hidden)  # aliases the response's bytes, which nothing else holds
+        return (out if hidden.device.type == "cpu" else out.to(hidden.device)), response.timing
 
-    async def _forward_streamed(self, request: pb.ForwardRequest, timeout: float | None) -> pb.ForwardResponse:
+    async def _call_streamed(self, request: pb.ForwardRequest, hidden: torch.Tensor,
+                             timeout: float | None) -> tuple[torch.Tensor, pb.ServerTiming]:
         rid = request.request_id
-        if rid in self._pending:
+        stream = await self._open(timeout)
+        if rid in stream.pending:
             raise ValueError(f"request_id {rid!r} is already in flight on this client; ids must be unique")
-        stream = self._open_stream()
-        done = self._pending[rid] = asyncio.get_running_loop().create_future()
+        done = stream.pending[rid] = asyncio.get_running_loop().create_future()
         try:
-            async with self._write_lock:
-                await stream.write(request)
-            return await asyncio.wait_for(done, timeout)
-        except TimeoutError:
+            shared = stream.place(rid, hidden, request.hidden)
+            if not shared:
+                wire.encode_into(hidden, request.hidden)
+            async with stream.write_lock:
+                await stream.call.write(request)
+            response = await asyncio.wait_for(done, timeout)
+            out = wire.decode(response.hidden, stream.segment)
+            if shared:  # copy the reply out: its region is reused by the next call
+                out = out.clone() if hidden.device.type == "cpu" else out.to(hidden.device)
+                stream.release(rid)
+            elif hidden.device.type != "cpu":
+                out = out.to(hidden.device)
+            return out, response.timing
+        except TimeoutError:  # a region stays reserved until the late reply comes (the reader frees it)
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"no reply to request {rid!r} from {self.address} within {timeout}s") from None
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
@@ -96,22 +153,57 @@ class ExpertClient:
                 self._stream = None  # the next call opens a new stream
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream to {self.address} closed: {e}") from None
         finally:
-            self._pending.pop(rid, None)
+            stream.pending.pop(rid, None)
 
-    def _open_stream(self) -> grpc.aio.StreamStreamCall:
+    async def _open(self, timeout: float | None) -> _Stream:
         if self._stream is None:
-            self._stream = self._stub.ForwardStream()
-            self._write_lock = asyncio.Lock()
-            self._reader = asyncio.get_running_loop().create_task(self._read_replies(self._stream))
+            async with self._open_lock:  # callers arriving meanwhile share the one new stream
+                if self._stream is None:
+                    self._stream = await self._new_stream(timeout)
         return self._stream
 
-    async def _read_replies(self, stream: grpc.aio.StreamStreamCall) -> None:
+    async def _new_stream(self, timeout: float | None) -> _Stream:
+        segment = self._offer_segment()
+        call = self._stub.ForwardStream(metadata=((METADATA_KEY, segment.offer),) if segment else None)
+        if segment is not None:
+            try:  # the server answers in its initial metadata, before any reply
+                answer = dict(await asyncio.wait_for(call.initial_metadata(), timeout) or ()).get(METADATA_KEY, "")
+            except TimeoutError:
+                call.cancel()
+                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"{self.address} did not open a stream within {timeout}s") from None
+            finally:
+                segment.unlink()  # attached or not, nobody needs the name any more
+            if answer != ATTACHED:
+                self._tell_inline(answer or "the server did not answer the offer")
+                segment = None
+        stream = _Stream(call, segment)
+        stream.reader = asyncio.get_running_loop().create_task(self._read_replies(stream))
+        return stream
+
+    def _offer_segment(self) -> Segment | None:
+        if self.shm_dir is None:
+            return None
+        try:
+            return Segment.create(self.shm_dir, self.shm_bytes)
+        except SharedMemoryError as e:
+            self._tell_inline(str(e))
+            return None
+
+    def _tell_inline(self, why: str) -> None:
+        if not self._told_inline:
+            self._told_inline = True
+            log.info("tensors to %s travel inline, not through shared memory: %s", self.address, why)
+
+    async def _read_replies(self, stream: _Stream) -> None:
         error: grpc.aio.AioRpcError | None = None
         try:
-            async for response in stream:
-                waiter = self._pending.get(response.request_id)
-                if waiter is not None and not waiter.done():  # else: the caller timed out; drop the late reply
+            async for response in stream.call:
+                waiter = stream.pending.get(response.request_id)
+                if waiter is not None and not waiter.done():
                     waiter.set_result(response)
+                else:  # the caller timed out: drop the late reply, free its region
+                    stream.release(response.request_id)
         except grpc.aio.AioRpcError as e:
             error = e
         except asyncio.CancelledError:
@@ -119,15 +211,16 @@ class ExpertClient:
         finally:
             if self._stream is stream:
                 self._stream = None  # the next call opens a new stream
-            self._fail_pending(error or rpc_error(grpc.StatusCode.UNAVAILABLE, f"the server at {self.address} ended the stream"))
+            self._fail_pending(stream, error or rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                                          f"the server at {self.address} ended the stream"))
 
-    def _fail_pending(self, error: grpc.aio.AioRpcError) -> None:
+    def _fail_pending(self, stream: _Stream, error: grpc.aio.AioRpcError) -> None:
         # A refused request names itself in the trailers: it gets the real status; the others
         # were collateral damage and may simply be retried.
         culprit = dict(error.trailing_metadata() or ()).get(REQUEST_ID_METADATA)
         retry = rpc_error(grpc.StatusCode.UNAVAILABLE,
                           f"the stream to {self.address} broke ({error.code().name}: {error.details()}); retry the call")
-        for rid, waiter in list(self._pending.items()):
+        for rid, waiter in list(stream.pending.items()):
             if not waiter.done():
                 waiter.set_exception(error if rid == culprit or culprit is None and error.code() in _PASS_THROUGH else retry)
 
@@ -142,17 +235,17 @@ class ExpertClient:
 
     async def close(self) -> None:
         """End the stream cleanly (the server sees the client finish, not a cancel), then the channel."""
-        if self._stream is not None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
             try:
-                await self._stream.done_writing()
-                await asyncio.wait_for(asyncio.shield(self._reader), 1.0)
+                await stream.call.done_writing()
+                await asyncio.wait_for(asyncio.shield(stream.reader), 1.0)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, TimeoutError):
-                self._stream.cancel()
-        if self._reader is not None:
-            await asyncio.gather(self._reader, return_exceptions=True)
+                stream.call.cancel()
+            await asyncio.gather(stream.reader, return_exceptions=True)
         if self._channel is not None:
             await self._channel.close()
-        self._channel = self._stream = self._reader = None
+        self._channel = None
 
     async def __aenter__(self) -> "ExpertClient":
         return self

@@ -15,7 +15,6 @@ from kubemoe.errors import KubemoeError
 from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 
-
 @dataclass(frozen=True)
 class ExpertFnConfig:
     checkpoint: Path
@@ -31,6 +30,8 @@ class ExpertFnConfig:
     batch_wait_ms: float = 0.5
     max_batch_tokens: int = 8192  # a batch stops waiting once it holds this many tokens
     grace_seconds: float = 25.0  # below Knative's default 30 s terminationGracePeriod
+    # A tmpfs folder shared with same-node frontends (see shm.py); None: tensors always travel inline.
+    shm_dir: Path | None = None
     arch: str = field(default="", compare=False)
 
     @property

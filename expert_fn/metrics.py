@@ -36,6 +36,8 @@ class ExpertFnMetrics:
         self.experts_held = make(Gauge, "experts_held", "Experts held").labels(bundle)
         self._load = make(Histogram, "load_seconds", "Time to load experts from the checkpoint",
                           buckets=(0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self._shm = make(Counter, "shared_memory_streams",
+                         "ForwardStreams that offered a shared-memory segment, by outcome", ("result",))
         self._per_key: dict[ExpertKey, tuple] = {}  # labelled children, looked up once per expert
         # labels() costs ~6 us a call: resolve the bundle-only children once.
         self._rounds, self._compute, self._queue, self._load = (
@@ -56,6 +58,9 @@ class ExpertFnMetrics:
                 children = self._per_key[key] = (self._tokens.labels(*labels), self._runs.labels(*labels))
             children[0].inc(tokens)
             children[1].inc()
+
+    def shared_memory(self, attached: bool) -> None:
+        self._shm.labels(self.bundle, "attached" if attached else "refused").inc()
 
     def loaded(self, seconds: float, held_bytes: int, held_experts: int) -> None:
         self._load.observe(seconds)

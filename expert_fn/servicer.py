@@ -7,6 +7,8 @@ mismatch therefore costs one cast on each side, never a failed call; the precisi
 ForwardStream answers each request as soon as it is done, so replies can come out of order; the
 client matches them by request_id. ForwardResponse has no error field, so a bad request on a stream
 ends the stream with its status, and the trailing metadata `kubemoe-request-id` names the request.
+A client on the same node may attach a shared-memory segment to its stream (see shm.py): requests
+then name regions of it instead of carrying bytes, and replies overwrite those regions.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kubemoe.expert_fn.batcher import Job, MicroBatcher, run_round
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.errors import ExpertFnError, invalid, not_found
 from kubemoe.expert_fn.metrics import ExpertFnMetrics
+from kubemoe.expert_fn.shm import ATTACHED, METADATA_KEY, REFUSED, Segment, SharedMemoryError
 from kubemoe.expert_fn.store import ExpertStore
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
@@ -53,7 +56,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     # -- Forward ------------------------------------------------------------------------------
 
-    def _job(self, request: pb.ForwardRequest) -> Job:
+    def _job(self, request: pb.ForwardRequest, segment: Segment | None) -> Job:
         if request.model != self.config.model:
             raise not_found(f"this expert function serves model {self.config.model!r}, not {request.model!r}; "
                             "check which endpoint the routing table gives for that model")
@@ -65,7 +68,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         if not request.HasField("hidden"):
             raise invalid("hidden is missing: send the tokens as a [tokens, hidden_size] tensor")
         try:
-            x = wire.decode(request.hidden)
+            x = wire.decode(request.hidden, segment)
         except wire.WireError as e:
             raise invalid(f"hidden: {e}") from None
         hidden_size = self.store.adapter.hidden_size
@@ -75,7 +78,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             raise invalid(f"counts sum to {sum(counts)} but hidden has {x.shape[0]} rows")
         for expert in set(experts):
             self.store.get(request.layer, expert)  # raises with what is wrong: not in the model, or not held
-        return Job(x, [((request.layer, e), c) for e, c in zip(experts, counts)])
+        shared = request.hidden.WhichOneof("payload") == "shared"
+        return Job(x, [((request.layer, e), c) for e, c in zip(experts, counts)], out_buffer=x if shared else None)
 
     def _is_small(self, jobs: list[Job]) -> bool:
         return sum(job.tokens for job in jobs) * self._flops_per_token <= self._inline_flops
@@ -85,9 +89,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                            self.config.device, self.config.dtype)
         self.metrics.round(tokens, jobs[0].compute_seconds, [job.queue_seconds for job in jobs])
 
-    async def _forward(self, request: pb.ForwardRequest) -> pb.ForwardResponse:
+    async def _forward(self, request: pb.ForwardRequest, segment: Segment | None = None) -> pb.ForwardResponse:
         started = time.perf_counter()
-        job = self._job(request)
+        job = self._job(request, segment)
         self.metrics.queue_depth.set(self.batcher.queue_depth + 1)
         self._forwards_in_progress += 1
         try:
@@ -98,7 +102,10 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         if job.error is not None:
             raise job.error
         response = pb.ForwardResponse(request_id=request.request_id)
-        wire.encode_into(job.out, response.hidden)  # in place: no second copy of the bytes
+        if job.out_buffer is not None:  # the reply is already in the request's region
+            wire.describe_shared(response.hidden, job.out.dtype, list(job.out.shape), request.hidden.shared.offset)
+        else:
+            wire.encode_into(job.out, response.hidden)  # in place: no second copy of the bytes
         timing = response.timing
         timing.queue_seconds, timing.compute_seconds = job.queue_seconds, job.compute_seconds
         timing.total_seconds = time.perf_counter() - started
@@ -107,43 +114,70 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     async def Forward(self, request, context):
         return await self._call("Forward", context, self._forward(request))
 
-    async def ForwardStream(self, request_iterator, context) -> AsyncIterator[pb.ForwardResponse]:
+    async def ForwardStream(self, request_iterator, context) -> None:
+        # Each request runs in its own task and writes its own reply (one writer at a time): no hop
+        # through a queue and a generator per reply. The first refused request ends the stream.
         loop = asyncio.get_running_loop()
-        finished: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()  # None: the client sent its last request
+        segment = await self._attach(context)
+        write_lock = asyncio.Lock()
+        refused: asyncio.Future = loop.create_future()  # (error, request_id) of the first failure
         running: set[asyncio.Task] = set()
+
+        async def answer(request: pb.ForwardRequest) -> None:
+            try:
+                response = await self._forward(request, segment)
+                async with write_lock:
+                    await context.write(response)
+            except Exception as e:
+                if not refused.done():
+                    refused.set_result((e, request.request_id))
 
         async def read_requests() -> None:
             async for request in request_iterator:
-                task = loop.create_task(self._forward(request))
-                task.request_id = request.request_id
+                task = loop.create_task(answer(request))
                 running.add(task)
-                task.add_done_callback(finished.put_nowait)
-            finished.put_nowait(None)
+                task.add_done_callback(running.discard)
+            while running:  # the client sent its last request: answer the ones still running
+                await asyncio.wait(set(running))
 
         reader = loop.create_task(read_requests())
-        reading = True
         try:
-            while reading or running:
-                task = await finished.get()
-                if task is None:
-                    reading = False
-                    reader.result()  # a broken request stream surfaces here
-                    continue
-                running.discard(task)
-                try:
-                    response = task.result()
-                except Exception as e:
-                    code, message = self._status(e, "ForwardStream")
-                    await context.abort(code, f"request {task.request_id!r}: {message}",
-                                        trailing_metadata=((REQUEST_ID_METADATA, task.request_id),))
-                yield response
+            await asyncio.wait((reader, refused), return_when=asyncio.FIRST_COMPLETED)
+            if refused.done():
+                error, request_id = refused.result()
+                code, message = self._status(error, "ForwardStream")
+                await context.abort(code, f"request {request_id!r}: {message}",
+                                    trailing_metadata=((REQUEST_ID_METADATA, request_id),))
+            reader.result()  # a broken request stream surfaces here
             self.metrics.call("ForwardStream", "OK")
         except asyncio.CancelledError:
             return  # the server is stopping (SIGTERM) or the client left: nobody is waiting for an answer
         finally:
             reader.cancel()
-            for task in running:
+            for task in list(running):
                 task.cancel()
+            if segment is not None:  # never while a round may still be copying into it
+                self.batcher.call_when_idle(segment.unpin)
+
+    async def _attach(self, context: grpc.aio.ServicerContext) -> Segment | None:
+        """Map the shared-memory segment the client offered, if any; tell it the outcome either way."""
+        offer = dict(context.invocation_metadata() or ()).get(METADATA_KEY)
+        if offer is None:
+            return None
+        segment = None
+        try:
+            if self.config.shm_dir is None:
+                raise SharedMemoryError("this expert function runs without --shm-dir")
+            segment = Segment.attach(self.config.shm_dir, offer, max_bytes=4 * self.config.max_message_bytes)
+            if self.config.device.type == "cuda":
+                await asyncio.to_thread(segment.pin)  # else its copies to the GPU go through a bounce buffer
+            answer = ATTACHED
+        except SharedMemoryError as e:
+            answer = f"{REFUSED}: {e}"
+            log.info("inline tensors for a client on %s: %s", context.peer(), e)
+        self.metrics.shared_memory(answer == ATTACHED)
+        await context.send_initial_metadata(((METADATA_KEY, answer.encode("ascii", "replace").decode()),))
+        return segment
 
     # -- weights ------------------------------------------------------------------------------
 

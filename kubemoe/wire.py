@@ -2,16 +2,21 @@
 
 Decoding wraps the message's bytes with `torch.frombuffer` (no copy; the tensor is read-only in
 spirit and must not be written to). Encoding takes the tensor's contiguous CPU storage as bytes
-(one copy, which protobuf needs to own the data).
+(one copy, which protobuf needs to own the data). A tensor may instead lie in a shared-memory
+segment (kubemoe.expert_fn.shm): the message then names only its region, and decoding gives a view.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 from kubemoe.proto import kubemoe_pb2 as pb
+
+if TYPE_CHECKING:
+    from kubemoe.expert_fn.shm import Segment
 
 TO_WIRE = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16}
 FROM_WIRE = {v: k for k, v in TO_WIRE.items()}
@@ -41,7 +46,16 @@ def encode_into(tensor: torch.Tensor, msg: pb.Tensor) -> pb.Tensor:
     return msg
 
 
-def decode(msg: pb.Tensor) -> torch.Tensor:
+def describe_shared(msg: pb.Tensor, dtype: torch.dtype, shape: list[int], offset: int) -> pb.Tensor:
+    """Fill `msg` in place for a tensor at `offset` of the stream's shared-memory segment."""
+    msg.dtype = TO_WIRE[dtype]
+    msg.shape[:] = shape
+    msg.shared.offset = offset
+    return msg
+
+
+def decode(msg: pb.Tensor, segment: "Segment | None" = None) -> torch.Tensor:
+    """The tensor `msg` carries: a view of its bytes, or of `segment` when it names a shared region."""
     dtype = FROM_WIRE.get(msg.dtype)
     if dtype is None:
         raise WireError(f"tensor dtype {pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype} "
@@ -49,6 +63,14 @@ def decode(msg: pb.Tensor) -> torch.Tensor:
     shape = list(msg.shape)
     if any(d < 0 for d in shape):
         raise WireError(f"tensor shape {shape} has a negative dimension")
+    if msg.WhichOneof("payload") == "shared":
+        if segment is None:
+            raise WireError("the tensor names a shared-memory region, but this call has no segment attached: "
+                            "send the bytes inline, or use a ForwardStream that attached one")
+        try:
+            return segment.view(msg.shared.offset, dtype, shape)
+        except ValueError as e:
+            raise WireError(str(e)) from None
     numel = 1
     for d in shape:
         numel *= d

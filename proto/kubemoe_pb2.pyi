@@ -19,14 +19,22 @@ BFLOAT16: DType
 FLOAT16: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "shared")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shared: SharedRegion
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shared: _Optional[_Union[SharedRegion, _Mapping]] = ...) -> None: ...
+
+class SharedRegion(_message.Message):
+    __slots__ = ("offset",)
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    def __init__(self, offset: _Optional[int] = ...) -> None: ...
 
 class ExpertKey(_message.Message):
     __slots__ = ("layer", "expert")

@@ -72,6 +72,14 @@ class ExpertServiceServicer:
 
     def ForwardStream(self, request_iterator, context):
         """One long-lived stream per frontend and endpoint; replies may come out of order (request_id).
+
+        Same-node shared memory: a client on the server's node may offer a segment with the request
+        metadata `kubemoe-shm: <file name>:<nonce hex>`: a file in the server's --shm-dir whose
+        first bytes are the nonce. The server answers in its initial metadata, before any reply:
+        `kubemoe-shm: attached`, or `kubemoe-shm: refused: <why>` (tensors then travel inline). On an
+        attached stream a request's hidden may be a SharedRegion; its reply overwrites that same
+        region (same shape and dtype) and names it in its own hidden. The mapping lives as long as
+        the stream; unary Forward never carries SharedRegions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

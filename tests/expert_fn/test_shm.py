@@ -1,0 +1,167 @@
+"""Same-node shared memory: the handshake, exact results, fallbacks, and bad regions refused."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import pytest
+import torch
+
+from kubemoe import wire
+from kubemoe.expert_fn.shm import ALIGN, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError
+from kubemoe.proto import kubemoe_pb2 as pb
+from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
+
+ARCH = "mixtral"  # tiny: MoE layers 0 and 1, 8 experts, hidden 128, float32
+H = 128
+
+
+# -- the allocator (pure) ---------------------------------------------------------------------------
+
+def test_allocator_reuses_freed_regions_and_merges_neighbours():
+    a = Allocator(4096, 4096 + 1000 * ALIGN)
+    x, y, z = a.alloc(100), a.alloc(ALIGN), a.alloc(10 * ALIGN)
+    assert (x, y, z) == (4096, 4096 + 2 * ALIGN, 4096 + 3 * ALIGN)  # rounded up to ALIGN, first fit
+    assert a.alloc(1000 * ALIGN) is None  # larger than what is left
+    a.free(y)
+    assert a.alloc(ALIGN) == y  # the hole is reused
+    a.free(x), a.free(y), a.free(z)
+    assert a.in_use == 0
+    assert a.alloc(1000 * ALIGN) == 4096  # all three merged back into one range
+
+
+def test_allocator_frees_in_any_order():
+    a = Allocator(0, 64 * ALIGN)
+    regions = [a.alloc(ALIGN) for _ in range(64)]
+    assert a.alloc(1) is None
+    for offset in regions[1::2] + regions[::2]:
+        a.free(offset)
+    assert a.alloc(64 * ALIGN) == 0
+
+
+# -- segments ---------------------------------------------------------------------------------------
+
+def test_a_segment_is_private_to_its_user_and_attaches_with_its_nonce(tmp_path):
+    seg = Segment.create(tmp_path, 1 << 20)
+    assert os.stat(seg.path).st_mode & 0o777 == 0o600
+    seg.view(HEADER_BYTES, torch.float32, [4]).copy_(torch.arange(4.0))
+    peer = Segment.attach(tmp_path, seg.offer, max_bytes=1 << 20)
+    assert torch.equal(peer.view(HEADER_BYTES, torch.float32, [4]), torch.arange(4.0))  # the same memory
+    seg.unlink()
+    assert not any(tmp_path.iterdir())
+    assert torch.equal(peer.view(HEADER_BYTES, torch.float32, [4]), torch.arange(4.0))  # still mapped
+
+
+@pytest.mark.parametrize("case, words", [
+    ("wrong nonce", "does not hold the offered nonce"),
+    ("bad name", "is not kubemoe-<32 hex digits>"),
+    ("path in name", "is not kubemoe-<32 hex digits>"),
+    ("missing file", "not on this node's shared folder"),
+    ("symlink", "not on this node's shared folder"),
+    ("too large", "maps at most"),
+])
+def test_attach_refuses_what_the_client_did_not_create(case, words, tmp_path):
+    seg = Segment.create(tmp_path, 1 << 20)
+    name, nonce = seg.offer.split(":")
+    offer = {
+        "wrong nonce": f"{name}:{'0' * 32}",
+        "bad name": f"secrets:{nonce}",
+        "path in name": f"../{name}:{nonce}",
+        "missing file": f"kubemoe-{'a' * 32}:{nonce}",
+        "symlink": f"kubemoe-{'b' * 32}:{nonce}",
+        "too large": seg.offer,
+    }[case]
+    (tmp_path / f"kubemoe-{'b' * 32}").symlink_to(seg.path)
+    with pytest.raises(SharedMemoryError, match=words):
+        Segment.attach(tmp_path, offer, max_bytes=1 << 10 if case == "too large" else 1 << 20)
+
+
+def test_views_outside_the_segment_are_refused(tmp_path):
+    seg = Segment.create(tmp_path, 1 << 12)
+    with pytest.raises(ValueError, match="ends past the segment"):
+        seg.view(HEADER_BYTES, torch.float32, [1 << 11])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        seg.view(HEADER_BYTES + 4, torch.float32, [1])
+    with pytest.raises(ValueError, match="at least 4096"):
+        seg.view(0, torch.float32, [1])  # the header (nonce) is not data
+
+
+# -- over a real channel ----------------------------------------------------------------------------
+
+@pytest.fixture
+async def shm_server(tiny_checkpoint, serve, tmp_path):
+    async with serve(tiny_checkpoint(ARCH), shm_dir=tmp_path) as running:
+        yield running
+
+
+async def test_tensors_go_through_shared_memory_with_exactly_the_inline_results(shm_server, tmp_path):
+    xs = [torch.randn(n, H, generator=torch.Generator().manual_seed(n)) for n in (1, 5, 17, 64)]
+    inline = shm_server.client()
+    want = [await inline.forward(1, [n % 8, 7], [len(x) - 1, 1], x) for n, x in enumerate(xs)]
+    client = shm_server.client(shm_dir=tmp_path)
+    got = await asyncio.gather(*(client.forward(1, [n % 8, 7], [len(x) - 1, 1], x) for n, x in enumerate(xs)))
+    assert client.shared_memory
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert not any(tmp_path.iterdir())  # the client removed the file once the server had mapped it
+    assert shm_server.metrics.value("shared_memory_streams_total", result="attached") == 1
+    got_again = [await client.forward(1, [n % 8, 7], [len(x) - 1, 1], x) for n, x in enumerate(xs)]
+    assert all(torch.equal(g, w) for g, w in zip(got_again, want))  # regions are reused
+    assert client._stream.allocator.in_use == 0
+    await client.close()
+    await inline.close()
+
+
+async def test_a_call_larger_than_the_free_segment_travels_inline(shm_server, tmp_path):
+    client = shm_server.client(shm_dir=tmp_path, shm_bytes=16 * H * 4)  # room for 16 tokens
+    x = torch.randn(40, H)
+    small, big = await asyncio.gather(client.forward(0, [1], [8], x[:8]), client.forward(0, [2], [40], x))
+    assert client.shared_memory
+    inline = shm_server.client(streaming=False)
+    assert torch.equal(small, await inline.forward(0, [1], [8], x[:8]))
+    assert torch.equal(big, await inline.forward(0, [2], [40], x))
+    await client.close()
+    await inline.close()
+
+
+async def test_a_server_without_the_folder_refuses_and_tensors_travel_inline(tiny_checkpoint, serve, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    for shm_dir in (None, other):  # no --shm-dir; a folder the client does not share (another node)
+        async with serve(tiny_checkpoint(ARCH), shm_dir=shm_dir) as server:
+            client = server.client(shm_dir=tmp_path)
+            x = torch.randn(3, H)
+            got = await client.forward(1, [2], [3], x)
+            assert not client.shared_memory
+            assert not any(tmp_path.glob("kubemoe-*"))  # the refused segment is gone too
+            assert torch.equal(got, await server.client(streaming=False).forward(1, [2], [3], x))
+            assert server.metrics.value("shared_memory_streams_total", result="refused") == 1
+            await client.close()
+
+
+async def test_bad_shared_regions_are_refused_and_the_server_keeps_serving(shm_server, tmp_path):
+    seg = Segment.create(tmp_path, 1 << 16)
+    async with grpc.aio.insecure_channel(shm_server.address) as channel:
+        stub = pb_grpc.ExpertServiceStub(channel)
+        for offset, words in ((1 << 20, "ends past the segment"), (HEADER_BYTES + 8, "multiple of 64")):
+            call = stub.ForwardStream(metadata=((METADATA_KEY, seg.offer),))
+            assert dict(await call.initial_metadata())[METADATA_KEY] == "attached"
+            req = pb.ForwardRequest(model=shm_server.config.model, request_id="bad", layer=0, experts=[1], counts=[2])
+            wire.describe_shared(req.hidden, torch.float32, [2, H], offset)
+            await call.write(req)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call.read()
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert words in refused.value.details()
+        req = pb.ForwardRequest(model=shm_server.config.model, request_id="unary", layer=0, experts=[1], counts=[2])
+        wire.describe_shared(req.hidden, torch.float32, [2, H], HEADER_BYTES)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Forward(req)  # a unary call has no segment
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "no segment attached" in refused.value.details()
+    seg.unlink()
+    client = shm_server.client(shm_dir=tmp_path)
+    assert (await client.forward(1, [6], [4], torch.randn(4, H))).shape == (4, H)
+    assert client.shared_memory
+    await client.close()
