@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from kubemoe.devices import DTYPE_CHOICES
-from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES
+from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_DIR
 
 
 @click.command("expert-fn")
@@ -28,7 +28,7 @@ from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES
               help="Largest gRPC message accepted or sent.")
 @click.option("--grace-seconds", type=float, default=25.0, show_default=True,
               help="On SIGTERM, how long in-flight calls may take to finish.")
-@click.option("--shm-dir", default="/dev/shm", show_default=True,
+@click.option("--shm-dir", default=DEFAULT_SHM_DIR, show_default=True,
               help="tmpfs folder shared with frontends on this node, for tensors without copies through gRPC; '' : none.")
 def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | None, device: str, dtype: str | None,
             metrics_port: int, batch_wait_ms: float, max_message_bytes: int, grace_seconds: float, shm_dir: str) -> None:

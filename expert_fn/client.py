@@ -27,7 +27,8 @@ import torch
 
 from kubemoe import wire
 from kubemoe.expert_fn.servicer import REQUEST_ID_METADATA
-from kubemoe.expert_fn.shm import ATTACHED, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError
+from kubemoe.expert_fn.shm import (ATTACHED, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError,
+                                   copy_into)
 from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
@@ -58,7 +59,7 @@ class _Stream:
         if offset is None:
             return False
         shape = list(hidden.shape)
-        self.segment.view(offset, hidden.dtype, shape).copy_(hidden)
+        copy_into(self.segment.view(offset, hidden.dtype, shape), hidden)
         wire.describe_shared(msg, hidden.dtype, shape, offset)
         self.regions[request_id] = offset
         return True
@@ -134,7 +135,7 @@ class ExpertClient:
             response = await asyncio.wait_for(done, timeout)
             out = wire.decode(response.hidden, stream.segment)
             if shared:  # copy the reply out: its region is reused by the next call
-                out = out.clone() if hidden.device.type == "cpu" else out.to(hidden.device)
+                out = copy_into(torch.empty(out.shape, dtype=out.dtype, device=hidden.device), out)
                 stream.release(rid)
             elif hidden.device.type != "cpu":
                 out = out.to(hidden.device)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -42,11 +41,8 @@ async def create_server(
     """
     checkpoint = Checkpoint(config.checkpoint)
     store = ExpertStore(checkpoint, MoEAdapter(checkpoint.config), config.bundle, config.dtype, config.device)
-    # One compute thread: torch already spreads one matmul over all cores, and one round at a
-    # time is what lets requests arriving meanwhile merge into the next round.
-    compute = ThreadPoolExecutor(1, thread_name_prefix="expert-compute")
     servicer = ExpertServicer(config, store, metrics or ExpertFnMetrics(config.bundle_spec),
-                              health_aio.HealthServicer(), compute)
+                              health_aio.HealthServicer())
     server = grpc.aio.server(options=grpc_options(config.max_message_bytes))
     pb_grpc.add_ExpertServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import Executor
 from typing import AsyncIterator, Iterable
 
 import grpc
@@ -35,22 +34,15 @@ from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertService"].full_name
 REQUEST_ID_METADATA = "kubemoe-request-id"
-# Rounds up to this many FLOPs run on the event loop (see MicroBatcher): about a millisecond of work.
-# A GPU round of any expert call size is that short (Mixtral, 256 tokens: 90 GFLOP).
-INLINE_FLOPS = {"cpu": 20e6, "cuda": 1e12}
 log = logging.getLogger(__name__)
 
 
 class ExpertServicer(pb_grpc.ExpertServiceServicer):
     def __init__(self, config: ExpertFnConfig, store: ExpertStore, metrics: ExpertFnMetrics,
-                 health: health_aio.HealthServicer, compute_executor: Executor | None):
+                 health: health_aio.HealthServicer):
         self.config, self.store, self.metrics, self.health = config, store, metrics, health
         self.batcher = MicroBatcher(self._run_round, wait_s=config.batch_wait_ms / 1e3,
-                                    max_tokens=config.max_batch_tokens, executor=compute_executor,
-                                    inline=self._is_small)
-        adapter = store.adapter
-        self._flops_per_token = 6 * adapter.hidden_size * adapter.expert_intermediate_size
-        self._inline_flops = INLINE_FLOPS[config.device.type]
+                                    max_tokens=config.max_batch_tokens)
         self._dtype = wire.TO_WIRE[config.dtype]
         self._forwards_in_progress = 0
 
@@ -81,10 +73,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         shared = request.hidden.WhichOneof("payload") == "shared"
         return Job(x, [((request.layer, e), c) for e, c in zip(experts, counts)], out_buffer=x if shared else None)
 
-    def _is_small(self, jobs: list[Job]) -> bool:
-        return sum(job.tokens for job in jobs) * self._flops_per_token <= self._inline_flops
-
-    def _run_round(self, jobs: list[Job]) -> None:  # on the compute thread, or inline when small
+    def _run_round(self, jobs: list[Job]) -> None:
         tokens = run_round(jobs, lambda key: self.store.get(*key), self.store.adapter.act,
                            self.config.device, self.config.dtype)
         self.metrics.round(tokens, jobs[0].compute_seconds, [job.queue_seconds for job in jobs])
@@ -156,8 +145,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             reader.cancel()
             for task in list(running):
                 task.cancel()
-            if segment is not None:  # never while a round may still be copying into it
-                self.batcher.call_when_idle(segment.unpin)
+            if segment is not None:
+                segment.unpin()  # no round is running: rounds run on this loop and end synchronised
 
     async def _attach(self, context: grpc.aio.ServicerContext) -> Segment | None:
         """Map the shared-memory segment the client offered, if any; tell it the outcome either way."""

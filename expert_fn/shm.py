@@ -134,6 +134,22 @@ class Segment:
             self._pinned = False
 
 
+def copy_into(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:
+    """dst.copy_(src), but as one memcpy on this thread when both are contiguous CPU tensors of one dtype.
+
+    torch spreads a copy of more than 32K elements over its OpenMP threads; waking them costs
+    more than the copy itself at expert-call sizes (a 512 KiB copy: 18 us alone, up to 170 us
+    with the wake-ups, measured on 2 cores). `non_blocking` as in Tensor.copy_: the caller then
+    synchronises before anyone reads `dst`.
+    """
+    if (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and dst.shape == src.shape
+            and dst.is_contiguous() and src.is_contiguous()):
+        dst.detach().reshape(-1).view(torch.uint8).numpy()[:] = src.detach().reshape(-1).view(torch.uint8).numpy()
+    else:
+        dst.copy_(src, non_blocking=non_blocking)  # casts, or a DMA
+    return dst
+
+
 class Allocator:
     """Regions of a segment for the calls in flight: first fit, neighbours merged on free.
 

@@ -10,6 +10,9 @@ alone gains little; together they let a message cross in a few large reads.
 from __future__ import annotations
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 4096 tokens of Mixtral hidden states in float32 each way
+# Where frontends and expert functions on one node meet for shared-memory tensors (shm.py): the
+# host's /dev/shm outside containers; in pods, a hostPath mounted at the same place in both.
+DEFAULT_SHM_DIR = "/dev/shm"
 
 HTTP2_WINDOW_BYTES = 64 << 20
 

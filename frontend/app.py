@@ -39,6 +39,7 @@ class FrontendConfig:
     load_window_seconds: float = 30.0
     streaming: bool = True
     call_timeout: float = 30.0
+    shm_dir: Path | None = None  # see DispatchConfig
 
     @property
     def model_id(self) -> str:
@@ -58,7 +59,7 @@ class Frontend:
         self.metrics = FrontendMetrics(config.model_id)
         self.loads = LoadRecorder(config.model_id, config.name or socket.gethostname(), config.load_window_seconds)
         self.dispatcher = Dispatcher(
-            self.adapter, self.checkpoint, DispatchConfig(config.model_id, config.streaming, config.call_timeout),
+            self.adapter, self.checkpoint, DispatchConfig(config.model_id, config.streaming, config.call_timeout, shm_dir=config.shm_dir),
             self.loads, self.dtype, self.device, self.metrics)
         from kubemoe.frontend.shell import build_shell
 

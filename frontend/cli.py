@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from kubemoe.expert_fn.transport import DEFAULT_SHM_DIR
+
 
 checkpoint_option = click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
                                  help="Checkpoint folder (safetensors, config.json, tokenizer).")
@@ -19,6 +21,9 @@ micro_batches_option = click.option("--micro-batches", type=click.IntRange(1, 2)
                                     help="2 decodes two half-batches on two threads so one's attention overlaps the "
                                          "other's remote expert calls (experimental: slower than 1 in "
                                          "benchmarks/results/frontend_*.json so far).")
+shm_dir_option = click.option("--shm-dir", default=DEFAULT_SHM_DIR, show_default=True,
+                              help="tmpfs folder shared with expert functions on this node: their tensors then skip "
+                                   "the socket ('' : always inline).")
 
 
 def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
@@ -39,13 +44,14 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
 @grpc_port_option
 @max_batch_option
 @micro_batches_option
+@shm_dir_option
 @click.option("--model", default="", help="Model id clients send (default: the checkpoint folder's name).")
 @click.option("--name", default="", envvar="KUBEMOE_FRONTEND_NAME",
               help="This frontend's name in load reports (default: the host name).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's).")
 def frontend_command(checkpoint, routing_table, routing_configmap, host, port, grpc_port, max_batch, micro_batches,
-                     model, name, device, dtype):
+                     shm_dir, model, name, device, dtype):
     """Serve a model: attention and routing here, routed experts per the routing table."""
     from kubemoe.frontend.app import FrontendConfig
 
@@ -55,7 +61,7 @@ def frontend_command(checkpoint, routing_table, routing_configmap, host, port, g
         raise click.UsageError("give exactly one of --routing-table and --routing-configmap")
     config = FrontendConfig(checkpoint=checkpoint, model=model, name=name, routing_table=routing_table,
                             routing_configmap=routing_configmap, dtype=dtype, device=device, max_batch=max_batch,
-                            micro_batches=micro_batches)
+                            micro_batches=micro_batches, shm_dir=Path(shm_dir) if shm_dir else None)
     _serve(config, host, port, grpc_port, _banner)
 
 
@@ -69,7 +75,8 @@ def frontend_command(checkpoint, routing_table, routing_configmap, host, port, g
 @grpc_port_option
 @max_batch_option
 @micro_batches_option
-def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, micro_batches):
+@shm_dir_option
+def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, micro_batches, shm_dir):
     """Run everything locally: a frontend and expert functions over gRPC on loopback.
 
     With no arguments it generates (or reuses) a tiny checkpoint in ~/.cache/kubemoe."""
@@ -82,11 +89,12 @@ def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, m
     bundles = embedded_bundles(checkpoint, experts)
     model = default_model_id(checkpoint)
     click.echo(f"starting {len(bundles)} expert functions for {model} ...", err=True)
-    with expert_processes(checkpoint, bundles, model) as experts, tempfile.TemporaryDirectory() as tmp:
+    shm = Path(shm_dir) if shm_dir else None
+    with expert_processes(checkpoint, bundles, model, shm_dir=shm) as experts, tempfile.TemporaryDirectory() as tmp:
         table = Path(tmp) / "routing.json"
         table.write_text(to_json(table_for_bundles(model, bundles, experts.addresses)))
         config = FrontendConfig(checkpoint=checkpoint, routing_table=table, max_batch=max_batch,
-                                micro_batches=micro_batches)
+                                micro_batches=micro_batches, shm_dir=shm)
         _serve(config, host, port, grpc_port,
                lambda fe, h, g: _banner(fe, h, g, f", experts in {len(bundles)} local processes"))
     click.echo("stopped", err=True)

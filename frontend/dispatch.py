@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import torch
@@ -50,6 +51,7 @@ class DispatchConfig:
     model: str
     streaming: bool = True
     call_timeout: float = 30.0  # seconds per attempt
+    shm_dir: Path | None = None  # shared with expert functions on this node (expert_fn/shm.py); None: inline
     max_attempts: int = 4
     cooldown: float = 2.0  # seconds a failed replica is avoided while others are healthy
 
@@ -185,7 +187,8 @@ class Dispatcher:
         if client is None:
             from kubemoe.expert_fn.client import ExpertClient
 
-            client = self._clients[address] = ExpertClient(address, model=self.config.model, streaming=self.config.streaming)
+            client = self._clients[address] = ExpertClient(address, model=self.config.model, streaming=self.config.streaming,
+                                                           shm_dir=self.config.shm_dir)
         return client
 
     def close(self) -> None:

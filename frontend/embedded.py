@@ -51,7 +51,7 @@ class ExpertProcesses:
 
 @contextmanager
 def expert_processes(checkpoint: Path, bundles: list[Bundle], model: str, replicas: int = 1,
-                     ready_timeout: float = 120.0):
+                     ready_timeout: float = 120.0, shm_dir: Path | None = None):
     """Start `replicas` expert-function processes per bundle; stop them all (SIGTERM) afterwards."""
     started = ExpertProcesses()
     # The processes share this machine's cores with each other and the frontend: without a split,
@@ -66,7 +66,7 @@ def expert_processes(checkpoint: Path, bundles: list[Bundle], model: str, replic
                 started.procs[address] = subprocess.Popen(
                     [sys.executable, "-m", "kubemoe.cli", "expert-fn", "--checkpoint", str(checkpoint),
                      "--model", model, "--bundle", bundle.spec(), "--host", "127.0.0.1",
-                     "--port", address.rsplit(":", 1)[1], "--metrics-port", "-1"],
+                     "--port", address.rsplit(":", 1)[1], "--metrics-port", "-1", "--shm-dir", str(shm_dir or "")],
                     stdin=subprocess.DEVNULL, start_new_session=True, env=env)  # Ctrl-C reaches only the frontend
         for address, proc in started.procs.items():
             wait_serving(address, proc, ready_timeout)

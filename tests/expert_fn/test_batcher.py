@@ -87,7 +87,7 @@ class Recorder:
 
 async def test_an_isolated_request_does_not_wait():
     run = Recorder()
-    batcher = MicroBatcher(run, wait_s=10.0, max_tokens=1000, executor=None)
+    batcher = MicroBatcher(run, wait_s=10.0, max_tokens=1000)
     start = time.perf_counter()
     for _ in range(3):  # one after another: never overlapping
         await batcher.submit(make_job((0, 1)))
@@ -97,35 +97,31 @@ async def test_an_isolated_request_does_not_wait():
 
 async def test_overlapping_requests_wait_and_merge():
     run = Recorder()
-    batcher = MicroBatcher(run, wait_s=0.2, max_tokens=1000, executor=None)
+    batcher = MicroBatcher(run, wait_s=0.2, max_tokens=1000)
     jobs = await asyncio.gather(*(batcher.submit(make_job((0, 1))) for _ in range(10)))
     assert run.rounds == [10] and all(job.out is not None for job in jobs)
     assert all(job.queue_seconds < 0.2 + 0.1 for job in jobs)
     await batcher.close()
 
 
-async def test_requests_arriving_during_a_round_join_the_next_one(executor):
+async def test_requests_arriving_during_a_round_join_the_next_one():
     run = Recorder(seconds=0.1)
-    batcher = MicroBatcher(run, wait_s=0.0, max_tokens=1000, executor=executor)
-    first = asyncio.ensure_future(batcher.submit(make_job((0, 1))))
-    await asyncio.sleep(0.02)  # the first round is running
-    await asyncio.gather(first, *(batcher.submit(make_job((0, 1))) for _ in range(5)))
+    batcher = MicroBatcher(run, wait_s=0.0, max_tokens=1000)
+    loop = asyncio.get_running_loop()
+    later = [loop.create_future() for _ in range(5)]
+    for future in later:  # due while the first round blocks the loop, as gRPC reads would be
+        loop.call_later(0.02, lambda f=future: f.set_result(asyncio.ensure_future(batcher.submit(make_job((0, 1))))))
+    await batcher.submit(make_job((0, 1)))
+    await asyncio.gather(*[await future for future in later])
     assert run.rounds == [1, 5]
     await batcher.close()
 
 
 async def test_a_full_batch_stops_waiting():
     run = Recorder()
-    batcher = MicroBatcher(run, wait_s=30.0, max_tokens=8, executor=None)
+    batcher = MicroBatcher(run, wait_s=30.0, max_tokens=8)
     start = time.perf_counter()
     await asyncio.gather(*(batcher.submit(make_job((0, 4))) for _ in range(2)))
     assert time.perf_counter() - start < 5.0
     await batcher.close()
 
-
-@pytest.fixture
-def executor():
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(1) as pool:
-        yield pool

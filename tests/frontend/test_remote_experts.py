@@ -23,11 +23,11 @@ from .test_correctness import ARCHS, PROMPTS, generate_all, reference_greedy
 class ExpertServers:
     """Expert-function servers for a checkpoint's bundles, in this process, on a loop thread of their own."""
 
-    def __init__(self, path, bundles, replicas=1):
+    def __init__(self, path, bundles, replicas=1, shm_dir=None):
         self.loop = LoopThread("expert-servers")
         self.servers, self.addresses = [], {}
         for bundle in bundles:
-            config = ExpertFnConfig.build(path, bundle.spec(), device="cpu", metrics_port=None)
+            config = ExpertFnConfig.build(path, bundle.spec(), device="cpu", metrics_port=None, shm_dir=shm_dir)
             for _ in range(replicas):
                 server, port = self.loop.run(create_server("127.0.0.1:0", config))
                 self.loop.run(server.start())
@@ -45,17 +45,19 @@ class ExpertServers:
         self.loop.stop()
 
 
-@pytest.mark.parametrize("streaming", [True, False], ids=["stream", "unary"])
+@pytest.mark.parametrize("transport", ["stream", "unary", "shm"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_generation_over_grpc_matches_transformers(arch, streaming, tiny_checkpoint):
+def test_greedy_generation_over_grpc_matches_transformers(arch, transport, tiny_checkpoint, tmp_path):
     path = tiny_checkpoint(arch)
-    fe = Frontend(FrontendConfig(checkpoint=path, streaming=streaming))
+    shm_dir = tmp_path if transport == "shm" else None  # the folder frontend and expert functions share
+    fe = Frontend(FrontendConfig(checkpoint=path, streaming=transport != "unary", shm_dir=shm_dir))
     bundles = bundles_by_count(fe.adapter.moe_layers, fe.adapter.num_experts, 2)
-    servers = ExpertServers(path, bundles)
+    servers = ExpertServers(path, bundles, shm_dir=shm_dir)
     try:
         fe.set_routing_table(table_for_bundles(fe.model_id, bundles, servers.addresses))
         fe.engine.eos_ids = set()
         ours = asyncio.run(generate_all(fe, PROMPTS))
+        assert all(c.shared_memory == (transport == "shm") for c in fe.dispatcher._clients.values())
     finally:
         fe.close()
         servers.stop()
@@ -63,16 +65,16 @@ def test_greedy_generation_over_grpc_matches_transformers(arch, streaming, tiny_
     assert ours == reference_greedy(reference, PROMPTS)
 
 
-def test_a_killed_replica_loses_no_request(tiny_checkpoint):
-    """Two replica processes of one bundle; one is SIGKILLed while requests are decoding."""
+def test_a_killed_replica_loses_no_request(tiny_checkpoint, tmp_path):
+    """Two replica processes of one bundle; one is SIGKILLed while requests are decoding (tensors in shared memory)."""
     path = tiny_checkpoint("mixtral")
     bundles = embedded_bundles(path, 1)
-    fe = Frontend(FrontendConfig(checkpoint=path, call_timeout=5.0))
+    fe = Frontend(FrontendConfig(checkpoint=path, call_timeout=5.0, shm_dir=tmp_path))
     fe.engine.eos_ids = set()
     try:
         fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
         expected = asyncio.run(generate_all(fe, PROMPTS, max_tokens=40))
-        with expert_processes(path, bundles, fe.model_id, replicas=2) as experts:
+        with expert_processes(path, bundles, fe.model_id, replicas=2, shm_dir=tmp_path) as experts:
             table = table_for_bundles(fe.model_id, bundles, experts.addresses, version=2)
             fe.set_routing_table(table)
             victims = [addresses[0] for addresses in experts.addresses.values()]
@@ -96,6 +98,7 @@ def test_a_killed_replica_loses_no_request(tiny_checkpoint):
 
             after_kill = asyncio.run(run())
             assert all(experts.procs[a].poll() is not None for a in victims)
+            assert any(c.shared_memory for c in fe.dispatcher._clients.values())
     finally:
         fe.close()
     assert after_kill == expected
