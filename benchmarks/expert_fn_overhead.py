@@ -23,13 +23,16 @@ inline call moves) and of 64 bytes (what a shared-memory call moves).
 from __future__ import annotations
 
 import argparse
+import os
 import asyncio
+import json
 import multiprocessing
 import re
 import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -58,11 +61,14 @@ def make_one_layer_checkpoint(hidden: int, intermediate: int, dtype: str, out: P
     return make_checkpoint(preset, out, progress=False)
 
 
-async def start_server(checkpoint: Path, device: str, batch_wait_ms: float, shm_dir: Path):
+async def start_server(checkpoint: Path, device: str, batch_wait_ms: float, shm_dir: Path, stamps: Path | None = None):
+    """The expert function in its own process; with `stamps`, traced_expert_fn.py writes its timeline there."""
+    program = [str(Path(__file__).with_name("traced_expert_fn.py"))] if stamps else ["-m", "kubemoe.expert_fn.cli"]
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kubemoe.expert_fn.cli", "--checkpoint", str(checkpoint), "--bundle", "0:0",
+        sys.executable, *program, "--checkpoint", str(checkpoint), "--bundle", "0:0",
         "--port", "0", "--host", "127.0.0.1", "--metrics-port", "-1", "--device", device, "--model", "bench",
-        "--batch-wait-ms", str(batch_wait_ms), "--shm-dir", str(shm_dir), stderr=asyncio.subprocess.PIPE)
+        "--batch-wait-ms", str(batch_wait_ms), "--shm-dir", str(shm_dir), stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "KUBEMOE_STAMPS": str(stamps)} if stamps else None)
     port = None
     while True:
         line = (await asyncio.wait_for(process.stderr.readline(), 600)).decode()
@@ -193,6 +199,50 @@ async def time_raw_echo(sizes: list[int], budget: float) -> list[float]:
         server.kill()
 
 
+TIMELINE = ("client_starts", "client_sends", "server_parsed", "forward_starts", "forward_ends", "server_sends",
+            "client_parsed", "client_ends")
+
+
+async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir: Path, workdir: Path,
+                        calls: int = 300) -> dict:
+    """Median microseconds between the stamps of one streamed shared-memory call, client and server side."""
+    import grpc
+
+    from kubemoe.expert_fn.client import ExpertClient
+    from kubemoe.proto import kubemoe_pb2 as pb
+
+    stamps_path = workdir / "stamps.json"
+    client_stamps: dict[str, dict[str, float]] = {}
+
+    def send(request):
+        client_stamps.setdefault(request.request_id, {})["client_sends"] = time.perf_counter()
+        return request.SerializeToString()
+
+    def parse(data):
+        parsed_at = time.perf_counter()
+        response = pb.ForwardResponse.FromString(data)
+        client_stamps.setdefault(response.request_id, {})["client_parsed"] = parsed_at
+        return response
+
+    process, address = await start_server(checkpoint, device, 0.5, shm_dir, stamps=stamps_path)
+    try:
+        client = ExpertClient(address, model="bench", shm_dir=shm_dir)
+        client._channel = grpc.aio.insecure_channel(address, options=client._options)
+        client._stub_cached = types.SimpleNamespace(ForwardStream=client._channel.stream_stream(
+            "/kubemoe.v1.ExpertService/ForwardStream", request_serializer=send, response_deserializer=parse))
+        for n in range(calls):
+            started = time.perf_counter()
+            await client.call(0, [0], [x.shape[0]], x, request_id=f"t{n}")
+            client_stamps[f"t{n}"].update(client_starts=started, client_ends=time.perf_counter())
+        await client.close()
+    finally:
+        process.terminate()
+        await process.wait()
+    server_stamps = json.loads(stamps_path.read_text())
+    rows = [{**client_stamps[k], **server_stamps[k]} for k in list(client_stamps)[calls // 10:] if k in server_stamps]
+    return {f"{a}->{b}": statistics.median(r[b] - r[a] for r in rows) * 1e6 for a, b in zip(TIMELINE, TIMELINE[1:])}
+
+
 # -- main -------------------------------------------------------------------------------------------
 
 async def bench_size(name: str, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype,
@@ -230,7 +280,9 @@ async def bench_size(name: str, hidden: int, intermediate: int, device: torch.de
             if name == "mixtral" and n == 64:
                 echo_message, echo_64 = await time_raw_echo([payload // 2, 64], budget)
                 breakdown = {"message_bytes": payload // 2, **time_codec(x), "raw_grpc_echo_us": echo_message,
-                             "raw_grpc_echo_64_bytes_us": echo_64}
+                             "raw_grpc_echo_64_bytes_us": echo_64,
+                             "shm_call_timeline_us": await time_timeline(checkpoint, str(device), x, shm_dir, workdir,
+                                                                         calls=repeats(inproc, 2 * budget, lo=20))}
         for client in clients.values():
             await client.close()
     finally:
@@ -267,8 +319,10 @@ async def main() -> None:
                        ("overhead_us", "overhead us", ".0f"), ("inproc_us", "in-proc us", ".0f"),
                        ("ratio", "grpc/in-proc", ".2f"), ("transport_gbps", "GB/s", ".2f")])
     if breakdown:
+        timeline = breakdown.get("shm_call_timeline_us", {})
         print("where the time goes, 64 tokens at Mixtral size, per message (us):",
-              ", ".join(f"{k.removesuffix('_us')} {v:.0f}" for k, v in breakdown.items()))
+              ", ".join(f"{k.removesuffix('_us')} {v:.0f}" for k, v in breakdown.items() if k != "shm_call_timeline_us"))
+        print("one shared-memory call, stamp to stamp (us):", ", ".join(f"{k} {v:.0f}" for k, v in timeline.items()))
     goals = {}
     # The goal is for the default path: a frontend on the expert function's node streams through shared memory.
     key = [r for r in rows if r["size"] == "mixtral" and r["tokens"] == 64 and r["mode"] == "shm"]
