@@ -23,9 +23,9 @@ inline call moves) and of 64 bytes (what a shared-memory call moves).
 from __future__ import annotations
 
 import argparse
-import os
 import asyncio
 import json
+import os
 import multiprocessing
 import re
 import statistics
@@ -35,7 +35,11 @@ import time
 import types
 from pathlib import Path
 
-import torch
+# Client and server share the cores, as in `kubemoe serve`: idle OpenMP threads sleep rather than
+# spin (read when torch loads; the server process inherits it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, Goal, print_table, write_results  # noqa: E402
@@ -331,6 +335,7 @@ async def main() -> None:
         goals[goal_name] = Goal(key[0]["overhead_us"] / 1e3, bound)
     path = write_results("expert_fn", device, rows, goals, args.out, breakdown_64tok_mixtral=breakdown,
                          settings={"batch_wait_ms": args.batch_wait_ms, "seconds_per_point": args.seconds,
+                                   "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
                                    "weights_dtype": str(dtype).removeprefix("torch.")})
     for name, goal in goals.items():
         print(f"goal {name}: {goal.value:.3f} {goal.goal}: {'met' if goal.met else 'NOT met'}")

@@ -22,6 +22,9 @@ from kubemoe.errors import KubemoeError
 from kubemoe.net import free_port
 
 DEFAULT_ARCH = "mixtral"
+# For processes that share cores: idle OpenMP threads sleep instead of spinning for the next
+# parallel region, which would take the cores the other processes' event loops need.
+SHARED_CORES_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
 
 def kubemoe_home() -> Path:
@@ -57,7 +60,7 @@ def expert_processes(checkpoint: Path, bundles: list[Bundle], model: str, replic
     # The processes share this machine's cores with each other and the frontend: without a split,
     # every OpenMP pool spins on all cores and a 1 ms expert call takes 100 ms under contention.
     threads = max(1, (os.cpu_count() or 1) // (len(bundles) * replicas + 1))
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+    env = {**os.environ, **SHARED_CORES_ENV, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     try:
         for bundle in bundles:
             for _ in range(replicas):
