@@ -7,7 +7,8 @@ calls have no side effects: retrying them is safe) and the next call opens a new
 
 With `shm_dir` set, each new stream offers the server a shared-memory segment (shm.py). A server on
 this node that sees the same folder attaches it; a call then copies its hidden states into a region
-of the segment, sends only the region's offset, and reads the reply from the same region. A server
+of the segment, sends only the region's offset, and gets back a tensor over the same region, where
+the server wrote the reply (the region is reused once that tensor and its views are gone). A server
 elsewhere refuses, and tensors travel inline, as do calls that find no free region large enough.
 
 Errors surface as grpc.aio.AioRpcError: `.code()` is the status, `.details()` says what was wrong.
@@ -16,13 +17,16 @@ Errors surface as grpc.aio.AioRpcError: `.code()` is the status, `.details()` sa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
+import weakref
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import grpc
+import numpy
 import torch
 
 from kubemoe import wire
@@ -68,6 +72,24 @@ class _Stream:
         offset = self.regions.pop(request_id, None)
         if offset is not None:
             self.allocator.free(offset)
+
+    def hand_over(self, request_id: str, reply: torch.Tensor) -> torch.Tensor:
+        """The reply where it lies, as a tensor of its own; its region is freed once no view of it is left.
+
+        No copy: the caller's tensor keeps the region. A caller that holds replies for long only
+        makes later calls travel inline once the segment is full.
+        """
+        offset = self.regions.pop(request_id)
+        owner = numpy.frombuffer(self.segment.buffer, dtype=numpy.uint8, count=reply.nbytes, offset=offset)
+        # The tensor's storage, shared by every view of it, holds `owner`: it dies with the last view.
+        weakref.finalize(owner, _free_soon, asyncio.get_running_loop(), self.allocator, offset)
+        return torch.from_numpy(owner).view(reply.dtype).view(reply.shape)
+
+
+def _free_soon(loop: asyncio.AbstractEventLoop, allocator: Allocator, offset: int) -> None:
+    """Free a region on its stream's loop, from whichever thread dropped the last view of it."""
+    with contextlib.suppress(RuntimeError):  # the loop is closed: so is the stream, and the segment with it
+        loop.call_soon_threadsafe(allocator.free, offset)
 
 
 class ExpertClient:
@@ -134,10 +156,9 @@ class ExpertClient:
                 await stream.call.write(request)
             response = await asyncio.wait_for(done, timeout)
             out = wire.decode(response.hidden, stream.segment)
-            if shared:  # copy the reply out: its region is reused by the next call
-                out = copy_into(torch.empty(out.shape, dtype=out.dtype, device=hidden.device), out)
-                stream.release(rid)
-            elif hidden.device.type != "cpu":
+            if shared:
+                out = stream.hand_over(rid, out)
+            if hidden.device.type != "cpu":
                 out = out.to(hidden.device)
             return out, response.timing
         except TimeoutError:  # a region stays reserved until the late reply comes (the reader frees it)

@@ -47,7 +47,7 @@ class Segment:
     """One mapped file: `view()` gives tensors over its regions, without copies."""
 
     def __init__(self, path: Path, buffer: mmap.mmap, nonce: bytes):
-        self.path, self.nonce, self.size = path, nonce, len(buffer)
+        self.path, self.nonce, self.size, self.buffer = path, nonce, len(buffer), buffer
         # The tensors made from it keep the mapping alive; it is unmapped when the last one goes.
         self._bytes = torch.frombuffer(buffer, dtype=torch.uint8)
         self._pinned = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 
 import grpc
@@ -106,9 +107,18 @@ async def test_tensors_go_through_shared_memory_with_exactly_the_inline_results(
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert not any(tmp_path.iterdir())  # the client removed the file once the server had mapped it
     assert shm_server.metrics.value("shared_memory_streams_total", result="attached") == 1
+    assert client._stream.allocator.in_use == len(xs)  # each reply still lies in its region, held by `got`
+    halves = [g.split([1, len(g) - 1]) for g in got]
+    del got
+    gc.collect()
+    await asyncio.sleep(0)
+    assert client._stream.allocator.in_use == len(xs)  # views of the replies keep their regions
+    del halves
+    gc.collect()
+    await asyncio.sleep(0)
+    assert client._stream.allocator.in_use == 0  # freed once no view is left
     got_again = [await client.forward(1, [n % 8, 7], [len(x) - 1, 1], x) for n, x in enumerate(xs)]
     assert all(torch.equal(g, w) for g, w in zip(got_again, want))  # regions are reused
-    assert client._stream.allocator.in_use == 0
     await client.close()
     await inline.close()
 
