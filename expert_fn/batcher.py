@@ -68,6 +68,35 @@ def plan_round(jobs: list[Job]) -> dict[ExpertKey, list[Part]]:
     return plan
 
 
+class _ComputeClock:
+    """Times a round's FFNs: CUDA events on a GPU, so the copies, kernels and copies back queue up
+    without a synchronisation in between (one at the end); the wall clock on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+            if device.type == "cuda" else None
+        self._times = [0.0, 0.0]
+
+    def start(self) -> None:
+        self._mark(0)
+
+    def stop(self) -> None:
+        self._mark(1)
+
+    def _mark(self, i: int) -> None:
+        if self._events is None:
+            self._times[i] = time.perf_counter()
+        else:
+            self._events[i].record()
+
+    def seconds(self) -> float:
+        """After stop(); on a GPU this waits for all the round's work, copies back included."""
+        if self._events is None:
+            return self._times[1] - self._times[0]
+        torch.cuda.synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1e3
+
+
 def run_round(
     jobs: list[Job],
     weights_of: Callable[[ExpertKey], ExpertWeights],
@@ -76,13 +105,12 @@ def run_round(
     dtype: torch.dtype,
 ) -> dict[ExpertKey, int]:
     """Run every job's groups, one FFN per expert; fills job.out / job.error. Returns tokens per key."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    clock = _ComputeClock(device)
     with torch.inference_mode():
         inputs = [job.x.to(device=device, dtype=dtype, non_blocking=True) for job in jobs]  # no copy on CPU in dtype
         plan = plan_round(jobs)
         pieces: list[list[torch.Tensor | None]] = [[None] * len(job.groups) for job in jobs]
-        sync()
-        start = time.perf_counter()
+        clock.start()
         for key, parts in plan.items():
             try:
                 weights = weights_of(key)  # an Unload may have raced the request's check
@@ -95,17 +123,17 @@ def run_round(
             split = (y,) if len(parts) == 1 else y.split([p.tokens for p in parts])  # split costs ~15 us
             for part, piece in zip(parts, split):
                 pieces[part.job][part.group] = piece
-        sync()
-        compute = time.perf_counter() - start
+        clock.stop()
         for job, job_pieces, x in zip(jobs, pieces, inputs):
-            job.compute_seconds = compute
             if job.error is None:
                 out = x if not job_pieces else job_pieces[0] if len(job_pieces) == 1 else torch.cat(job_pieces)
                 if job.out_buffer is None:
                     job.out = out.to(device="cpu", dtype=job.x.dtype)  # [T, H]; no copy on CPU in dtype
                 else:  # over the request's own region: every input of the round has been read by now
-                    job.out = copy_into(job.out_buffer, out, non_blocking=True)  # a DMA when pinned; synced below
-        sync()
+                    job.out = copy_into(job.out_buffer, out, non_blocking=True)  # a DMA when pinned; waited for below
+        compute = clock.seconds()
+        for job in jobs:
+            job.compute_seconds = compute
     return {key: sum(p.tokens for p in parts) for key, parts in plan.items()}
 
 
