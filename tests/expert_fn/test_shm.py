@@ -14,6 +14,7 @@ from kubemoe import wire
 from kubemoe.expert_fn.shm import ALIGN, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
+from kubemoe.verify import rel_err
 
 ARCH = "mixtral"  # tiny: MoE layers 0 and 1, 8 experts, hidden 128, float32
 H = 128
@@ -97,14 +98,15 @@ async def shm_server(tiny_checkpoint, serve, tmp_path):
         yield running
 
 
-async def test_tensors_go_through_shared_memory_with_exactly_the_inline_results(shm_server, tmp_path):
+async def test_tensors_go_through_shared_memory_with_the_inline_results(shm_server, tmp_path):
     xs = [torch.randn(n, H, generator=torch.Generator().manual_seed(n)) for n in (1, 5, 17, 64)]
     inline = shm_server.client()
     want = [await inline.forward(1, [n % 8, 7], [len(x) - 1, 1], x) for n, x in enumerate(xs)]
     client = shm_server.client(shm_dir=tmp_path)
     got = await asyncio.gather(*(client.forward(1, [n % 8, 7], [len(x) - 1, 1], x) for n, x in enumerate(xs)))
     assert client.shared_memory
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    # Concurrent calls may merge into one matmul per expert, whose rounding differs from one row alone.
+    assert all(rel_err(g, w) < 1e-6 for g, w in zip(got, want))
     assert not any(tmp_path.iterdir())  # the client removed the file once the server had mapped it
     assert shm_server.metrics.value("shared_memory_streams_total", result="attached") == 1
     assert client._stream.allocator.in_use == len(xs)  # each reply still lies in its region, held by `got`
@@ -118,7 +120,7 @@ async def test_tensors_go_through_shared_memory_with_exactly_the_inline_results(
     await asyncio.sleep(0)
     assert client._stream.allocator.in_use == 0  # freed once no view is left
     got_again = [await client.forward(1, [n % 8, 7], [len(x) - 1, 1], x) for n, x in enumerate(xs)]
-    assert all(torch.equal(g, w) for g, w in zip(got_again, want))  # regions are reused
+    assert all(torch.equal(g, w) for g, w in zip(got_again, want))  # one at a time, as `want`; in reused regions
     await client.close()
     await inline.close()
 
