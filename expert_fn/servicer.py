@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Iterable
+from typing import Iterable
 
 import grpc
 from grpc_health.v1 import health_pb2

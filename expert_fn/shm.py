@@ -11,12 +11,13 @@ The handshake (also in kubemoe.proto, at ExpertService): the client offers `<nam
 stream's metadata; the server maps the file, checks the nonce and says `attached` or
 `refused: <why>` in its initial metadata; the client then unlinks the file. From then on the
 memory lives exactly as long as the two mappings: nothing is left in the folder when either side
-dies. A server on another node (or pod without the shared folder) finds no such file and refuses:
+dies (only a client killed during the handshake leaves its file behind). A server on another node (or pod without the shared folder) finds no such file and refuses:
 tensors then travel inline, as before.
 
 Who may attach what: the server opens only `kubemoe-<32 hex digits>` directly in its own folder,
-a regular file (never a symlink) owned by its own user, whose first bytes are the nonce the
-client sent. A client can thus only ever point the server into memory it created itself.
+a regular file (never a symlink, mode 0600) owned by its own user, whose first bytes are the nonce
+the client sent. So a client can point the server only into a segment created by that same user,
+never into any other file.
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ import asyncio
 import time
 
 import grpc
-import pytest
 import torch
 import torch.nn.functional as F
 
