@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Decode throughput: transformers monolithic vs kubemoe (in-process experts) vs kubemoe over gRPC.
 
-All three run the same decode loop (one token per sequence per step, a warm KV cache) on the same
+All run the same decode loop (one token per sequence per step, a warm KV cache) on the same
 checkpoint, batch 1, 8 and 32, and report tokens/s, time per output token, the ratio to the
-monolithic model, and for kubemoe the share of the step spent in expert dispatch.
+monolithic model, and for kubemoe the share of the step spent in expert dispatch. Over gRPC three
+ways: tensors inline, inline with two micro-batches (TBO), and through shared memory (the expert
+functions on the frontend's node, as `kubemoe serve` runs them).
 
   python benchmarks/frontend_decode.py                       # this CPU, tiny Mixtral
   python benchmarks/frontend_decode.py --device cuda --preset mixtral-4l --layers 2   # on the H200
@@ -145,25 +147,35 @@ def main() -> None:
         bundles = bundles_by_count(fe.adapter.moe_layers, fe.adapter.num_experts, args.experts)
         local_rows = run_kubemoe(fe, table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}),
                                  batches, args.steps, args.warmup, device, vocab)
-        with expert_processes(ckpt, bundles, fe.model_id, ready_timeout=600) as experts:
+        shm_dir = Path(tmp) / "shm"  # stands for /dev/shm: the folder frontend and expert functions share
+        shm_dir.mkdir()
+        with expert_processes(ckpt, bundles, fe.model_id, ready_timeout=600, shm_dir=shm_dir) as experts:
             remote_table = table_for_bundles(fe.model_id, bundles, experts.addresses, version=2)
             grpc_rows = run_kubemoe(fe, remote_table, batches, args.steps, args.warmup, device, vocab)
             tbo_rows = run_kubemoe(fe, remote_table, batches, args.steps, args.warmup, device, vocab, micro=2)
+            fe.close()
+            fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, shm_dir=shm_dir))
+            shm_rows = run_kubemoe(fe, remote_table, batches, args.steps, args.warmup, device, vocab)
+            if not all(client.shared_memory for client in fe.dispatcher._clients.values()):
+                raise RuntimeError(f"the expert functions did not attach segments in {shm_dir}")
         fe.close()
 
-    print(f"{'batch':>5} {'monolithic':>10} {'in-process':>10} {'gRPC':>8} {'gRPC+TBO':>8} {'in-proc/mono':>12} "
-          f"{'gRPC/mono':>9} {'TBO/mono':>8} {'gRPC dispatch':>13}   (tokens/s)")
-    for m, l, g, t in zip(mono_rows, local_rows, grpc_rows, tbo_rows):
-        row = {"batch": m["batch"], "monolithic": m, "inprocess": l, "grpc": g, "grpc_tbo": t,
+    print(f"{'batch':>5} {'monolithic':>10} {'in-process':>10} {'gRPC':>8} {'gRPC+TBO':>8} {'gRPC+shm':>8} "
+          f"{'in-proc/mono':>12} {'gRPC/mono':>9} {'TBO/mono':>8} {'shm/mono':>8} {'gRPC dispatch':>13}   (tokens/s)")
+    for m, l, g, t, h in zip(mono_rows, local_rows, grpc_rows, tbo_rows, shm_rows):
+        row = {"batch": m["batch"], "monolithic": m, "inprocess": l, "grpc": g, "grpc_tbo": t, "grpc_shm": h,
                "inprocess_vs_monolithic": l["tokens_per_s"] / m["tokens_per_s"],
                "grpc_plain_vs_monolithic": g["tokens_per_s"] / m["tokens_per_s"],
-               "grpc_tbo_vs_monolithic": t["tokens_per_s"] / m["tokens_per_s"]}
-        # kubemoe over gRPC runs with whichever batching the engine would be configured with: the better one
-        row["grpc_vs_monolithic"] = max(row["grpc_plain_vs_monolithic"], row["grpc_tbo_vs_monolithic"])
+               "grpc_tbo_vs_monolithic": t["tokens_per_s"] / m["tokens_per_s"],
+               "grpc_shm_vs_monolithic": h["tokens_per_s"] / m["tokens_per_s"]}
+        # kubemoe over gRPC runs as the engine would be configured, or finds itself placed: the best one
+        row["grpc_vs_monolithic"] = max(row["grpc_plain_vs_monolithic"], row["grpc_tbo_vs_monolithic"],
+                                        row["grpc_shm_vs_monolithic"])
         rows.append(row)
         print(f"{m['batch']:>5} {m['tokens_per_s']:>10.1f} {l['tokens_per_s']:>10.1f} {g['tokens_per_s']:>8.1f} "
-              f"{t['tokens_per_s']:>8.1f} {row['inprocess_vs_monolithic']:>12.2f} {row['grpc_plain_vs_monolithic']:>9.2f} "
-              f"{row['grpc_tbo_vs_monolithic']:>8.2f} {g['dispatch_share']:>13.0%}")
+              f"{t['tokens_per_s']:>8.1f} {h['tokens_per_s']:>8.1f} {row['inprocess_vs_monolithic']:>12.2f} "
+              f"{row['grpc_plain_vs_monolithic']:>9.2f} {row['grpc_tbo_vs_monolithic']:>8.2f} "
+              f"{row['grpc_shm_vs_monolithic']:>8.2f} {g['dispatch_share']:>13.0%}")
     b32 = next((r for r in rows if r["batch"] == 32), None)
     goals = {}
     if b32 and device.type == "cuda":
