@@ -158,7 +158,7 @@ def main() -> None:
             shm_rows = run_kubemoe(fe, remote_table, batches, args.steps, args.warmup, device, vocab)
             if not all(client.shared_memory for client in fe.dispatcher._clients.values()):
                 raise RuntimeError(f"the expert functions did not attach segments in {shm_dir}")
-        fe.close()
+            fe.close()  # ends its streams, so the expert functions stop at once
 
     print(f"{'batch':>5} {'monolithic':>10} {'in-process':>10} {'gRPC':>8} {'gRPC+TBO':>8} {'gRPC+shm':>8} "
           f"{'in-proc/mono':>12} {'gRPC/mono':>9} {'TBO/mono':>8} {'shm/mono':>8} {'gRPC dispatch':>13}   (tokens/s)")

@@ -33,7 +33,7 @@ from kubemoe import wire
 from kubemoe.expert_fn.servicer import REQUEST_ID_METADATA
 from kubemoe.expert_fn.shm import (ATTACHED, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError,
                                    copy_into)
-from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES, grpc_options
+from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_SEGMENT_BYTES, grpc_options
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
 
@@ -63,6 +63,8 @@ class _Stream:
         if offset is None:
             return False
         shape = list(hidden.shape)
+        if hidden.device.type == "cuda":
+            self.segment.pin()  # once: copies between the GPU and the segment become direct DMA, both ways
         copy_into(self.segment.view(offset, hidden.dtype, shape), hidden)
         wire.describe_shared(msg, hidden.dtype, shape, offset)
         self.regions[request_id] = offset
@@ -95,7 +97,7 @@ def _free_soon(loop: asyncio.AbstractEventLoop, allocator: Allocator, offset: in
 class ExpertClient:
     def __init__(self, address: str, *, model: str, streaming: bool = True,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, shm_dir: str | Path | None = None,
-                 shm_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 shm_bytes: int = DEFAULT_SHM_SEGMENT_BYTES):
         self.address, self.model, self.streaming = address, model, streaming
         self.shm_dir, self.shm_bytes = shm_dir, shm_bytes
         self._options = grpc_options(max_message_bytes)
@@ -235,6 +237,8 @@ class ExpertClient:
                 self._stream = None  # the next call opens a new stream
             self._fail_pending(stream, error or rpc_error(grpc.StatusCode.UNAVAILABLE,
                                                           f"the server at {self.address} ended the stream"))
+            if stream.segment is not None:
+                stream.segment.unpin()  # before the mapping can go; replies still held only copy slower
 
     def _fail_pending(self, stream: _Stream, error: grpc.aio.AioRpcError) -> None:
         # A refused request names itself in the trailers: it gets the real status; the others

@@ -51,7 +51,7 @@ class Segment:
         self.path, self.nonce, self.size, self.buffer = path, nonce, len(buffer), buffer
         # The tensors made from it keep the mapping alive; it is unmapped when the last one goes.
         self._bytes = torch.frombuffer(buffer, dtype=torch.uint8)
-        self._pinned = False
+        self._pinned: bool | None = None  # None: pin() not tried yet
 
     @property
     def offer(self) -> str:
@@ -124,12 +124,16 @@ class Segment:
         return self._bytes[offset:offset + nbytes].view(dtype).view(shape)
 
     def pin(self) -> bool:
-        """Register the mapping with CUDA, so host<->GPU copies of its regions are direct DMA (async)."""
-        result = int(torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), self.size, 0))
-        self._pinned = result == 0
+        """Register the mapping with CUDA, so host<->GPU copies of its regions are direct DMA (async).
+
+        Tried once: later calls return the first outcome. It touches every page of the segment,
+        which is allocated in full from then on."""
+        if self._pinned is None:
+            self._pinned = int(torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), self.size, 0)) == 0
         return self._pinned
 
     def unpin(self) -> None:
+        """Undo pin(); due before the mapping goes, which CUDA would otherwise keep registered."""
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self._bytes.data_ptr())
             self._pinned = False
