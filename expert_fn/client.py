@@ -63,8 +63,6 @@ class _Stream:
         if offset is None:
             return False
         shape = list(hidden.shape)
-        if hidden.device.type == "cuda":
-            self.segment.pin()  # once: copies between the GPU and the segment become direct DMA, both ways
         copy_into(self.segment.view(offset, hidden.dtype, shape), hidden)
         wire.describe_shared(msg, hidden.dtype, shape, offset)
         self.regions[request_id] = offset
@@ -237,8 +235,6 @@ class ExpertClient:
                 self._stream = None  # the next call opens a new stream
             self._fail_pending(stream, error or rpc_error(grpc.StatusCode.UNAVAILABLE,
                                                           f"the server at {self.address} ended the stream"))
-            if stream.segment is not None:
-                stream.segment.unpin()  # before the mapping can go; replies still held only copy slower
 
     def _fail_pending(self, stream: _Stream, error: grpc.aio.AioRpcError) -> None:
         # A refused request names itself in the trailers: it gets the real status; the others
