@@ -155,6 +155,10 @@ class ExpertClient:
             async with stream.write_lock:
                 await stream.call.write(request)
             response = await asyncio.wait_for(done, timeout)
+            if shared != (response.hidden.WhichOneof("payload") == "shared"):
+                stream.release(rid)
+                raise rpc_error(grpc.StatusCode.DATA_LOSS, f"{self.address} answered request {rid!r} "
+                                f"{'inline' if shared else 'in shared memory'}, not the way it was sent")
             out = wire.decode(response.hidden, stream.segment)
             if shared:
                 out = stream.hand_over(rid, out)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kubemoe import wire
+from kubemoe.expert_fn.client import ExpertClient
 from kubemoe.expert_fn.shm import ALIGN, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
@@ -177,3 +178,32 @@ async def test_bad_shared_regions_are_refused_and_the_server_keeps_serving(shm_s
     assert (await client.forward(1, [6], [4], torch.randn(4, H))).shape == (4, H)
     assert client.shared_memory
     await client.close()
+
+
+class InlineReplies(pb_grpc.ExpertServiceServicer):
+    """Attaches the offered segment, then (wrongly) answers shared-memory requests with inline bytes."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    async def ForwardStream(self, request_iterator, context):
+        offer = dict(context.invocation_metadata())[METADATA_KEY]
+        segment = Segment.attach(self.folder, offer, max_bytes=1 << 30)
+        await context.send_initial_metadata(((METADATA_KEY, "attached"),))
+        async for request in request_iterator:
+            x = wire.decode(request.hidden, segment)
+            yield pb.ForwardResponse(request_id=request.request_id, hidden=wire.encode(x))
+
+
+async def test_a_reply_that_does_not_come_back_the_way_it_was_sent_is_data_loss(tmp_path):
+    server = grpc.aio.server()
+    pb_grpc.add_ExpertServiceServicer_to_server(InlineReplies(tmp_path), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = ExpertClient(f"127.0.0.1:{port}", model="m", shm_dir=tmp_path)
+    with pytest.raises(grpc.aio.AioRpcError) as lost:
+        await client.forward(0, [0], [2], torch.randn(2, H))
+    assert lost.value.code() == grpc.StatusCode.DATA_LOSS and "inline, not the way it was sent" in lost.value.details()
+    assert client._stream.allocator.in_use == 0  # its region is free again
+    await client.close()
+    await server.stop(None)
