@@ -1,7 +1,8 @@
 """The expert-function server: `create_server` builds one (tests bind port 0), `serve` runs it until a signal.
 
-Knative scales a pod down with SIGTERM: `serve` then stops accepting calls, lets in-flight ones
-finish within the grace period (`server.stop(grace)`), and exits.
+Knative scales a pod down with SIGTERM: `serve` then stops accepting calls, answers the requests
+in flight within the grace period, ends the frontends' open streams (they reconnect elsewhere),
+and exits.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,13 +29,32 @@ from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 
-async def create_server(
+@dataclass
+class ExpertFunction:
+    """A built expert-function server: the gRPC server, its port and the servicer behind it."""
+
+    server: grpc.aio.Server
+    port: int
+    servicer: ExpertServicer
+
+    async def stop(self, grace: float | None) -> None:
+        """Refuse new calls, answer the requests in flight, end every open stream, then stop.
+
+        Frontends hold their ForwardStreams open: a plain server.stop(grace) would wait out the
+        whole grace period (Knative's scale-down) and then cancel whatever was running."""
+        stopping = asyncio.ensure_future(self.server.stop(grace))
+        await asyncio.sleep(0)  # server.stop has begun: new calls are refused from here on
+        self.servicer.end_streams()
+        await stopping
+
+
+async def build_server(
     address: str,
     config: ExpertFnConfig,
     *,
     metrics: ExpertFnMetrics | None = None,
     preload: bool = True,
-) -> tuple[grpc.aio.Server, int]:
+) -> ExpertFunction:
     """A server for `config`'s bundle bound to `address` (port 0: any free port), not yet started.
 
     With `preload` the bundle's weights start loading now, in a thread; health reports NOT_SERVING
@@ -56,17 +77,23 @@ async def create_server(
     await servicer.report_health()  # NOT_SERVING until the bundle is in
     if preload:
         servicer.start_loading()
-    return server, port
+    return ExpertFunction(server, port, servicer)
+
+
+async def create_server(address: str, config: ExpertFnConfig, **options) -> tuple[grpc.aio.Server, int]:
+    """build_server(), as (server, port)."""
+    built = await build_server(address, config, **options)
+    return built.server, built.port
 
 
 async def serve(config: ExpertFnConfig) -> None:
     """Serve until SIGTERM or SIGINT, then drain in-flight calls for up to `config.grace_seconds`."""
     metrics = ExpertFnMetrics(config.bundle_spec)
-    server, port = await create_server(f"{config.host}:{config.port}", config, metrics=metrics)
+    built = await build_server(f"{config.host}:{config.port}", config, metrics=metrics)
     if config.metrics_port is not None:
         metrics.serve_http(config.metrics_port, config.host)
-    await server.start()
-    log.info("expert function for %s bundle %s on port %d (%s, %s)", config.model, config.bundle_spec, port,
+    await built.server.start()
+    log.info("expert function for %s bundle %s on port %d (%s, %s)", config.model, config.bundle_spec, built.port,
              config.device, str(config.dtype).removeprefix("torch."))
 
     stop = asyncio.Event()
@@ -74,6 +101,6 @@ async def serve(config: ExpertFnConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("stopping: draining in-flight calls for up to %.0fs", config.grace_seconds)
-    await server.stop(config.grace_seconds)  # new calls are refused at once; running ones may finish
+    log.info("stopping: answering the requests in flight for up to %.0fs", config.grace_seconds)
+    await built.stop(config.grace_seconds)
     log.info("stopped")

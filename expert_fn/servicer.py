@@ -45,6 +45,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                                     max_tokens=config.max_batch_tokens)
         self._dtype = wire.TO_WIRE[config.dtype]
         self._forwards_in_progress = 0
+        self._ending = asyncio.Event()  # set when the server stops: open streams end (see end_streams)
 
     # -- Forward ------------------------------------------------------------------------------
 
@@ -103,6 +104,14 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     async def Forward(self, request, context):
         return await self._call("Forward", context, self._forward(request))
 
+    def end_streams(self) -> None:
+        """Let every ForwardStream, open or opened from now on, answer what it has read and end (OK).
+
+        Frontends keep their streams open for good: a stopping server would otherwise wait out its
+        whole grace period. Requests a client sends meanwhile fail as UNAVAILABLE: it retries them
+        on another replica."""
+        self._ending.set()
+
     async def ForwardStream(self, request_iterator, context) -> None:
         # Each request runs in its own task and writes its own reply (one writer at a time): no hop
         # through a queue and a generator per reply. The first refused request ends the stream.
@@ -130,18 +139,26 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 await asyncio.wait(set(running))
 
         reader = loop.create_task(read_requests())
+        ending = loop.create_task(self._ending.wait())
         try:
-            await asyncio.wait((reader, refused), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((reader, refused, ending), return_when=asyncio.FIRST_COMPLETED)
+            if not reader.done() and not refused.done():  # the server stops: read no more, answer the rest
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+                while running and not refused.done():
+                    await asyncio.wait((*running, refused), return_when=asyncio.FIRST_COMPLETED)
             if refused.done():
                 error, request_id = refused.result()
                 code, message = self._status(error, "ForwardStream")
                 await context.abort(code, f"request {request_id!r}: {message}",
                                     trailing_metadata=((REQUEST_ID_METADATA, request_id),))
-            reader.result()  # a broken request stream surfaces here
+            if not reader.cancelled():
+                reader.result()  # a broken request stream surfaces here
             self.metrics.call("ForwardStream", "OK")
         except asyncio.CancelledError:
             return  # the server is stopping (SIGTERM) or the client left: nobody is waiting for an answer
         finally:
+            ending.cancel()
             reader.cancel()
             for task in list(running):
                 task.cancel()

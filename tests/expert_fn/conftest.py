@@ -13,7 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubemoe.expert_fn.client import ExpertClient
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.metrics import ExpertFnMetrics
-from kubemoe.expert_fn.server import create_server
+from kubemoe.expert_fn.server import build_server
+from kubemoe.expert_fn.servicer import ExpertServicer
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -24,6 +25,7 @@ class Running:
     config: ExpertFnConfig
     address: str
     metrics: ExpertFnMetrics
+    servicer: ExpertServicer
 
     def client(self, **kw) -> ExpertClient:
         return ExpertClient(self.address, model=self.config.model, **kw)
@@ -47,15 +49,15 @@ async def running_server(checkpoint, bundle: str = "*", *, preload: bool = True,
     """A started server for `checkpoint`'s `bundle` on 127.0.0.1:0; with `preload`, SERVING when yielded."""
     config = ExpertFnConfig.build(checkpoint, bundle, **{"device": "cpu", "metrics_port": None, **settings})
     metrics = ExpertFnMetrics(config.bundle_spec)
-    server, port = await create_server("127.0.0.1:0", config, metrics=metrics, preload=preload)
-    await server.start()
-    running = Running(config, f"127.0.0.1:{port}", metrics)
+    built = await build_server("127.0.0.1:0", config, metrics=metrics, preload=preload)
+    await built.server.start()
+    running = Running(config, f"127.0.0.1:{built.port}", metrics, built.servicer)
     try:
         if preload:
             await wait_serving(running.address)
         yield running
     finally:
-        await server.stop(None)
+        await built.server.stop(None)
 
 
 @pytest.fixture

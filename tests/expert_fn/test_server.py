@@ -6,6 +6,7 @@ import asyncio
 import urllib.request
 
 import grpc
+import pytest
 import torch
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -101,3 +102,25 @@ async def test_metrics_are_served_over_http(tiny_checkpoint, serve):
     assert f'kubemoe_expert_fn_tokens_total{{{bundle},expert="3",layer="0"}} 2.0' in text
     for name in ("compute_seconds_count", "queue_seconds_count", "queue_depth", "bytes_loaded", "load_seconds_count"):
         assert f"kubemoe_expert_fn_{name}{{{bundle}}}" in text, name
+
+
+async def test_a_stopping_server_answers_the_request_in_flight_then_ends_the_streams(tiny_checkpoint, serve):
+    async with serve(tiny_checkpoint(ARCH), BUNDLE) as server:
+        client = server.client()
+        x = torch.randn(2, 128)
+        want = await client.forward(0, [1], [2], x)  # the stream is open
+        batcher = server.servicer.batcher
+        run = batcher._run
+
+        def stop_arrives_mid_round(jobs):
+            server.servicer.end_streams()  # as serve() does on SIGTERM, while this request is in flight
+            run(jobs)
+
+        batcher._run = stop_arrives_mid_round
+        assert torch.equal(await client.forward(0, [1], [2], x), want)  # in flight: answered
+        await asyncio.sleep(0.1)
+        assert client._stream is None  # then the stream ended
+        with pytest.raises(grpc.aio.AioRpcError) as ended:  # a stream opened now is ended at once
+            await client.forward(0, [1], [2], x)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        await client.close()
