@@ -59,7 +59,8 @@ class Frontend:
         self.metrics = FrontendMetrics(config.model_id)
         self.loads = LoadRecorder(config.model_id, config.name or socket.gethostname(), config.load_window_seconds)
         self.dispatcher = Dispatcher(
-            self.adapter, self.checkpoint, DispatchConfig(config.model_id, config.streaming, config.call_timeout, shm_dir=config.shm_dir),
+            self.adapter, self.checkpoint,
+            DispatchConfig(config.model_id, config.streaming, config.call_timeout, shm_dir=config.shm_dir),
             self.loads, self.dtype, self.device, self.metrics)
         from kubemoe.frontend.shell import build_shell
 
