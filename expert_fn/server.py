@@ -46,6 +46,7 @@ class ExpertFunction:
         await asyncio.sleep(0)  # server.stop has begun: new calls are refused from here on
         self.servicer.end_streams()
         await stopping
+        await self.servicer.batcher.close()
 
 
 async def build_server(

@@ -57,7 +57,7 @@ async def running_server(checkpoint, bundle: str = "*", *, preload: bool = True,
             await wait_serving(running.address)
         yield running
     finally:
-        await built.server.stop(None)
+        await built.stop(None)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from kubemoe.bundles import bundles_by_count
 from kubemoe.expert_fn.config import ExpertFnConfig
-from kubemoe.expert_fn.server import create_server
+from kubemoe.expert_fn.server import build_server
 from kubemoe.frontend.app import Frontend, FrontendConfig
 from kubemoe.frontend.embedded import embedded_bundles, expert_processes
 from kubemoe.frontend.loop_thread import LoopThread
@@ -29,10 +29,10 @@ class ExpertServers:
         for bundle in bundles:
             config = ExpertFnConfig.build(path, bundle.spec(), device="cpu", metrics_port=None, shm_dir=shm_dir)
             for _ in range(replicas):
-                server, port = self.loop.run(create_server("127.0.0.1:0", config))
-                self.loop.run(server.start())
-                self.servers.append(server)
-                self.addresses.setdefault(bundle.name, []).append(f"127.0.0.1:{port}")
+                built = self.loop.run(build_server("127.0.0.1:0", config))
+                self.loop.run(built.server.start())
+                self.servers.append(built)
+                self.addresses.setdefault(bundle.name, []).append(f"127.0.0.1:{built.port}")
         from kubemoe.frontend.embedded import wait_serving
 
         for addresses in self.addresses.values():
@@ -40,8 +40,8 @@ class ExpertServers:
                 wait_serving(address, None, timeout=60)
 
     def stop(self):
-        for server in self.servers:
-            self.loop.run(server.stop(0))
+        for built in self.servers:
+            self.loop.run(built.stop(0))
         self.loop.stop()
 
 
