@@ -12,6 +12,14 @@ from kubemoe.devices import DTYPE_CHOICES
 from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_DIR
 
 
+def shm_dir_option(peers: str):
+    """--shm-dir, as frontends and expert functions both take it: a Path, or None for ''."""
+    return click.option("--shm-dir", default=DEFAULT_SHM_DIR, show_default=True,
+                        callback=lambda ctx, param, value: Path(value) if value else None,
+                        help=f"tmpfs folder shared with {peers} on this node: tensors then skip the socket "
+                             "('' : always inline).")
+
+
 @click.command("expert-fn")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True,
               help="Safetensors checkpoint folder.")
@@ -28,10 +36,9 @@ from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_D
               help="Largest gRPC message accepted or sent.")
 @click.option("--grace-seconds", type=float, default=25.0, show_default=True,
               help="On SIGTERM, how long in-flight calls may take to finish.")
-@click.option("--shm-dir", default=DEFAULT_SHM_DIR, show_default=True,
-              help="tmpfs folder shared with frontends on this node, for tensors without copies through gRPC; '' : none.")
+@shm_dir_option("frontends")
 def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | None, device: str, dtype: str | None,
-            metrics_port: int, batch_wait_ms: float, max_message_bytes: int, grace_seconds: float, shm_dir: str) -> None:
+            metrics_port: int, batch_wait_ms: float, max_message_bytes: int, grace_seconds: float, shm_dir: Path | None) -> None:
     """Serve a bundle of experts over gRPC until SIGTERM."""
     from kubemoe.expert_fn.config import ExpertFnConfig
     from kubemoe.expert_fn.server import serve
@@ -39,7 +46,7 @@ def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | No
     config = ExpertFnConfig.build(
         checkpoint, bundle, model=model, device=device, dtype=dtype, host=host, port=port,
         metrics_port=None if metrics_port < 0 else metrics_port, batch_wait_ms=batch_wait_ms,
-        max_message_bytes=max_message_bytes, grace_seconds=grace_seconds, shm_dir=Path(shm_dir) if shm_dir else None,
+        max_message_bytes=max_message_bytes, grace_seconds=grace_seconds, shm_dir=shm_dir,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(config))

@@ -8,22 +8,27 @@ from pathlib import Path
 
 import click
 
-from kubemoe.expert_fn.transport import DEFAULT_SHM_DIR
+from kubemoe.expert_fn.cli import shm_dir_option
 
 
 checkpoint_option = click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
                                  help="Checkpoint folder (safetensors, config.json, tokenizer).")
-host_option = click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-port_option = click.option("--port", default=8000, show_default=True, help="HTTP port (OpenAI-compatible API).")
-grpc_port_option = click.option("--grpc-port", default=50051, show_default=True, help="gRPC port (Generate).")
-max_batch_option = click.option("--max-batch", default=32, show_default=True, help="Sequences decoded together.")
-micro_batches_option = click.option("--micro-batches", type=click.IntRange(1, 2), default=1, show_default=True,
-                                    help="2 decodes two half-batches on two threads so one's attention overlaps the "
-                                         "other's remote expert calls (experimental: slower than 1 in "
-                                         "benchmarks/results/frontend_*.json so far).")
-shm_dir_option = click.option("--shm-dir", default=DEFAULT_SHM_DIR, show_default=True,
-                              help="tmpfs folder shared with expert functions on this node: their tensors then skip "
-                                   "the socket ('' : always inline).")
+_SERVING_OPTIONS = (  # what both commands serve with, in --help order
+    click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on."),
+    click.option("--port", default=8000, show_default=True, help="HTTP port (OpenAI-compatible API)."),
+    click.option("--grpc-port", default=50051, show_default=True, help="gRPC port (Generate)."),
+    click.option("--max-batch", default=32, show_default=True, help="Sequences decoded together."),
+    click.option("--micro-batches", type=click.IntRange(1, 2), default=1, show_default=True,
+                 help="2 decodes two half-batches on two threads so one's attention overlaps the other's remote "
+                      "expert calls (experimental: slower than 1 in benchmarks/results/frontend_*.json so far)."),
+    shm_dir_option("expert functions"),
+)
+
+
+def serving_options(command):
+    for option in reversed(_SERVING_OPTIONS):
+        command = option(command)
+    return command
 
 
 def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
@@ -39,12 +44,7 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
 @click.option("--routing-table", type=click.Path(dir_okay=False, path_type=Path),
               help="Routing table file (JSON kubemoe.v1.RoutingTable), re-read when it changes.")
 @click.option("--routing-configmap", metavar="NAMESPACE/NAME", help="ConfigMap holding routing.json (watched).")
-@host_option
-@port_option
-@grpc_port_option
-@max_batch_option
-@micro_batches_option
-@shm_dir_option
+@serving_options
 @click.option("--model", default="", help="Model id clients send (default: the checkpoint folder's name).")
 @click.option("--name", default="", envvar="KUBEMOE_FRONTEND_NAME",
               help="This frontend's name in load reports (default: the host name).")
@@ -61,7 +61,7 @@ def frontend_command(checkpoint, routing_table, routing_configmap, host, port, g
         raise click.UsageError("give exactly one of --routing-table and --routing-configmap")
     config = FrontendConfig(checkpoint=checkpoint, model=model, name=name, routing_table=routing_table,
                             routing_configmap=routing_configmap, dtype=dtype, device=device, max_batch=max_batch,
-                            micro_batches=micro_batches, shm_dir=Path(shm_dir) if shm_dir else None)
+                            micro_batches=micro_batches, shm_dir=shm_dir)
     _serve(config, host, port, grpc_port, _banner)
 
 
@@ -70,12 +70,7 @@ def frontend_command(checkpoint, routing_table, routing_configmap, host, port, g
 @click.option("--arch", default="mixtral", show_default=True,
               help="Architecture of the generated tiny checkpoint used when --checkpoint is not given.")
 @click.option("--experts", default=2, show_default=True, help="Local expert-function processes.")
-@host_option
-@port_option
-@grpc_port_option
-@max_batch_option
-@micro_batches_option
-@shm_dir_option
+@serving_options
 def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, micro_batches, shm_dir):
     """Run everything locally: a frontend and expert functions over gRPC on loopback.
 
@@ -89,12 +84,11 @@ def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, m
     bundles = embedded_bundles(checkpoint, experts)
     model = default_model_id(checkpoint)
     click.echo(f"starting {len(bundles)} expert functions for {model} ...", err=True)
-    shm = Path(shm_dir) if shm_dir else None
-    with expert_processes(checkpoint, bundles, model, shm_dir=shm) as experts, tempfile.TemporaryDirectory() as tmp:
+    with expert_processes(checkpoint, bundles, model, shm_dir=shm_dir) as experts, tempfile.TemporaryDirectory() as tmp:
         table = Path(tmp) / "routing.json"
         table.write_text(to_json(table_for_bundles(model, bundles, experts.addresses)))
         config = FrontendConfig(checkpoint=checkpoint, routing_table=table, max_batch=max_batch,
-                                micro_batches=micro_batches, shm_dir=shm)
+                                micro_batches=micro_batches, shm_dir=shm_dir)
         _serve(config, host, port, grpc_port,
                lambda fe, h, g: _banner(fe, h, g, f", experts in {len(bundles)} local processes"))
     click.echo("stopped", err=True)
