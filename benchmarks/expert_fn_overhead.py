@@ -209,27 +209,21 @@ TIMELINE = ("client_starts", "client_sends", "server_parsed", "forward_starts", 
 
 async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir: Path, workdir: Path,
                         calls: int = 300) -> dict:
-    """Median microseconds between the stamps of one streamed shared-memory call, client and server side."""
+    """Median microseconds between the stamps of one shared-memory call (over the lane when the server
+    offers one), client and server side."""
     import grpc
 
     from kubemoe.expert_fn.client import ExpertClient
     from kubemoe.proto import kubemoe_pb2 as pb
 
+    from traced_expert_fn import trace_messages
+
     stamps_path = workdir / "stamps.json"
     client_stamps: dict[str, dict[str, float]] = {}
-
-    def send(request):
-        client_stamps.setdefault(request.request_id, {})["client_sends"] = time.perf_counter()
-        return request.SerializeToString()
-
-    def parse(data):
-        parsed_at = time.perf_counter()
-        response = pb.ForwardResponse.FromString(data)
-        client_stamps.setdefault(response.request_id, {})["client_parsed"] = parsed_at
-        return response
-
     process, address = await start_server(checkpoint, device, 0.5, shm_dir, stamps=stamps_path)
+    tracing = trace_messages(client_stamps, pb.ForwardResponse, "client_parsed", pb.ForwardRequest, "client_sends")
     try:
+        parse, send = tracing.__enter__()
         client = ExpertClient(address, model="bench", shm_dir=shm_dir)
         client._channel = grpc.aio.insecure_channel(address, options=client._options)
         client._stub_cached = types.SimpleNamespace(ForwardStream=client._channel.stream_stream(
@@ -240,6 +234,7 @@ async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir:
             client_stamps[f"t{n}"].update(client_starts=started, client_ends=time.perf_counter())
         await client.close()
     finally:
+        tracing.__exit__(None, None, None)
         process.terminate()
         await process.wait()
     server_stamps = json.loads(stamps_path.read_text())

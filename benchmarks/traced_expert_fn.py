@@ -1,12 +1,13 @@
 """`kubemoe expert-fn` that stamps each ForwardStream request (for expert_fn_overhead.py's timeline).
 
-Wraps the generated handlers' (de)serializers and ExpertServicer._forward to record
-time.perf_counter() (CLOCK_MONOTONIC: comparable across processes of one host) when a request is
-parsed, when _forward starts and ends, and when its reply is serialized for sending. At exit it
-writes {request_id: {stamp: seconds}} as JSON to $KUBEMOE_STAMPS. Arguments are expert-fn's.
+Records time.perf_counter() (CLOCK_MONOTONIC: comparable across processes of one host) when a
+request is parsed, when ExpertServicer._forward starts and ends, and when its reply is sent, on
+the gRPC stream and on the lane alike. At exit it writes {request_id: {stamp: seconds}} as JSON to
+$KUBEMOE_STAMPS. Arguments are expert-fn's. `trace_messages` does the same for a client.
 """
 
 import atexit
+import contextlib
 import json
 import os
 import runpy
@@ -14,46 +15,73 @@ import sys
 import time
 import types
 
-from kubemoe.expert_fn import servicer
+from kubemoe.expert_fn import lane, servicer
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
 
 STAMPS: dict[str, dict[str, float]] = {}
 
 
-def parse(data: bytes) -> pb.ForwardRequest:
-    parsed_at = time.perf_counter()
-    request = pb.ForwardRequest.FromString(data)
-    STAMPS.setdefault(request.request_id, {})["server_parsed"] = parsed_at
-    return request
+@contextlib.contextmanager
+def trace_messages(stamps: dict, received: type, received_stamp: str, sent: type, sent_stamp: str):
+    """Stamp every `received` message as it is parsed and every `sent` one as it is serialized or sent,
+    on the lane (patched while in the context) and on gRPC (the (deserializer, serializer) yielded)."""
+
+    def parse(data: bytes):
+        parsed_at = time.perf_counter()
+        message = received.FromString(data)
+        stamps.setdefault(message.request_id, {})[received_stamp] = parsed_at
+        return message
+
+    def serialize(message) -> bytes:
+        stamps.setdefault(message.request_id, {})[sent_stamp] = time.perf_counter()
+        return message.SerializeToString()
+
+    class Messages:  # what a module sees as kubemoe_pb2: the received message's parsing traced
+        def __getattr__(self, name):
+            return types.SimpleNamespace(FromString=parse) if name == received.__name__ else getattr(pb, name)
+
+    send = lane._Packets.send
+
+    async def traced_send(packets, data: bytes) -> None:
+        sent_at = time.perf_counter()
+        stamps.setdefault(sent.FromString(data).request_id, {})[sent_stamp] = sent_at
+        await send(packets, data)
+
+    lane.pb, lane._Packets.send = Messages(), traced_send
+    try:
+        yield parse, serialize
+    finally:
+        lane.pb, lane._Packets.send = pb, send
 
 
-def serialize(response: pb.ForwardResponse) -> bytes:
-    STAMPS.setdefault(response.request_id, {})["server_sends"] = time.perf_counter()
-    return response.SerializeToString()
+def main() -> None:
+    tracing = contextlib.ExitStack()  # held until the process exits: closing it would undo the tracing
+    parse, serialize = tracing.enter_context(
+        trace_messages(STAMPS, pb.ForwardRequest, "server_parsed", pb.ForwardResponse, "server_sends"))
+
+    class Messages:  # what the generated gRPC module sees as kubemoe_pb2
+        ForwardRequest = types.SimpleNamespace(FromString=parse)
+        ForwardResponse = types.SimpleNamespace(SerializeToString=serialize)
+
+        def __getattr__(self, name):
+            return getattr(pb, name)
+
+    forward = servicer.ExpertServicer._forward
+
+    async def traced_forward(self, request, segment=None):
+        stamps = STAMPS.setdefault(request.request_id, {})
+        stamps["forward_starts"] = time.perf_counter()
+        response = await forward(self, request, segment)
+        stamps["forward_ends"] = time.perf_counter()
+        return response
+
+    pb_grpc.kubemoe_dot_v1_dot_kubemoe__pb2 = Messages()
+    servicer.ExpertServicer._forward = traced_forward
+    atexit.register(lambda: open(os.environ["KUBEMOE_STAMPS"], "w").write(json.dumps(STAMPS)) and tracing)
+    sys.argv = ["kubemoe.expert_fn.cli", *sys.argv[1:]]
+    runpy.run_module("kubemoe.expert_fn.cli", run_name="__main__")
 
 
-class _Messages:  # what the generated module sees as kubemoe_pb2: the two stream messages traced
-    ForwardRequest = types.SimpleNamespace(FromString=parse)
-    ForwardResponse = types.SimpleNamespace(SerializeToString=serialize)
-
-    def __getattr__(self, name):
-        return getattr(pb, name)
-
-
-_forward = servicer.ExpertServicer._forward
-
-
-async def traced_forward(self, request, segment=None):
-    stamps = STAMPS.setdefault(request.request_id, {})
-    stamps["forward_starts"] = time.perf_counter()
-    response = await _forward(self, request, segment)
-    stamps["forward_ends"] = time.perf_counter()
-    return response
-
-
-pb_grpc.kubemoe_dot_v1_dot_kubemoe__pb2 = _Messages()
-servicer.ExpertServicer._forward = traced_forward
-atexit.register(lambda: open(os.environ["KUBEMOE_STAMPS"], "w").write(json.dumps(STAMPS)))
-sys.argv = ["kubemoe.expert_fn.cli", *sys.argv[1:]]
-runpy.run_module("kubemoe.expert_fn.cli", run_name="__main__")
+if __name__ == "__main__":
+    main()

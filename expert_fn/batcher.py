@@ -7,8 +7,9 @@ expert on a GPU), and split back.
 
 When to run a batch (the same policy as Triton's dynamic batcher, plus a bounded wait):
 - compute runs one round at a time, on the event loop; requests that arrive meanwhile join the next;
-- an isolated request (nothing pending or running, no other call in progress when it arrived) runs
-  at once: waiting could only add latency (a single frontend calling layer after layer never waits);
+- an isolated request (nothing pending, no other call in progress when it arrived) runs at once, in
+  its caller's task: waiting could only add latency (a single frontend calling layer after layer
+  never waits, nor hops to the dispatcher);
 - once arrivals overlap (a request arrived while others were pending or running), the next round
   waits up to `wait_s` from its oldest request's arrival for more to join, or until `max_tokens`.
 
@@ -104,10 +105,17 @@ def run_round(
     device: torch.device,
     dtype: torch.dtype,
 ) -> dict[ExpertKey, int]:
-    """Run every job's groups, one FFN per expert; fills job.out / job.error. Returns tokens per key."""
+    """Run every job's groups, one FFN per expert; fills job.out / job.error. Returns tokens per key.
+
+    On a CPU, a job whose input lies in its reply's region (shared memory, already in `dtype`)
+    gets each group's output written straight into that group's rows: the input rows of a group
+    are read by its own expert only, before its output exists. No copy of the reply is left.
+    """
     clock = _ComputeClock(device)
     with torch.inference_mode():
-        inputs = [job.x.to(device=device, dtype=dtype, non_blocking=True) for job in jobs]  # no copy on CPU in dtype
+        inputs = [job.x if job.x.device == device and job.x.dtype == dtype else
+                  job.x.to(device=device, dtype=dtype, non_blocking=True) for job in jobs]
+        in_place = [job.out_buffer is not None and x is job.x for job, x in zip(jobs, inputs)]  # on a GPU x is a copy
         plan = plan_round(jobs)
         pieces: list[list[torch.Tensor | None]] = [[None] * len(job.groups) for job in jobs]
         clock.start()
@@ -118,16 +126,25 @@ def run_round(
                 for part in parts:
                     jobs[part.job].error = e
                 continue
-            xs = [inputs[p.job][p.start:p.start + p.tokens] for p in parts]
-            y = expert_ffn(xs[0] if len(xs) == 1 else torch.cat(xs), weights, act)  # [N, H]
-            split = (y,) if len(parts) == 1 else y.split([p.tokens for p in parts])  # split costs ~15 us
+            rows = [inputs[p.job][p.start:p.start + p.tokens] for p in parts]
+            if len(parts) == 1:
+                direct = in_place[parts[0].job]
+                split = (expert_ffn(rows[0], weights, act, out=rows[0] if direct else None),)
+            else:
+                y = expert_ffn(torch.cat(rows), weights, act)  # [N, H]
+                split = y.split([p.tokens for p in parts])  # split costs ~15 us
+                for part, piece, target in zip(parts, split, rows):
+                    if in_place[part.job]:
+                        copy_into(target, piece)
             for part, piece in zip(parts, split):
                 pieces[part.job][part.group] = piece
         clock.stop()
-        for job, job_pieces, x in zip(jobs, pieces, inputs):
+        for job, job_pieces, x, direct in zip(jobs, pieces, inputs, in_place):
             if job.error is None:
                 out = x if not job_pieces else job_pieces[0] if len(job_pieces) == 1 else torch.cat(job_pieces)
-                if job.out_buffer is None:
+                if direct:
+                    job.out = job.out_buffer  # every group's rows hold its output already
+                elif job.out_buffer is None:
                     job.out = out.to(device="cpu", dtype=job.x.dtype)  # [T, H]; no copy on CPU in dtype
                 else:  # over the request's own region: every input of the round has been read by now
                     job.out = copy_into(job.out_buffer, out, non_blocking=True)  # a DMA when pinned; waited for below
@@ -151,7 +168,6 @@ class MicroBatcher:
         self._run, self._wait_s, self._max_tokens = run, wait_s, max_tokens
         self._pending: list[Job] = []
         self._pending_tokens = 0
-        self._overlapping = False  # the latest arrival found work pending, or knew of other calls
         self._wakeup: asyncio.Event | None = None
         self._dispatcher: asyncio.Task | None = None
         self.rounds = 0
@@ -166,13 +182,18 @@ class MicroBatcher:
         `concurrent`: the caller knows of other calls in progress (the servicer counts them), so
         more requests are likely to come: a round just run leaves no pending work to see that by.
         """
-        if self._dispatcher is None:
-            self._wakeup = asyncio.Event()
-            self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch())
-        self._overlapping = concurrent or bool(self._pending)
         job.done = asyncio.get_running_loop().create_future()
         self._pending.append(job)
         self._pending_tokens += job.tokens
+        if len(self._pending) == 1 and not concurrent:
+            await asyncio.sleep(0)  # requests read in the same breath reach submit() meanwhile
+            if self._pending == [job]:  # still alone: run it now, in this task (no hop to the dispatcher)
+                self._pending, self._pending_tokens = [], 0
+                self._run_jobs([job])
+                return job
+        if self._dispatcher is None:
+            self._wakeup = asyncio.Event()
+            self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch())
         self._wakeup.set()
         await job.done
         return job
@@ -183,21 +204,24 @@ class MicroBatcher:
             self._wakeup.clear()
             if not self._pending:
                 continue
-            if self._overlapping and self._wait_s > 0:
+            if self._wait_s > 0:  # arrivals overlap (else submit() ran the job): more may come
                 await self._gather_more()
             jobs, self._pending, self._pending_tokens = self._pending, [], 0
-            started = time.perf_counter()
-            for job in jobs:
-                job.queue_seconds = started - job.arrived
-            try:
-                self._run(jobs)
-            except Exception as e:  # a bug, not a bad request: fail these jobs, keep serving
-                for job in jobs:
-                    job.error = job.error or e
-            self.rounds += 1
+            self._run_jobs(jobs)
             for job in jobs:
                 if not job.done.done():
                     job.done.set_result(None)
+
+    def _run_jobs(self, jobs: list[Job]) -> None:
+        started = time.perf_counter()
+        for job in jobs:
+            job.queue_seconds = started - job.arrived
+        try:
+            self._run(jobs)
+        except Exception as e:  # a bug, not a bad request: fail these jobs, keep serving
+            for job in jobs:
+                job.error = job.error or e
+        self.rounds += 1
 
     async def _gather_more(self) -> None:
         deadline = self._pending[0].arrived + self._wait_s

@@ -8,7 +8,8 @@ calls have no side effects: retrying them is safe) and the next call opens a new
 With `shm_dir` set, each new stream offers the server a shared-memory segment (shm.py). A server on
 this node that sees the same folder attaches it; a call then copies its hidden states into a region
 of the segment, sends only the region's offset, and gets back a tensor over the same region, where
-the server wrote the reply (the region is reused once that tensor and its views are gone). A server
+the server wrote the reply (the region is reused once that tensor and its views are gone). Those
+calls go over the stream's lane (lane.py), a Unix socket, when the server offers one. A server
 elsewhere refuses, and tensors travel inline, as do calls that find no free region large enough.
 
 Errors surface as grpc.aio.AioRpcError: `.code()` is the status, `.details()` says what was wrong.
@@ -21,15 +22,14 @@ import contextlib
 import itertools
 import logging
 import os
-import weakref
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import grpc
-import numpy
 import torch
 
 from kubemoe import wire
+from kubemoe.expert_fn.lane import LANE_METADATA_KEY, ClientLane, LaneClosed
 from kubemoe.expert_fn.servicer import REQUEST_ID_METADATA
 from kubemoe.expert_fn.shm import (ATTACHED, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError,
                                    copy_into)
@@ -50,16 +50,25 @@ class _Stream:
     def __init__(self, call: grpc.aio.StreamStreamCall, segment: Segment | None):
         self.call, self.segment = call, segment
         self.allocator = Allocator(HEADER_BYTES, segment.size) if segment is not None else None
+        self.lane: ClientLane | None = None  # carries the calls whose tensors are in the segment
         self.write_lock = asyncio.Lock()  # one writer at a time
         self.pending: dict[str, asyncio.Future] = {}  # request_id -> its caller's future
         self.regions: dict[str, int] = {}  # request_id -> offset of its region, until the reply is read
         self.reader: asyncio.Task | None = None
 
+    def deliver(self, response: pb.ForwardResponse) -> None:
+        """A reply, from the stream or the lane, to its caller; a late one (the caller timed out) frees its region."""
+        waiter = self.pending.get(response.request_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(response)
+        else:
+            self.release(response.request_id)
+
     def place(self, request_id: str, hidden: torch.Tensor, msg: pb.Tensor) -> bool:
         """Copy `hidden` into a free region and name it in `msg`; False when none is large enough."""
-        if self.allocator is None:
+        if self.allocator is None or hidden.dtype not in wire.TO_WIRE:
             return False
-        offset = self.allocator.alloc(hidden.numel() * hidden.element_size())
+        offset = self.allocator.alloc(hidden.nbytes)
         if offset is None:
             return False
         shape = list(hidden.shape)
@@ -73,17 +82,23 @@ class _Stream:
         if offset is not None:
             self.allocator.free(offset)
 
-    def hand_over(self, request_id: str, reply: torch.Tensor) -> torch.Tensor:
+    def hand_over(self, request_id: str, reply: pb.Tensor, sent: pb.Tensor) -> torch.Tensor:
         """The reply where it lies, as a tensor of its own; its region is freed once no view of it is left.
 
         No copy: the caller's tensor keeps the region. A caller that holds replies for long only
-        makes later calls travel inline once the segment is full.
+        makes later calls travel inline once the segment is full. Raises ValueError when the
+        reply does not name exactly the region, dtype and shape the request was sent in.
         """
         offset = self.regions.pop(request_id)
-        owner = numpy.frombuffer(self.segment.buffer, dtype=numpy.uint8, count=reply.nbytes, offset=offset)
-        # The tensor's storage, shared by every view of it, holds `owner`: it dies with the last view.
-        weakref.finalize(owner, _free_soon, asyncio.get_running_loop(), self.allocator, offset)
-        return torch.from_numpy(owner).view(reply.dtype).view(reply.shape)
+        why = "inline, not the way it was sent" if reply.WhichOneof("payload") != "shared" else \
+            "in another region, dtype or shape than it was sent in" if (
+                reply.shared.offset != offset or reply.dtype != sent.dtype or reply.shape != sent.shape) else None
+        if why:
+            self.allocator.free(offset)
+            raise ValueError(why)
+        loop, allocator = asyncio.get_running_loop(), self.allocator
+        return self.segment.view(offset, wire.FROM_WIRE[sent.dtype], list(sent.shape),
+                                 on_release=lambda: _free_soon(loop, allocator, offset))
 
 
 def _free_soon(loop: asyncio.AbstractEventLoop, allocator: Allocator, offset: int) -> None:
@@ -152,23 +167,29 @@ class ExpertClient:
             shared = stream.place(rid, hidden, request.hidden)
             if not shared:
                 wire.encode_into(hidden, request.hidden)
-            async with stream.write_lock:
-                await stream.call.write(request)
-            response = await asyncio.wait_for(done, timeout)
-            if shared != (response.hidden.WhichOneof("payload") == "shared"):
+            if not (shared and stream.lane is not None and await stream.lane.send(request)):
+                async with stream.write_lock:
+                    await stream.call.write(request)
+            response = await (done if timeout is None else asyncio.wait_for(done, timeout))
+            if response.HasField("error"):
                 stream.release(rid)
-                raise rpc_error(grpc.StatusCode.DATA_LOSS, f"{self.address} answered request {rid!r} "
-                                f"{'inline' if shared else 'in shared memory'}, not the way it was sent")
-            out = wire.decode(response.hidden, stream.segment)
-            if shared:
-                out = stream.hand_over(rid, out)
+                raise rpc_error(_STATUS_CODES.get(response.error.code, grpc.StatusCode.UNKNOWN), response.error.message)
+            try:
+                if shared:
+                    out = stream.hand_over(rid, response.hidden, request.hidden)
+                elif response.hidden.WhichOneof("payload") == "shared":
+                    raise ValueError("in shared memory, not the way it was sent")
+                else:
+                    out = wire.decode(response.hidden)
+            except ValueError as e:  # wire.WireError too
+                raise rpc_error(grpc.StatusCode.DATA_LOSS, f"{self.address} answered request {rid!r} {e}") from None
             if hidden.device.type != "cpu":
                 out = out.to(hidden.device)
             return out, response.timing
         except TimeoutError:  # a region stays reserved until the late reply comes (the reader frees it)
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"no reply to request {rid!r} from {self.address} within {timeout}s") from None
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, LaneClosed) as e:
             if done.done() and not done.cancelled() and done.exception() is not None:
                 raise done.exception() from None  # the reader's verdict is the more precise one
             # A write into a stream the server has just dropped fails with INTERNAL ("Failed
@@ -191,21 +212,36 @@ class ExpertClient:
     async def _new_stream(self, timeout: float | None) -> _Stream:
         segment = self._offer_segment()
         call = self._stub.ForwardStream(metadata=((METADATA_KEY, segment.offer),) if segment else None)
+        metadata = {}
         if segment is not None:
             try:  # the server answers in its initial metadata, before any reply
-                answer = dict(await asyncio.wait_for(call.initial_metadata(), timeout) or ()).get(METADATA_KEY, "")
+                metadata = dict(await asyncio.wait_for(call.initial_metadata(), timeout) or ())
             except TimeoutError:
                 call.cancel()
                 raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"{self.address} did not open a stream within {timeout}s") from None
             finally:
                 segment.unlink()  # attached or not, nobody needs the name any more
-            if answer != ATTACHED:
-                self._tell_inline(answer or "the server did not answer the offer")
+            if metadata.get(METADATA_KEY) != ATTACHED:
+                self._tell_inline(metadata.get(METADATA_KEY) or "the server did not answer the offer")
                 segment = None
         stream = _Stream(call, segment)
         stream.reader = asyncio.get_running_loop().create_task(self._read_replies(stream))
+        if segment is not None and LANE_METADATA_KEY in metadata:
+            try:
+                stream.lane = await ClientLane.connect(
+                    self.shm_dir, metadata[LANE_METADATA_KEY], segment.offer, on_response=stream.deliver,
+                    on_closed=lambda why: self._lane_closed(stream, why), timeout=timeout or LANE_CONNECT_SECONDS)
+            except SharedMemoryError as e:
+                log.info("calls to %s go over the gRPC stream, not a lane: %s", self.address, e)
         return stream
+
+    def _lane_closed(self, stream: _Stream, why: LaneClosed) -> None:
+        """The lane ended (the server stops, or went away): so does its stream; its calls may be retried."""
+        if self._stream is stream:
+            self._stream = None
+        self._fail_pending(stream, rpc_error(grpc.StatusCode.UNAVAILABLE, f"the lane to {self.address} closed: {why}"))
+        stream.call.cancel()
 
     def _offer_segment(self) -> Segment | None:
         if self.shm_dir is None:
@@ -225,11 +261,7 @@ class ExpertClient:
         error: grpc.aio.AioRpcError | None = None
         try:
             async for response in stream.call:
-                waiter = stream.pending.get(response.request_id)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(response)
-                else:  # the caller timed out: drop the late reply, free its region
-                    stream.release(response.request_id)
+                stream.deliver(response)
         except grpc.aio.AioRpcError as e:
             error = e
         except asyncio.CancelledError:
@@ -263,6 +295,8 @@ class ExpertClient:
         """End the stream cleanly (the server sees the client finish, not a cancel), then the channel."""
         stream, self._stream = self._stream, None
         if stream is not None:
+            if stream.lane is not None:
+                stream.lane.close()
             try:
                 await stream.call.done_writing()
                 await asyncio.wait_for(asyncio.shield(stream.reader), 1.0)
@@ -283,6 +317,10 @@ class ExpertClient:
 # Statuses that are about every pending call alike (not one bad request), passed on as they are.
 _PASS_THROUGH = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                  grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+LANE_CONNECT_SECONDS = 5.0
 
 
 def _keys(keys: Iterable[tuple[int, int]]) -> list[pb.ExpertKey]:

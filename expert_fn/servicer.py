@@ -27,6 +27,7 @@ from kubemoe.expert_fn.batcher import Job, MicroBatcher, run_round
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.errors import ExpertFnError, invalid, not_found
 from kubemoe.expert_fn.metrics import ExpertFnMetrics
+from kubemoe.expert_fn.lane import LANE_METADATA_KEY, ServerLane
 from kubemoe.expert_fn.shm import ATTACHED, METADATA_KEY, REFUSED, Segment, SharedMemoryError
 from kubemoe.expert_fn.store import ExpertStore
 from kubemoe.proto import kubemoe_pb2 as pb
@@ -101,6 +102,14 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         timing.total_seconds = time.perf_counter() - started
         return response
 
+    async def _answer(self, request: pb.ForwardRequest, segment: Segment) -> pb.ForwardResponse:
+        """_forward() for a lane: a refused request gets a response that says why, not a broken lane."""
+        try:
+            return await self._forward(request, segment)
+        except Exception as e:
+            code, message = self._status(e, "ForwardStream")
+            return pb.ForwardResponse(request_id=request.request_id, error=pb.Status(code=code.value[0], message=message))
+
     async def Forward(self, request, context):
         return await self._call("Forward", context, self._forward(request))
 
@@ -115,11 +124,12 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     async def ForwardStream(self, request_iterator, context) -> None:
         # Each request runs in its own task and writes its own reply (one writer at a time): no hop
         # through a queue and a generator per reply. The first refused request ends the stream.
+        # Requests from the lane, if the client connects one, run in `running` too.
         loop = asyncio.get_running_loop()
-        segment = await self._attach(context)
+        running: set[asyncio.Task] = set()
+        segment, lane = await self._attach(context, running)
         write_lock = asyncio.Lock()
         refused: asyncio.Future = loop.create_future()  # (error, request_id) of the first failure
-        running: set[asyncio.Task] = set()
 
         async def answer(request: pb.ForwardRequest) -> None:
             try:
@@ -144,6 +154,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             await asyncio.wait((reader, refused, ending), return_when=asyncio.FIRST_COMPLETED)
             if not reader.done() and not refused.done():  # the server stops: read no more, answer the rest
                 reader.cancel()
+                if lane is not None:
+                    lane.stop_reading()
                 await asyncio.gather(reader, return_exceptions=True)
                 while running and not refused.done():
                     await asyncio.wait((*running, refused), return_when=asyncio.FIRST_COMPLETED)
@@ -162,15 +174,19 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             reader.cancel()
             for task in list(running):
                 task.cancel()
+            if lane is not None:
+                lane.close()
             if segment is not None:
                 segment.unpin()  # no round is running: rounds run on this loop and end synchronised
 
-    async def _attach(self, context: grpc.aio.ServicerContext) -> Segment | None:
-        """Map the shared-memory segment the client offered, if any; tell it the outcome either way."""
+    async def _attach(self, context: grpc.aio.ServicerContext,
+                      tasks: set[asyncio.Task]) -> tuple[Segment | None, ServerLane | None]:
+        """Map the shared-memory segment the client offered, if any, and open its lane (lane.py);
+        tell the client the outcome either way."""
         offer = dict(context.invocation_metadata() or ()).get(METADATA_KEY)
         if offer is None:
-            return None
-        segment = None
+            return None, None
+        segment = lane = None
         try:
             if self.config.shm_dir is None:
                 raise SharedMemoryError("this expert function runs without --shm-dir")
@@ -182,8 +198,15 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             answer = f"{REFUSED}: {e}"
             log.info("inline tensors for a client on %s: %s", context.peer(), e)
         self.metrics.shared_memory(answer == ATTACHED)
-        await context.send_initial_metadata(((METADATA_KEY, answer.encode("ascii", "replace").decode()),))
-        return segment
+        metadata = [(METADATA_KEY, answer.encode("ascii", "replace").decode())]
+        if segment is not None:
+            try:
+                lane = ServerLane(self.config.shm_dir, offer, lambda request: self._answer(request, segment), tasks)
+                metadata.append((LANE_METADATA_KEY, lane.name))
+            except SharedMemoryError as e:  # the stream still carries the calls
+                log.warning("%s", e)
+        await context.send_initial_metadata(metadata)
+        return segment, lane
 
     # -- weights ------------------------------------------------------------------------------
 

@@ -22,13 +22,17 @@ never into any other file.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import re
 import secrets
 import stat
+import weakref
 from pathlib import Path
+from typing import Callable
 
+import numpy
 import torch
 
 METADATA_KEY = "kubemoe-shm"
@@ -38,6 +42,9 @@ ALIGN = 64  # region offsets: a cache line, and a multiple of every dtype's size
 HEADER_BYTES = 4096  # the nonce; data starts on the next page
 NONCE_BYTES = 16
 _NAME = re.compile(r"kubemoe-[0-9a-f]{32}")
+# Views are made through numpy: 3-4x fewer microseconds than torch slicing and viewing, and a call
+# makes one on each side. numpy has no bfloat16: its bits travel as int16 and are viewed back.
+_NUMPY = {torch.float32: numpy.float32, torch.float16: numpy.float16, torch.bfloat16: numpy.int16}
 
 
 class SharedMemoryError(Exception):
@@ -112,16 +119,25 @@ class Segment:
         """Remove the file; both mappings stay valid (the client does this once the server attached)."""
         self.path.unlink(missing_ok=True)
 
-    def view(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        """The tensor at `offset`; raises ValueError saying what is wrong when it does not fit."""
-        nbytes = dtype.itemsize
+    def view(self, offset: int, dtype: torch.dtype, shape: list[int], *,
+             on_release: Callable[[], None] | None = None) -> torch.Tensor:
+        """The tensor at `offset`; raises ValueError saying what is wrong when it does not fit.
+
+        `on_release` runs once no view of the returned tensor is left (from whichever thread drops
+        the last one)."""
+        numel = 1
         for d in shape:
-            nbytes *= d
+            numel *= d
         if offset % ALIGN or offset < HEADER_BYTES:
             raise ValueError(f"shared offset {offset} must be a multiple of {ALIGN} and at least {HEADER_BYTES}")
-        if offset + nbytes > self.size:
-            raise ValueError(f"shared region of {nbytes} bytes at offset {offset} ends past the segment ({self.size} bytes)")
-        return self._bytes[offset:offset + nbytes].view(dtype).view(shape)
+        if offset + numel * dtype.itemsize > self.size:
+            raise ValueError(f"shared region of {numel * dtype.itemsize} bytes at offset {offset} ends past the "
+                             f"segment ({self.size} bytes)")
+        array = numpy.frombuffer(self.buffer, _NUMPY[dtype], numel, offset).reshape(shape)
+        if on_release is not None:  # the tensor's storage, shared by all its views, holds `array`
+            weakref.finalize(array, on_release)
+        tensor = torch.from_numpy(array)
+        return tensor.view(dtype) if dtype is torch.bfloat16 else tensor
 
     def pin(self) -> bool:
         """Register the mapping with CUDA, so host<->GPU copies of its regions are direct DMA (async).
@@ -149,7 +165,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = Fals
     """
     if (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and dst.shape == src.shape
             and dst.is_contiguous() and src.is_contiguous()):
-        dst.detach().reshape(-1).view(torch.uint8).numpy()[:] = src.detach().reshape(-1).view(torch.uint8).numpy()
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.nbytes)
     else:
         dst.copy_(src, non_blocking=non_blocking)  # casts, or a DMA
     return dst

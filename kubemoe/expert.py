@@ -32,6 +32,9 @@ def expert_ffn(
     x: torch.Tensor,  # [T, H]
     weights: ExpertWeights,
     act: Callable[[torch.Tensor], torch.Tensor],
+    out: torch.Tensor | None = None,  # [T, H] to write the result into (may be x itself: read first)
 ) -> torch.Tensor:  # [T, H]
     gate, up = F.linear(x, weights.gate_up).chunk(2, dim=-1)  # [T, I] each
-    return F.linear(act(gate) * up, weights.down)
+    if out is None:
+        return F.linear(act(gate) * up, weights.down)
+    return torch.mm(act(gate) * up, weights.down.t(), out=out)  # what F.linear runs for 2-D inputs

@@ -71,14 +71,24 @@ class ServerTiming(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("request_id", "hidden", "timing")
+    __slots__ = ("request_id", "hidden", "timing", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     hidden: Tensor
     timing: ServerTiming
-    def __init__(self, request_id: _Optional[str] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., timing: _Optional[_Union[ServerTiming, _Mapping]] = ...) -> None: ...
+    error: Status
+    def __init__(self, request_id: _Optional[str] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., timing: _Optional[_Union[ServerTiming, _Mapping]] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+
+class Status(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("model", "experts")

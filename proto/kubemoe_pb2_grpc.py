@@ -80,6 +80,15 @@ class ExpertServiceServicer:
         attached stream a request's hidden may be a SharedRegion; its reply overwrites that same
         region (same shape and dtype) and names it in its own hidden. The mapping lives as long as
         the stream; unary Forward never carries SharedRegions.
+
+        The lane: with `attached` the server may also name a Unix socket in the same folder,
+        `kubemoe-shm-lane: <file name>` (SOCK_SEQPACKET, mode 0600, listening until one client
+        connects). The client connects, sends the offer again as its first packet, and the server
+        (checking the peer runs as its own user) answers `attached` or `refused: <why>`. From then
+        on each packet is one serialized ForwardRequest one way and one ForwardResponse the other,
+        at most 64 KiB (requests naming SharedRegions; inline tensors stay on the stream). A failed
+        request gets a response with `error`; the lane keeps serving. The lane lives as long as the
+        stream: either one ending ends the other, and calls in flight fail as UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

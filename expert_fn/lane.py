@@ -1,0 +1,246 @@
+"""The lane: a shared-memory ForwardStream's calls over a Unix socket instead of HTTP/2.
+
+Once tensors travel through the segment (shm.py), a call's messages are ~100 bytes, and what
+is left of its cost is Python gRPC carrying them: each message wakes gRPC's event engine, its
+completion-queue poller and the asyncio loop on each side. Measured with a 64-byte echo on the
+H200 host: 180-200 us a round trip, 380 us when the server was busy computing (grpc_floor.py).
+A SOCK_SEQPACKET socket read straight from each side's event loop is one syscall and one loop
+wake-up per message: a few tens of microseconds.
+
+The protocol is in kubemoe.proto (ExpertService). Per stream whose segment the server attached:
+the server listens on a fresh socket file in the same folder, names it in the initial metadata,
+and accepts exactly one connection: from its own user (SO_PEERCRED) whose first packet is the
+stream's offer. The file is gone once the client connected (or after ACCEPT_SECONDS), like the
+segment's. Each packet then holds one serialized ForwardRequest or ForwardResponse.
+
+Both sides run the lane on their event loop with add_reader; nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import secrets
+import socket
+import struct
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from kubemoe.expert_fn.shm import ATTACHED, REFUSED, SharedMemoryError
+from kubemoe.proto import kubemoe_pb2 as pb
+
+LANE_METADATA_KEY = "kubemoe-shm-lane"
+MAX_PACKET_BYTES = 64 << 10
+ACCEPT_SECONDS = 10.0  # how long a stream's socket waits for its client to connect
+_NAME = re.compile(r"kubemoe-lane-[0-9a-f]{32}")
+log = logging.getLogger(__name__)
+
+
+class LaneClosed(ConnectionError):
+    """The other side closed the lane, or sent what is not a packet of the protocol."""
+
+
+class _Packets:
+    """A connected SOCK_SEQPACKET socket read from the event loop: each packet goes to `on_packet`,
+    and the end of the connection (or an oversized packet) to `on_closed`, once."""
+
+    def __init__(self, sock: socket.socket, on_packet: Callable[[bytes], None],
+                 on_closed: Callable[[LaneClosed], None]):
+        self.sock, self._on_packet, self._on_closed = sock, on_packet, on_closed
+        self._loop = asyncio.get_running_loop()
+        self._reading = False
+        self.closed = False
+
+    def start_reading(self) -> None:
+        if not self._reading and not self.closed:
+            self._loop.add_reader(self.sock, self._readable)
+            self._reading = True
+
+    def stop_reading(self) -> None:
+        if self._reading:
+            self._loop.remove_reader(self.sock)
+            self._reading = False
+
+    def _readable(self) -> None:
+        while self._reading:  # drain what is there: one wake-up for all of it
+            try:
+                data, _, flags, _ = self.sock.recvmsg(MAX_PACKET_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                return self.close(LaneClosed(f"lane broke: {e.strerror}"))
+            if not data:
+                return self.close(LaneClosed("the other side closed the lane"))
+            if flags & socket.MSG_TRUNC:
+                return self.close(LaneClosed(f"a packet over {MAX_PACKET_BYTES} bytes"))
+            self._on_packet(data)
+
+    async def send(self, data: bytes) -> None:
+        """One packet. Raises LaneClosed when the lane is gone."""
+        if self.closed:
+            raise LaneClosed("the lane is closed")
+        try:
+            self.sock.send(data)  # a socket buffer holds hundreds of packets: this rarely waits
+        except (BlockingIOError, InterruptedError):
+            await self._loop.sock_sendall(self.sock, data)
+        except OSError as e:
+            raise LaneClosed(f"lane broke: {e.strerror}") from None
+
+    def close(self, why: LaneClosed | None = None) -> None:
+        if self.closed:
+            return
+        self.stop_reading()
+        self.closed = True
+        self.sock.close()
+        if why is not None:
+            self._on_closed(why)
+
+
+def _listen(folder: Path) -> tuple[socket.socket, Path]:
+    path = folder / f"kubemoe-lane-{secrets.token_hex(16)}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, 0o600)  # before listen(): nobody could connect in between
+        sock.listen(1)
+    except OSError as e:
+        sock.close()
+        with contextlib.suppress(OSError):
+            path.unlink()
+        raise SharedMemoryError(f"cannot listen on a lane in {folder}: {e.strerror}") from None
+    sock.setblocking(False)
+    return sock, path
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+
+
+class ServerLane:
+    """The server's end of one stream's lane: requests in, each answered by `answer` in a task of
+    `tasks` (the stream's), responses out in whatever order they finish."""
+
+    def __init__(self, folder: Path, offer: str, answer: Callable[[pb.ForwardRequest], Awaitable[pb.ForwardResponse]],
+                 tasks: set[asyncio.Task]):
+        self._listener, self._path = _listen(folder)
+        self.name = self._path.name
+        self._offer, self._answer, self._tasks = offer, answer, tasks
+        self._packets: _Packets | None = None
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            conn, _ = await asyncio.wait_for(loop.sock_accept(self._listener), ACCEPT_SECONDS)
+        except TimeoutError:
+            log.info("no client connected to lane %s within %.0fs; its stream goes on without it", self.name,
+                     ACCEPT_SECONDS)
+            return
+        finally:
+            self._listener.close()
+            self._path.unlink(missing_ok=True)
+        conn.setblocking(False)
+        try:
+            offer = (await asyncio.wait_for(loop.sock_recv(conn, 1024), ACCEPT_SECONDS)).decode("ascii", "replace")
+            if _peer_uid(conn) != os.geteuid():
+                answer = f"{REFUSED}: the client runs as another user"
+            elif offer != self._offer:
+                answer = f"{REFUSED}: the first packet is not this stream's offer"
+            else:
+                answer = ATTACHED
+            conn.send(answer.encode())
+        except (OSError, TimeoutError) as e:
+            log.info("lane %s: the handshake failed (%s)", self.name, e)
+            conn.close()
+            return
+        if answer != ATTACHED:
+            log.warning("lane %s: %s", self.name, answer)
+            conn.close()
+            return
+        self._packets = _Packets(conn, self._request, lambda why: log.debug("lane %s: %s", self.name, why))
+        self._packets.start_reading()
+
+    def _request(self, data: bytes) -> None:
+        try:
+            request = pb.ForwardRequest.FromString(data)
+        except Exception:  # noqa: BLE001 - protobuf raises DecodeError, or others on some inputs
+            # Nothing to answer to (no request id): the client's calls on this lane fail as UNAVAILABLE.
+            log.warning("lane %s: a packet that is not a ForwardRequest; closing the lane", self.name)
+            self._packets.close()
+            return
+        task = asyncio.get_running_loop().create_task(self._reply(request))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reply(self, request: pb.ForwardRequest) -> None:
+        response = await self._answer(request)
+        with contextlib.suppress(LaneClosed):  # the client left: nobody waits for this reply
+            await self._packets.send(response.SerializeToString())
+
+    def stop_reading(self) -> None:
+        """Take no more requests (the server is stopping); those in `tasks` are still answered."""
+        if self._packets is not None:
+            self._packets.stop_reading()
+
+    def close(self) -> None:
+        self._accepting.cancel()
+        if self._packets is not None:
+            self._packets.close()
+
+
+class ClientLane:
+    """The client's end: `send` a request; each response goes to `on_response`, the lane's end to
+    `on_closed` (after which the stream it belongs to is useless too)."""
+
+    def __init__(self, packets: _Packets):
+        self._packets = packets
+
+    @classmethod
+    async def connect(cls, folder: Path, name: str, offer: str, *, on_response: Callable[[pb.ForwardResponse], None],
+                      on_closed: Callable[[LaneClosed], None], timeout: float | None) -> "ClientLane":
+        """Raises SharedMemoryError saying why the lane cannot be used (the stream still can)."""
+        if not _NAME.fullmatch(name):
+            raise SharedMemoryError(f"lane name {name[:80]!r} is not kubemoe-lane-<32 hex digits>")
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, str(Path(folder) / name)), timeout)
+            await loop.sock_sendall(sock, offer.encode())
+            answer = (await asyncio.wait_for(loop.sock_recv(sock, 1024), timeout)).decode("ascii", "replace")
+        except (OSError, TimeoutError) as e:
+            sock.close()
+            raise SharedMemoryError(f"cannot connect to lane {name}: {e}") from None
+        if answer != ATTACHED:
+            sock.close()
+            raise SharedMemoryError(f"lane {name}: {answer or 'closed during the handshake'}")
+
+        def on_packet(data: bytes) -> None:
+            try:
+                response = pb.ForwardResponse.FromString(data)
+            except Exception:  # noqa: BLE001 - see ServerLane._request
+                packets.close(LaneClosed("the server sent a packet that is not a ForwardResponse"))
+                return
+            on_response(response)
+
+        packets = _Packets(sock, on_packet, on_closed)
+        packets.start_reading()
+        return cls(packets)
+
+    @property
+    def closed(self) -> bool:
+        return self._packets.closed
+
+    async def send(self, request: pb.ForwardRequest) -> bool:
+        """Send `request`; False when it is too large for a packet (send it on the stream)."""
+        data = request.SerializeToString()
+        if len(data) > MAX_PACKET_BYTES:
+            return False
+        await self._packets.send(data)
+        return True
+
+    def close(self) -> None:
+        self._packets.close()
