@@ -203,8 +203,8 @@ async def time_raw_echo(sizes: list[int], budget: float) -> list[float]:
         server.kill()
 
 
-TIMELINE = ("client_starts", "client_sends", "server_parsed", "forward_starts", "forward_ends", "server_sends",
-            "client_parsed", "client_ends")
+TIMELINE = ("client_starts", "client_sends", "server_parsed", "forward_starts", "request_checked", "round_starts",
+            "device_wait_starts", "round_ends", "forward_ends", "server_sends", "client_parsed", "client_ends")
 
 
 async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir: Path, workdir: Path,

@@ -1,8 +1,10 @@
 """`kubemoe expert-fn` that stamps each ForwardStream request (for expert_fn_overhead.py's timeline).
 
 Records time.perf_counter() (CLOCK_MONOTONIC: comparable across processes of one host) when a
-request is parsed, when ExpertServicer._forward starts and ends, and when its reply is sent, on
-the gRPC stream and on the lane alike. At exit it writes {request_id: {stamp: seconds}} as JSON to
+request is parsed, when ExpertServicer._forward starts, when the request is checked, when its
+round starts, when the round waits for the device (GPU) or is done computing (CPU), when the
+round ends, when _forward ends, and when its reply is sent, on the gRPC stream and on the lane
+alike. The round's stamps go to the request in _forward: the timeline sends one at a time. At exit it writes {request_id: {stamp: seconds}} as JSON to
 $KUBEMOE_STAMPS. Arguments are expert-fn's. `trace_messages` does the same for a client.
 """
 
@@ -15,7 +17,7 @@ import sys
 import time
 import types
 
-from kubemoe.expert_fn import lane, servicer
+from kubemoe.expert_fn import batcher, lane, servicer
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
 
@@ -67,15 +69,30 @@ def main() -> None:
         def __getattr__(self, name):
             return getattr(pb, name)
 
+    current: list[dict[str, float]] = [{}]  # the stamps of the request in _forward
+
+    def stamped(function, before: str | None, after: str | None):
+        def traced(*args, **kwargs):
+            if before:
+                current[0][before] = time.perf_counter()
+            result = function(*args, **kwargs)
+            if after:
+                current[0][after] = time.perf_counter()
+            return result
+        return traced
+
     forward = servicer.ExpertServicer._forward
 
     async def traced_forward(self, request, segment=None):
-        stamps = STAMPS.setdefault(request.request_id, {})
-        stamps["forward_starts"] = time.perf_counter()
+        current[0] = STAMPS.setdefault(request.request_id, {})
+        current[0]["forward_starts"] = time.perf_counter()
         response = await forward(self, request, segment)
-        stamps["forward_ends"] = time.perf_counter()
+        STAMPS[request.request_id]["forward_ends"] = time.perf_counter()
         return response
 
+    servicer.ExpertServicer._job = stamped(servicer.ExpertServicer._job, None, "request_checked")
+    servicer.run_round = stamped(servicer.run_round, "round_starts", "round_ends")
+    batcher._ComputeClock.seconds = stamped(batcher._ComputeClock.seconds, "device_wait_starts", None)
     pb_grpc.kubemoe_dot_v1_dot_kubemoe__pb2 = Messages()
     servicer.ExpertServicer._forward = traced_forward
     atexit.register(lambda: open(os.environ["KUBEMOE_STAMPS"], "w").write(json.dumps(STAMPS)) and tracing)

@@ -31,8 +31,7 @@ import torch
 from kubemoe import wire
 from kubemoe.expert_fn.lane import LANE_METADATA_KEY, ClientLane, LaneClosed
 from kubemoe.expert_fn.servicer import REQUEST_ID_METADATA
-from kubemoe.expert_fn.shm import (ATTACHED, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError,
-                                   copy_into)
+from kubemoe.expert_fn.shm import ATTACHED, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError
 from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_SEGMENT_BYTES, grpc_options
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
@@ -72,7 +71,7 @@ class _Stream:
         if offset is None:
             return False
         shape = list(hidden.shape)
-        copy_into(self.segment.view(offset, hidden.dtype, shape), hidden)
+        self.segment.write(offset, hidden)
         wire.describe_shared(msg, hidden.dtype, shape, offset)
         self.regions[request_id] = offset
         return True
@@ -90,12 +89,10 @@ class _Stream:
         reply does not name exactly the region, dtype and shape the request was sent in.
         """
         offset = self.regions.pop(request_id)
-        why = "inline, not the way it was sent" if reply.WhichOneof("payload") != "shared" else \
-            "in another region, dtype or shape than it was sent in" if (
-                reply.shared.offset != offset or reply.dtype != sent.dtype or reply.shape != sent.shape) else None
-        if why:
+        if reply != sent:
             self.allocator.free(offset)
-            raise ValueError(why)
+            raise ValueError("inline, not the way it was sent" if reply.WhichOneof("payload") != "shared" else
+                             "in another region, dtype or shape than it was sent in")
         loop, allocator = asyncio.get_running_loop(), self.allocator
         return self.segment.view(offset, wire.FROM_WIRE[sent.dtype], list(sent.shape),
                                  on_release=lambda: _free_soon(loop, allocator, offset))

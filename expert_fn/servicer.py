@@ -78,7 +78,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     def _run_round(self, jobs: list[Job]) -> None:
         tokens = run_round(jobs, lambda key: self.store.get(*key), self.store.adapter.act,
                            self.config.device, self.config.dtype)
-        self.metrics.round(tokens, jobs[0].compute_seconds, [job.queue_seconds for job in jobs])
+        # Off the requests' path: recorded in the loop's next turn (a lone request's reply is out by then).
+        asyncio.get_running_loop().call_soon(self.metrics.round, tokens, jobs[0].compute_seconds,
+                                             [job.queue_seconds for job in jobs])
 
     async def _forward(self, request: pb.ForwardRequest, segment: Segment | None = None) -> pb.ForwardResponse:
         started = time.perf_counter()
@@ -93,8 +95,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         if job.error is not None:
             raise job.error
         response = pb.ForwardResponse(request_id=request.request_id)
-        if job.out_buffer is not None:  # the reply is already in the request's region
-            wire.describe_shared(response.hidden, job.out.dtype, list(job.out.shape), request.hidden.shared.offset)
+        if job.out_buffer is not None:  # the reply is already in the request's region: same dtype, shape, offset
+            response.hidden.CopyFrom(request.hidden)
         else:
             wire.encode_into(job.out, response.hidden)  # in place: no second copy of the bytes
         timing = response.timing

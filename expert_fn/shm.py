@@ -58,6 +58,7 @@ class Segment:
         self.path, self.nonce, self.size, self.buffer = path, nonce, len(buffer), buffer
         # The tensors made from it keep the mapping alive; it is unmapped when the last one goes.
         self._bytes = torch.frombuffer(buffer, dtype=torch.uint8)
+        self._address = self._bytes.data_ptr()
         self._pinned: bool | None = None  # None: pin() not tried yet
 
     @property
@@ -138,6 +139,13 @@ class Segment:
             weakref.finalize(array, on_release)
         tensor = torch.from_numpy(array)
         return tensor.view(dtype) if dtype is torch.bfloat16 else tensor
+
+    def write(self, offset: int, tensor: torch.Tensor) -> None:
+        """Copy `tensor` into the region at `offset` (which the caller allocated to fit it)."""
+        if tensor.device.type == "cpu" and tensor.is_contiguous():
+            ctypes.memmove(self._address + offset, tensor.data_ptr(), tensor.nbytes)  # one memcpy, on this thread
+        else:
+            copy_into(self.view(offset, tensor.dtype, list(tensor.shape)), tensor)  # from a GPU, or gathered
 
     def pin(self) -> bool:
         """Register the mapping with CUDA, so host<->GPU copies of its regions are direct DMA (async).
