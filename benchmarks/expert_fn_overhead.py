@@ -125,8 +125,11 @@ async def time_remote(client, x: torch.Tensor, budget: float) -> dict:
         rtt, _ = await one()
     samples = [await one() for _ in range(repeats(rtt, budget))]
     rtts, computes = [s[0] for s in samples], [s[1] for s in samples]
+    overheads = sorted(r - c for r, c in samples)
     return {"rtt_us": statistics.median(rtts) * 1e6, "compute_us": statistics.median(computes) * 1e6,
-            "overhead_us": statistics.median(r - c for r, c in samples) * 1e6, "calls": len(samples)}
+            "overhead_us": statistics.median(overheads) * 1e6,
+            "overhead_p10_us": overheads[len(overheads) // 10] * 1e6,
+            "overhead_p90_us": overheads[len(overheads) * 9 // 10] * 1e6, "calls": len(samples)}
 
 
 def time_codec(x: torch.Tensor) -> dict:
@@ -239,7 +242,9 @@ async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir:
         await process.wait()
     server_stamps = json.loads(stamps_path.read_text())
     rows = [{**client_stamps[k], **server_stamps[k]} for k in list(client_stamps)[calls // 10:] if k in server_stamps]
-    return {f"{a}->{b}": statistics.median(r[b] - r[a] for r in rows) * 1e6 for a, b in zip(TIMELINE, TIMELINE[1:])}
+    steps = {f"{a}->{b}": statistics.median(r[b] - r[a] for r in rows) * 1e6 for a, b in zip(TIMELINE, TIMELINE[1:])}
+    # A sum of medians is not the median of sums: the whole call's median too.
+    return {**steps, "whole_call": statistics.median(r[TIMELINE[-1]] - r[TIMELINE[0]] for r in rows) * 1e6}
 
 
 # -- main -------------------------------------------------------------------------------------------
@@ -260,17 +265,18 @@ async def bench_size(name: str, hidden: int, intermediate: int, device: torch.de
     process, address = await start_server(checkpoint, str(device), batch_wait_ms, shm_dir)
     rows, breakdown = [], {}
     try:
-        clients = {"unary": ExpertClient(address, model="bench", streaming=False),
-                   "streaming": ExpertClient(address, model="bench", streaming=True),
-                   "shm": ExpertClient(address, model="bench", streaming=True, shm_dir=shm_dir)}
+        modes = {"unary": dict(streaming=False), "streaming": dict(streaming=True),
+                 "shm": dict(streaming=True, shm_dir=shm_dir)}
         for n in tokens:
             x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(n)).to(dtype)
             inproc = time_inprocess(x.to(device), weights, adapter.act, device, budget)
             payload = 2 * x.numel() * x.element_size()
-            for mode, client in clients.items():
-                remote = await time_remote(client, x, budget)
-                if mode == "shm" and not client.shared_memory:
-                    raise RuntimeError(f"the expert function did not attach the segment in {shm_dir}")
+            for mode, options in modes.items():
+                # One client at a time, as a frontend has: no idle streams of the other modes meanwhile.
+                async with ExpertClient(address, model="bench", **options) as client:
+                    remote = await time_remote(client, x, budget)
+                    if mode == "shm" and not client.shared_memory:
+                        raise RuntimeError(f"the expert function did not attach the segment in {shm_dir}")
                 rows.append({"size": name, "hidden": hidden, "intermediate": intermediate, "tokens": n, "mode": mode,
                              "dtype": str(dtype).removeprefix("torch."), **remote, "inproc_us": inproc * 1e6,
                              "ratio": remote["rtt_us"] / (inproc * 1e6), "bytes": payload,
@@ -282,8 +288,6 @@ async def bench_size(name: str, hidden: int, intermediate: int, device: torch.de
                              "raw_grpc_echo_64_bytes_us": echo_64,
                              "shm_call_timeline_us": await time_timeline(checkpoint, str(device), x, shm_dir, workdir,
                                                                          calls=repeats(inproc, 2 * budget, lo=20))}
-        for client in clients.values():
-            await client.close()
     finally:
         process.terminate()
         await process.wait()
@@ -315,7 +319,8 @@ async def main() -> None:
 
     print_table(rows, [("size", "size", "s"), ("tokens", "tokens", "d"), ("mode", "mode", "s"),
                        ("rtt_us", "rtt us", ".0f"), ("compute_us", "compute us", ".0f"),
-                       ("overhead_us", "overhead us", ".0f"), ("inproc_us", "in-proc us", ".0f"),
+                       ("overhead_us", "overhead us", ".0f"), ("overhead_p10_us", "p10", ".0f"),
+                       ("overhead_p90_us", "p90", ".0f"), ("inproc_us", "in-proc us", ".0f"),
                        ("ratio", "grpc/in-proc", ".2f"), ("transport_gbps", "GB/s", ".2f")])
     if breakdown:
         timeline = breakdown.get("shm_call_timeline_us", {})
