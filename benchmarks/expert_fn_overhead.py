@@ -44,6 +44,9 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, Goal, print_table, write_results  # noqa: E402
 
+from kubemoe import busy_poll  # noqa: E402
+from kubemoe.busy_poll import DEFAULT_BUSY_POLL_US, SHARED_CORES_BUSY_POLL_US  # noqa: E402
+
 SIZES = {"mixtral": (4096, 14336), "qwen3-30b-a3b": (2048, 768)}  # hidden, expert intermediate
 TOKENS = (1, 16, 64, 256)
 
@@ -65,13 +68,15 @@ def make_one_layer_checkpoint(hidden: int, intermediate: int, dtype: str, out: P
     return make_checkpoint(preset, out, progress=False)
 
 
-async def start_server(checkpoint: Path, device: str, batch_wait_ms: float, shm_dir: Path, stamps: Path | None = None):
+async def start_server(checkpoint: Path, device: str, batch_wait_ms: float, shm_dir: Path, *, busy_poll_us: float,
+                       stamps: Path | None = None):
     """The expert function in its own process; with `stamps`, traced_expert_fn.py writes its timeline there."""
     program = [str(Path(__file__).with_name("traced_expert_fn.py"))] if stamps else ["-m", "kubemoe.expert_fn.cli"]
     process = await asyncio.create_subprocess_exec(
         sys.executable, *program, "--checkpoint", str(checkpoint), "--bundle", "0:0",
         "--port", "0", "--host", "127.0.0.1", "--metrics-port", "-1", "--device", device, "--model", "bench",
-        "--batch-wait-ms", str(batch_wait_ms), "--shm-dir", str(shm_dir), stderr=asyncio.subprocess.PIPE,
+        "--batch-wait-ms", str(batch_wait_ms), "--shm-dir", str(shm_dir), "--busy-poll-us", str(busy_poll_us),
+        stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "KUBEMOE_STAMPS": str(stamps)} if stamps else None)
     port = None
     while True:
@@ -211,7 +216,7 @@ TIMELINE = ("client_starts", "client_sends", "server_parsed", "forward_starts", 
 
 
 async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir: Path, workdir: Path,
-                        calls: int = 300) -> dict:
+                        busy_poll_us: float, calls: int = 300) -> dict:
     """Median microseconds between the stamps of one shared-memory call (over the lane when the server
     offers one), client and server side."""
     import grpc
@@ -223,7 +228,7 @@ async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir:
 
     stamps_path = workdir / "stamps.json"
     client_stamps: dict[str, dict[str, float]] = {}
-    process, address = await start_server(checkpoint, device, 0.5, shm_dir, stamps=stamps_path)
+    process, address = await start_server(checkpoint, device, 0.5, shm_dir, stamps=stamps_path, busy_poll_us=busy_poll_us)
     tracing = trace_messages(client_stamps, pb.ForwardResponse, "client_parsed", pb.ForwardRequest, "client_sends")
     try:
         parse, send = tracing.__enter__()
@@ -250,8 +255,8 @@ async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir:
 # -- main -------------------------------------------------------------------------------------------
 
 async def bench_size(name: str, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype,
-                     tokens: tuple[int, ...], budget: float, batch_wait_ms: float, workdir: Path,
-                     shm_dir: Path) -> tuple[list[dict], dict]:
+                     tokens: tuple[int, ...], budget: float, batch_wait_ms: float, busy_poll_us: float,
+                     workdir: Path, shm_dir: Path) -> tuple[list[dict], dict]:
     from kubemoe.adapters import MoEAdapter
     from kubemoe.checkpoint import Checkpoint
     from kubemoe.expert_fn.client import ExpertClient
@@ -262,7 +267,7 @@ async def bench_size(name: str, hidden: int, intermediate: int, device: torch.de
     ckpt = Checkpoint(checkpoint)
     adapter = MoEAdapter(ckpt.config)
     weights = adapter.load_expert(ckpt, 0, 0, dtype, device)
-    process, address = await start_server(checkpoint, str(device), batch_wait_ms, shm_dir)
+    process, address = await start_server(checkpoint, str(device), batch_wait_ms, shm_dir, busy_poll_us=busy_poll_us)
     rows, breakdown = [], {}
     try:
         modes = {"unary": dict(streaming=False), "streaming": dict(streaming=True),
@@ -286,15 +291,16 @@ async def bench_size(name: str, hidden: int, intermediate: int, device: torch.de
                 echo_message, echo_64 = await time_raw_echo([payload // 2, 64], budget)
                 breakdown = {"message_bytes": payload // 2, **time_codec(x), "raw_grpc_echo_us": echo_message,
                              "raw_grpc_echo_64_bytes_us": echo_64,
-                             "shm_call_timeline_us": await time_timeline(checkpoint, str(device), x, shm_dir, workdir,
-                                                                         calls=repeats(inproc, 2 * budget, lo=20))}
+                             "shm_call_timeline_us": await time_timeline(
+                                 checkpoint, str(device), x, shm_dir, workdir, busy_poll_us,
+                                 calls=repeats(inproc, 2 * budget, lo=20))}
     finally:
         process.terminate()
         await process.wait()
     return rows, breakdown
 
 
-async def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for expert_fn_<machine>.json")
@@ -302,7 +308,14 @@ async def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--seconds", type=float, default=1.5, help="time budget per measurement")
     parser.add_argument("--batch-wait-ms", type=float, default=0.5, help="the server's setting (the default)")
-    args = parser.parse_args()
+    parser.add_argument("--busy-poll-us", type=float, default=DEFAULT_BUSY_POLL_US,
+                        help="the expert function's busy polling (its default)")
+    parser.add_argument("--client-busy-poll-us", type=float, default=SHARED_CORES_BUSY_POLL_US,
+                        help="this client's busy polling (a frontend's default on this machine)")
+    return parser.parse_args()
+
+
+async def main(args: argparse.Namespace) -> None:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -312,7 +325,8 @@ async def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kubemoe-bench-") as workdir:
         for name in args.sizes:
             size_rows, size_breakdown = await bench_size(name, *SIZES[name], device, dtype, tuple(args.tokens),
-                                                         args.seconds, args.batch_wait_ms, Path(workdir),
+                                                         args.seconds, args.batch_wait_ms, args.busy_poll_us,
+                                                         Path(workdir),
                                                          shm_dir or Path(workdir))
             rows += size_rows
             breakdown = breakdown or size_breakdown
@@ -334,7 +348,9 @@ async def main() -> None:
         goal_name, bound = ("overhead_ms_64tok_h200", "<= 0.3") if device.type == "cuda" else ("overhead_ms_64tok_cpu", "<= 1.0")
         goals[goal_name] = Goal(key[0]["overhead_us"] / 1e3, bound)
     path = write_results("expert_fn", device, rows, goals, args.out, breakdown_64tok_mixtral=breakdown,
-                         settings={"batch_wait_ms": args.batch_wait_ms, "seconds_per_point": args.seconds,
+                         settings={"batch_wait_ms": args.batch_wait_ms, "busy_poll_us": args.busy_poll_us,
+                                   "client_busy_poll_us": args.client_busy_poll_us,
+                                   "seconds_per_point": args.seconds,
                                    "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
                                    "weights_dtype": str(dtype).removeprefix("torch.")})
     for name, goal in goals.items():
@@ -343,4 +359,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    arguments = parse_args()
+    busy_poll.run(main(arguments), arguments.client_busy_poll_us)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 
 import click
 
+from kubemoe import busy_poll
 from kubemoe.devices import DTYPE_CHOICES
 from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_DIR
 
@@ -18,6 +18,13 @@ def shm_dir_option(peers: str):
                         callback=lambda ctx, param, value: Path(value) if value else None,
                         help=f"tmpfs folder shared with {peers} on this node: tensors then skip the socket "
                              "('' : always inline).")
+
+
+def busy_poll_option(waits_for: str, default: float = busy_poll.DEFAULT_BUSY_POLL_US):
+    """--busy-poll-us, as frontends and expert functions both take it (see kubemoe/busy_poll.py)."""
+    return click.option("--busy-poll-us", type=float, default=default, show_default=True,
+                        help=f"Poll for {waits_for} this long before sleeping: no wake-up latency, at the cost "
+                             "of that much of a core after each burst of work (0: off).")
 
 
 @click.command("expert-fn")
@@ -37,8 +44,10 @@ def shm_dir_option(peers: str):
 @click.option("--grace-seconds", type=float, default=25.0, show_default=True,
               help="On SIGTERM, how long in-flight calls may take to finish.")
 @shm_dir_option("frontends")
+@busy_poll_option("the next request")
 def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | None, device: str, dtype: str | None,
-            metrics_port: int, batch_wait_ms: float, max_message_bytes: int, grace_seconds: float, shm_dir: Path | None) -> None:
+            metrics_port: int, batch_wait_ms: float, max_message_bytes: int, grace_seconds: float, shm_dir: Path | None,
+            busy_poll_us: float) -> None:
     """Serve a bundle of experts over gRPC until SIGTERM."""
     from kubemoe.expert_fn.config import ExpertFnConfig
     from kubemoe.expert_fn.server import serve
@@ -49,7 +58,7 @@ def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | No
         max_message_bytes=max_message_bytes, grace_seconds=grace_seconds, shm_dir=shm_dir,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(config))
+    busy_poll.run(serve(config), busy_poll_us)
 
 
 if __name__ == "__main__":

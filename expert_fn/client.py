@@ -99,9 +99,16 @@ class _Stream:
 
 
 def _free_soon(loop: asyncio.AbstractEventLoop, allocator: Allocator, offset: int) -> None:
-    """Free a region on its stream's loop, from whichever thread dropped the last view of it."""
+    """Free a region on its stream's loop, from whichever thread dropped the last view of it.
+
+    Soon, not now: a finalizer may run in the middle of the allocator's own code. From the loop's
+    thread without call_soon_threadsafe's wake-up write (the loop is awake already)."""
+    try:
+        on_loop = asyncio.get_running_loop() is loop
+    except RuntimeError:  # no loop runs on this thread
+        on_loop = False
     with contextlib.suppress(RuntimeError):  # the loop is closed: so is the stream, and the segment with it
-        loop.call_soon_threadsafe(allocator.free, offset)
+        (loop.call_soon if on_loop else loop.call_soon_threadsafe)(allocator.free, offset)
 
 
 class ExpertClient:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kubemoe.adapters import MoEAdapter
+from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.checkpoint import Checkpoint, default_model_id
 from kubemoe.devices import resolve_device, resolve_dtype
 from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher
@@ -40,6 +41,7 @@ class FrontendConfig:
     streaming: bool = True
     call_timeout: float = 30.0
     shm_dir: Path | None = None  # see DispatchConfig
+    busy_poll_us: float = SHARED_CORES_BUSY_POLL_US  # see DispatchConfig
 
     @property
     def model_id(self) -> str:
@@ -60,7 +62,8 @@ class Frontend:
         self.loads = LoadRecorder(config.model_id, config.name or socket.gethostname(), config.load_window_seconds)
         self.dispatcher = Dispatcher(
             self.adapter, self.checkpoint,
-            DispatchConfig(config.model_id, config.streaming, config.call_timeout, shm_dir=config.shm_dir),
+            DispatchConfig(config.model_id, config.streaming, config.call_timeout, shm_dir=config.shm_dir,
+                           busy_poll_us=config.busy_poll_us),
             self.loads, self.dtype, self.device, self.metrics)
         from kubemoe.frontend.shell import build_shell
 

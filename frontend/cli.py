@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from kubemoe.expert_fn.cli import shm_dir_option
+from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
+from kubemoe.expert_fn.cli import busy_poll_option, shm_dir_option
 
 
 checkpoint_option = click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -22,6 +23,7 @@ _SERVING_OPTIONS = (  # what both commands serve with, in --help order
                  help="2 decodes two half-batches on two threads so one's attention overlaps the other's remote "
                       "expert calls (experimental: slower than 1 in benchmarks/results/frontend_*.json so far)."),
     shm_dir_option("expert functions"),
+    busy_poll_option("expert replies (default: on with 8 cores or more)", SHARED_CORES_BUSY_POLL_US),
 )
 
 
@@ -51,7 +53,7 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's).")
 def frontend_command(checkpoint, routing_table, routing_configmap, host, port, grpc_port, max_batch, micro_batches,
-                     shm_dir, model, name, device, dtype):
+                     shm_dir, busy_poll_us, model, name, device, dtype):
     """Serve a model: attention and routing here, routed experts per the routing table."""
     from kubemoe.frontend.app import FrontendConfig
 
@@ -61,7 +63,7 @@ def frontend_command(checkpoint, routing_table, routing_configmap, host, port, g
         raise click.UsageError("give exactly one of --routing-table and --routing-configmap")
     config = FrontendConfig(checkpoint=checkpoint, model=model, name=name, routing_table=routing_table,
                             routing_configmap=routing_configmap, dtype=dtype, device=device, max_batch=max_batch,
-                            micro_batches=micro_batches, shm_dir=shm_dir)
+                            micro_batches=micro_batches, shm_dir=shm_dir, busy_poll_us=busy_poll_us)
     _serve(config, host, port, grpc_port, _banner)
 
 
@@ -71,7 +73,7 @@ def frontend_command(checkpoint, routing_table, routing_configmap, host, port, g
               help="Architecture of the generated tiny checkpoint used when --checkpoint is not given.")
 @click.option("--experts", default=2, show_default=True, help="Local expert-function processes.")
 @serving_options
-def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, micro_batches, shm_dir):
+def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, micro_batches, shm_dir, busy_poll_us):
     """Run everything locally: a frontend and expert functions over gRPC on loopback.
 
     With no arguments it generates (or reuses) a tiny checkpoint in ~/.cache/kubemoe."""
@@ -84,11 +86,12 @@ def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, m
     bundles = embedded_bundles(checkpoint, experts)
     model = default_model_id(checkpoint)
     click.echo(f"starting {len(bundles)} expert functions for {model} ...", err=True)
-    with expert_processes(checkpoint, bundles, model, shm_dir=shm_dir) as experts, tempfile.TemporaryDirectory() as tmp:
+    with expert_processes(checkpoint, bundles, model, shm_dir=shm_dir, busy_poll_us=busy_poll_us) as experts, \
+            tempfile.TemporaryDirectory() as tmp:
         table = Path(tmp) / "routing.json"
         table.write_text(to_json(table_for_bundles(model, bundles, experts.addresses)))
         config = FrontendConfig(checkpoint=checkpoint, routing_table=table, max_batch=max_batch,
-                                micro_batches=micro_batches, shm_dir=shm_dir)
+                                micro_batches=micro_batches, shm_dir=shm_dir, busy_poll_us=busy_poll_us)
         _serve(config, host, port, grpc_port,
                lambda fe, h, g: _banner(fe, h, g, f", experts in {len(bundles)} local processes"))
     click.echo("stopped", err=True)

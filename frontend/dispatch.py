@@ -22,6 +22,7 @@ import grpc
 import torch
 
 from kubemoe.adapters import MoEAdapter
+from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.frontend.loads import LoadRecorder
@@ -52,6 +53,7 @@ class DispatchConfig:
     streaming: bool = True
     call_timeout: float = 30.0  # seconds per attempt
     shm_dir: Path | None = None  # shared with expert functions on this node (expert_fn/shm.py); None: inline
+    busy_poll_us: float = SHARED_CORES_BUSY_POLL_US  # the I/O loop polls this long before sleeping (busy_poll.py)
     max_attempts: int = 4
     cooldown: float = 2.0  # seconds a failed replica is avoided while others are healthy
 
@@ -77,7 +79,7 @@ class Dispatcher:
                  dtype: torch.dtype, device: str | torch.device = "cpu", metrics=None):
         self.adapter, self.checkpoint, self.config, self.loads = adapter, checkpoint, config, loads
         self.dtype, self.device, self.metrics = dtype, device, metrics
-        self.io = LoopThread()
+        self.io = LoopThread(busy_poll_us=config.busy_poll_us)
         self._routes: RouteMap | None = None
         self._pending: RouteMap | None = None
         self._local: dict[tuple[int, int], ExpertWeights] = {}

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.bundles import Bundle, bundles_by_count
 from kubemoe.errors import KubemoeError
 from kubemoe.net import free_port
@@ -54,7 +55,8 @@ class ExpertProcesses:
 
 @contextmanager
 def expert_processes(checkpoint: Path, bundles: list[Bundle], model: str, replicas: int = 1,
-                     ready_timeout: float = 120.0, shm_dir: Path | None = None):
+                     ready_timeout: float = 120.0, shm_dir: Path | None = None,
+                     busy_poll_us: float = SHARED_CORES_BUSY_POLL_US):
     """Start `replicas` expert-function processes per bundle; stop them all (SIGTERM) afterwards."""
     started = ExpertProcesses()
     # The processes share this machine's cores with each other and the frontend: without a split,
@@ -69,7 +71,8 @@ def expert_processes(checkpoint: Path, bundles: list[Bundle], model: str, replic
                 started.procs[address] = subprocess.Popen(
                     [sys.executable, "-m", "kubemoe.cli", "expert-fn", "--checkpoint", str(checkpoint),
                      "--model", model, "--bundle", bundle.spec(), "--host", "127.0.0.1",
-                     "--port", address.rsplit(":", 1)[1], "--metrics-port", "-1", "--shm-dir", str(shm_dir or "")],
+                     "--port", address.rsplit(":", 1)[1], "--metrics-port", "-1", "--shm-dir", str(shm_dir or ""),
+                     "--busy-poll-us", str(busy_poll_us)],
                     stdin=subprocess.DEVNULL, start_new_session=True, env=env)  # Ctrl-C reaches only the frontend
         for address, proc in started.procs.items():
             wait_serving(address, proc, ready_timeout)

@@ -7,10 +7,12 @@ import concurrent.futures
 import threading
 from typing import Coroutine
 
+from kubemoe import busy_poll
+
 
 class LoopThread:
-    def __init__(self, name: str = "kubemoe-io"):
-        self.loop = asyncio.new_event_loop()
+    def __init__(self, name: str = "kubemoe-io", *, busy_poll_us: float = 0.0):
+        self.loop = busy_poll.new_event_loop(busy_poll_us)
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
