@@ -58,17 +58,6 @@ def trace_messages(stamps: dict, received: type, received_stamp: str, sent: type
 
 
 def main() -> None:
-    tracing = contextlib.ExitStack()  # held until the process exits: closing it would undo the tracing
-    parse, serialize = tracing.enter_context(
-        trace_messages(STAMPS, pb.ForwardRequest, "server_parsed", pb.ForwardResponse, "server_sends"))
-
-    class Messages:  # what the generated gRPC module sees as kubemoe_pb2
-        ForwardRequest = types.SimpleNamespace(FromString=parse)
-        ForwardResponse = types.SimpleNamespace(SerializeToString=serialize)
-
-        def __getattr__(self, name):
-            return getattr(pb, name)
-
     current: list[dict[str, float]] = [{}]  # the stamps of the request in _forward
 
     def stamped(function, before: str | None, after: str | None):
@@ -90,15 +79,23 @@ def main() -> None:
         STAMPS[request.request_id]["forward_ends"] = time.perf_counter()
         return response
 
-    servicer.ExpertServicer._job = stamped(servicer.ExpertServicer._job, None, "request_checked")
-    servicer.run_round = stamped(servicer.run_round, "round_starts", "round_ends")
-    batcher._ComputeClock.seconds = stamped(batcher._ComputeClock.seconds, "device_wait_starts", None)
-    pb_grpc.kubemoe_dot_v1_dot_kubemoe__pb2 = Messages()
-    servicer.ExpertServicer._forward = traced_forward
-    atexit.register(lambda: open(os.environ["KUBEMOE_STAMPS"], "w").write(json.dumps(STAMPS)) and tracing)
-    sys.argv = ["kubemoe.expert_fn.cli", *sys.argv[1:]]
-    runpy.run_module("kubemoe.expert_fn.cli", run_name="__main__")
+    with trace_messages(STAMPS, pb.ForwardRequest, "server_parsed", pb.ForwardResponse, "server_sends") as (
+            parse, serialize):
+        class Messages:  # what the generated gRPC module sees as kubemoe_pb2
+            ForwardRequest = types.SimpleNamespace(FromString=parse)
+            ForwardResponse = types.SimpleNamespace(SerializeToString=serialize)
 
+            def __getattr__(self, name):
+                return getattr(pb, name)
+
+        servicer.ExpertServicer._job = stamped(servicer.ExpertServicer._job, None, "request_checked")
+        servicer.run_round = stamped(servicer.run_round, "round_starts", "round_ends")
+        batcher._ComputeClock.seconds = stamped(batcher._ComputeClock.seconds, "device_wait_starts", None)
+        pb_grpc.kubemoe_dot_v1_dot_kubemoe__pb2 = Messages()
+        servicer.ExpertServicer._forward = traced_forward
+        atexit.register(lambda: open(os.environ["KUBEMOE_STAMPS"], "w").write(json.dumps(STAMPS)))
+        sys.argv = ["kubemoe.expert_fn.cli", *sys.argv[1:]]
+        runpy.run_module("kubemoe.expert_fn.cli", run_name="__main__")
 
 if __name__ == "__main__":
     main()

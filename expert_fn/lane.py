@@ -99,18 +99,32 @@ class _Packets:
             self._on_closed(why)
 
 
+@contextlib.contextmanager
+def _socket_address(path: Path):
+    """`path` as AF_UNIX takes it: at most 107 bytes, else through /proc/self/fd/ of its folder."""
+    if len(os.fsencode(path)) < 108:
+        yield str(path)
+        return
+    folder = os.open(path.parent, os.O_PATH)
+    try:
+        yield f"/proc/self/fd/{folder}/{path.name}"
+    finally:
+        os.close(folder)
+
+
 def _listen(folder: Path) -> tuple[socket.socket, Path]:
-    path = folder / f"kubemoe-lane-{secrets.token_hex(16)}"
+    path = Path(folder) / f"kubemoe-lane-{secrets.token_hex(16)}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        sock.bind(str(path))
+        with _socket_address(path) as address:
+            sock.bind(address)
         os.chmod(path, 0o600)  # before listen(): nobody could connect in between
         sock.listen(1)
     except OSError as e:
         sock.close()
         with contextlib.suppress(OSError):
             path.unlink()
-        raise SharedMemoryError(f"cannot listen on a lane in {folder}: {e.strerror}") from None
+        raise SharedMemoryError(f"cannot listen on a lane in {folder}: {e.strerror or e}") from None
     sock.setblocking(False)
     return sock, path
 
@@ -208,7 +222,8 @@ class ClientLane:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.setblocking(False)
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, str(Path(folder) / name)), timeout)
+            with _socket_address(Path(folder) / name) as address:
+                await asyncio.wait_for(loop.sock_connect(sock, address), timeout)
             await loop.sock_sendall(sock, offer.encode())
             answer = (await asyncio.wait_for(loop.sock_recv(sock, 1024), timeout)).decode("ascii", "replace")
         except (OSError, TimeoutError) as e:
