@@ -22,6 +22,7 @@ never into any other file.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -153,7 +154,12 @@ class Segment:
         Tried once: later calls return the first outcome. It touches every page of the segment,
         which is allocated in full from then on."""
         if self._pinned is None:
-            self._pinned = int(torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), self.size, 0)) == 0
+            self._pinned = int(torch.cuda.cudart().cudaHostRegister(self._address, self.size, 0)) == 0
+            if not self._pinned:  # e.g. a --shm-dir that is not tmpfs: copies then go through a bounce buffer
+                # The failure stays CUDA's last error on this thread, where the next torch CUDA call
+                # would raise it; a kernel launch's check reads (and so clears) it.
+                with contextlib.suppress(RuntimeError):
+                    torch.zeros(1, device="cuda")
         return self._pinned
 
     def unpin(self) -> None:
