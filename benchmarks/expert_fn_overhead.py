@@ -120,6 +120,39 @@ def time_inprocess(x: torch.Tensor, weights, act, device: torch.device, budget: 
     return statistics.median(times)
 
 
+def _inprocess_worker(checkpoint: Path, tokens: tuple[int, ...], hidden: int, dtype: torch.dtype, device: str,
+                      budget: float, results) -> None:
+    from kubemoe.adapters import MoEAdapter
+    from kubemoe.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(checkpoint)
+    adapter = MoEAdapter(ckpt.config)
+    weights = adapter.load_expert(ckpt, 0, 0, dtype, torch.device(device))
+    results.put({n: time_inprocess(bench_input(n, hidden, dtype).to(device), weights, adapter.act,
+                                   torch.device(device), budget) for n in tokens})
+
+
+def time_inprocess_all(checkpoint: Path, tokens: tuple[int, ...], hidden: int, dtype: torch.dtype, device: torch.device,
+                       budget: float) -> dict[int, float]:
+    """time_inprocess for each token count, in a process of its own that has ended when this returns.
+
+    Not in this (the client's) process: a frontend's GPU context is not the expert function's,
+    and a second process's context on the same GPU is not part of the call being measured."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    worker = context.Process(target=_inprocess_worker, args=(checkpoint, tokens, hidden, dtype, str(device), budget,
+                                                            results))
+    worker.start()
+    try:
+        return results.get(timeout=1200)
+    finally:
+        worker.join(60)
+
+
+def bench_input(tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+
+
 async def time_remote(client, x: torch.Tensor, budget: float) -> dict:
     async def one() -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -257,24 +290,19 @@ async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir:
 async def bench_size(name: str, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype,
                      tokens: tuple[int, ...], budget: float, batch_wait_ms: float, busy_poll_us: float,
                      workdir: Path, shm_dir: Path) -> tuple[list[dict], dict]:
-    from kubemoe.adapters import MoEAdapter
-    from kubemoe.checkpoint import Checkpoint
     from kubemoe.expert_fn.client import ExpertClient
 
     t0 = time.perf_counter()
     checkpoint = make_one_layer_checkpoint(hidden, intermediate, str(dtype).removeprefix("torch."), workdir / name)
     print(f"# {name}: checkpoint in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    ckpt = Checkpoint(checkpoint)
-    adapter = MoEAdapter(ckpt.config)
-    weights = adapter.load_expert(ckpt, 0, 0, dtype, device)
+    inprocs = await asyncio.to_thread(time_inprocess_all, checkpoint, tokens, hidden, dtype, device, budget)
     process, address = await start_server(checkpoint, str(device), batch_wait_ms, shm_dir, busy_poll_us=busy_poll_us)
     rows, breakdown = [], {}
     try:
         modes = {"unary": dict(streaming=False), "streaming": dict(streaming=True),
                  "shm": dict(streaming=True, shm_dir=shm_dir)}
         for n in tokens:
-            x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(n)).to(dtype)
-            inproc = time_inprocess(x.to(device), weights, adapter.act, device, budget)
+            x, inproc = bench_input(n, hidden, dtype), inprocs[n]
             payload = 2 * x.numel() * x.element_size()
             for mode, options in modes.items():
                 # One client at a time, as a frontend has: no idle streams of the other modes meanwhile.
