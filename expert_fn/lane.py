@@ -29,6 +29,8 @@ import struct
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from google.protobuf.message import DecodeError
+
 from kubemoe.expert_fn.shm import ATTACHED, REFUSED, SharedMemoryError
 from kubemoe.proto import kubemoe_pb2 as pb
 
@@ -180,7 +182,7 @@ class ServerLane:
     def _request(self, data: bytes) -> None:
         try:
             request = pb.ForwardRequest.FromString(data)
-        except Exception:  # noqa: BLE001 - protobuf raises DecodeError, or others on some inputs
+        except DecodeError:
             # Nothing to answer to (no request id): the client's calls on this lane fail as UNAVAILABLE.
             log.warning("lane %s: a packet that is not a ForwardRequest; closing the lane", self.name)
             self._packets.close()
@@ -236,7 +238,7 @@ class ClientLane:
         def on_packet(data: bytes) -> None:
             try:
                 response = pb.ForwardResponse.FromString(data)
-            except Exception:  # noqa: BLE001 - see ServerLane._request
+            except DecodeError:
                 packets.close(LaneClosed("the server sent a packet that is not a ForwardResponse"))
                 return
             on_response(response)
