@@ -20,11 +20,11 @@ def shm_dir_option(peers: str):
                              "('' : always inline).")
 
 
-def busy_poll_option(waits_for: str, default: float = busy_poll.DEFAULT_BUSY_POLL_US):
+def busy_poll_option(waits_for: str, default: float = busy_poll.DEFAULT_BUSY_POLL_US, why_default: str = ""):
     """--busy-poll-us, as frontends and expert functions both take it (see kubemoe/busy_poll.py)."""
     return click.option("--busy-poll-us", type=float, default=default, show_default=True,
                         help=f"Poll for {waits_for} this long before sleeping: no wake-up latency, at the cost "
-                             "of that much of a core after each burst of work (0: off).")
+                             f"of that much of a core after each burst of work (0: off).{why_default}")
 
 
 @click.command("expert-fn")

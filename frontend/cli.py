@@ -23,7 +23,9 @@ _SERVING_OPTIONS = (  # what both commands serve with, in --help order
                  help="2 decodes two half-batches on two threads so one's attention overlaps the other's remote "
                       "expert calls (experimental: slower than 1 in benchmarks/results/frontend_*.json so far)."),
     shm_dir_option("expert functions"),
-    busy_poll_option("expert replies (default: on with 8 cores or more)", SHARED_CORES_BUSY_POLL_US),
+    busy_poll_option("expert replies", SHARED_CORES_BUSY_POLL_US,
+                     " The default is 1000 on nodes with 8 or more cores, else 0: on fewer, the expert "
+                     "functions compute on the core a polling frontend would take."),
 )
 
 
