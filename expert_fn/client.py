@@ -30,7 +30,6 @@ import torch
 
 from kubemoe import wire
 from kubemoe.expert_fn.lane import LANE_METADATA_KEY, ClientLane, LaneClosed
-from kubemoe.expert_fn.servicer import REQUEST_ID_METADATA
 from kubemoe.expert_fn.shm import ATTACHED, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError
 from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_SEGMENT_BYTES, grpc_options
 from kubemoe.proto import kubemoe_pb2 as pb
@@ -277,14 +276,13 @@ class ExpertClient:
                                                           f"the server at {self.address} ended the stream"))
 
     def _fail_pending(self, stream: _Stream, error: grpc.aio.AioRpcError) -> None:
-        # A refused request names itself in the trailers: it gets the real status; the others
-        # were collateral damage and may simply be retried.
-        culprit = dict(error.trailing_metadata() or ()).get(REQUEST_ID_METADATA)
+        # A stream ends for all its calls alike (a refused request gets its own error response):
+        # statuses about every call (_PASS_THROUGH) pass on; the others may simply be retried.
         retry = rpc_error(grpc.StatusCode.UNAVAILABLE,
                           f"the stream to {self.address} broke ({error.code().name}: {error.details()}); retry the call")
-        for rid, waiter in list(stream.pending.items()):
+        for waiter in list(stream.pending.values()):
             if not waiter.done():
-                waiter.set_exception(error if rid == culprit or culprit is None and error.code() in _PASS_THROUGH else retry)
+                waiter.set_exception(error if error.code() in _PASS_THROUGH else retry)
 
     async def describe(self) -> pb.DescribeResponse:
         return await self._stub.Describe(pb.DescribeRequest())

@@ -5,10 +5,10 @@ them to the dtype it holds its weights in, computes there, and answers in the re
 mismatch therefore costs one cast on each side, never a failed call; the precision is the server's.
 
 ForwardStream answers each request as soon as it is done, so replies can come out of order; the
-client matches them by request_id. ForwardResponse has no error field, so a bad request on a stream
-ends the stream with its status, and the trailing metadata `kubemoe-request-id` names the request.
-A client on the same node may attach a shared-memory segment to its stream (see shm.py): requests
-then name regions of it instead of carrying bytes, and replies overwrite those regions.
+client matches them by request_id. A refused request gets a response whose `error` says why, and
+the stream goes on serving. A client on the same node may attach a shared-memory segment to its
+stream (see shm.py): requests then name regions of it instead of carrying bytes, replies overwrite
+those regions, and the stream's lane (lane.py) carries them.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertService"].full_name
-REQUEST_ID_METADATA = "kubemoe-request-id"
 log = logging.getLogger(__name__)
 
 
@@ -104,8 +103,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         timing.total_seconds = time.perf_counter() - started
         return response
 
-    async def _answer(self, request: pb.ForwardRequest, segment: Segment) -> pb.ForwardResponse:
-        """_forward() for a lane: a refused request gets a response that says why, not a broken lane."""
+    async def _answer(self, request: pb.ForwardRequest, segment: Segment | None) -> pb.ForwardResponse:
+        """_forward() for a stream or its lane: a refused request gets a response that says why, and
+        the stream goes on (its other requests are not collateral damage)."""
         try:
             return await self._forward(request, segment)
         except Exception as e:
@@ -125,22 +125,17 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     async def ForwardStream(self, request_iterator, context) -> None:
         # Each request runs in its own task and writes its own reply (one writer at a time): no hop
-        # through a queue and a generator per reply. The first refused request ends the stream.
-        # Requests from the lane, if the client connects one, run in `running` too.
+        # through a queue and a generator per reply. Requests from the lane, if the client connects
+        # one, run in `running` too.
         loop = asyncio.get_running_loop()
         running: set[asyncio.Task] = set()
         segment, lane = await self._attach(context, running)
         write_lock = asyncio.Lock()
-        refused: asyncio.Future = loop.create_future()  # (error, request_id) of the first failure
 
         async def answer(request: pb.ForwardRequest) -> None:
-            try:
-                response = await self._forward(request, segment)
-                async with write_lock:
-                    await context.write(response)
-            except Exception as e:
-                if not refused.done():
-                    refused.set_result((e, request.request_id))
+            response = await self._answer(request, segment)
+            async with write_lock:
+                await context.write(response)
 
         async def read_requests() -> None:
             async for request in request_iterator:
@@ -153,19 +148,14 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         reader = loop.create_task(read_requests())
         ending = loop.create_task(self._ending.wait())
         try:
-            await asyncio.wait((reader, refused, ending), return_when=asyncio.FIRST_COMPLETED)
-            if not reader.done() and not refused.done():  # the server stops: read no more, answer the rest
+            await asyncio.wait((reader, ending), return_when=asyncio.FIRST_COMPLETED)
+            if not reader.done():  # the server stops: read no more, answer the rest
                 reader.cancel()
                 if lane is not None:
                     lane.stop_reading()
                 await asyncio.gather(reader, return_exceptions=True)
-                while running and not refused.done():
-                    await asyncio.wait((*running, refused), return_when=asyncio.FIRST_COMPLETED)
-            if refused.done():
-                error, request_id = refused.result()
-                code, message = self._status(error, "ForwardStream")
-                await context.abort(code, f"request {request_id!r}: {message}",
-                                    trailing_metadata=((REQUEST_ID_METADATA, request_id),))
+                while running:
+                    await asyncio.wait(set(running))
             if not reader.cancelled():
                 reader.result()  # a broken request stream surfaces here
             self.metrics.call("ForwardStream", "OK")

@@ -72,6 +72,7 @@ class ExpertServiceServicer:
 
     def ForwardStream(self, request_iterator, context):
         """One long-lived stream per frontend and endpoint; replies may come out of order (request_id).
+        A refused request gets a response with `error`; the stream goes on.
 
         Same-node shared memory: a client on the server's node may offer a segment with the request
         metadata `kubemoe-shm: <file name>:<nonce hex>`: a file in the server's --shm-dir whose
@@ -86,9 +87,9 @@ class ExpertServiceServicer:
         connects). The client connects, sends the offer again as its first packet, and the server
         (checking the peer runs as its own user) answers `attached` or `refused: <why>`. From then
         on each packet is one serialized ForwardRequest one way and one ForwardResponse the other,
-        at most 64 KiB (requests naming SharedRegions; inline tensors stay on the stream). A failed
-        request gets a response with `error`; the lane keeps serving. The lane lives as long as the
-        stream: either one ending ends the other, and calls in flight fail as UNAVAILABLE.
+        at most 64 KiB (requests naming SharedRegions; inline tensors stay on the stream). The lane
+        lives as long as the stream: either one ending ends the other, and calls in flight fail as
+        UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -157,16 +157,22 @@ async def test_bad_shared_regions_are_refused_and_the_server_keeps_serving(shm_s
     seg = Segment.create(tmp_path, 1 << 16)
     async with grpc.aio.insecure_channel(shm_server.address) as channel:
         stub = pb_grpc.ExpertServiceStub(channel)
-        for offset, words in ((1 << 20, "ends past the segment"), (HEADER_BYTES + 8, "multiple of 64")):
-            call = stub.ForwardStream(metadata=((METADATA_KEY, seg.offer),))
-            assert dict(await call.initial_metadata())[METADATA_KEY] == "attached"
-            req = pb.ForwardRequest(model=shm_server.config.model, request_id="bad", layer=0, experts=[1], counts=[2])
+        call = stub.ForwardStream(metadata=((METADATA_KEY, seg.offer),))
+        assert dict(await call.initial_metadata())[METADATA_KEY] == "attached"
+        for offset, words in ((1 << 20, "ends past the segment"), (HEADER_BYTES + 8, "multiple of 64"),
+                              (HEADER_BYTES, None)):  # then a good one, on the same stream
+            req = pb.ForwardRequest(model=shm_server.config.model, request_id=str(offset), layer=0, experts=[1],
+                                    counts=[2])
             wire.describe_shared(req.hidden, torch.float32, [2, H], offset)
             await call.write(req)
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await call.read()
-            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert words in refused.value.details()
+            response = await call.read()
+            assert response.request_id == req.request_id
+            if words is None:
+                assert not response.HasField("error") and response.hidden == req.hidden
+            else:
+                assert response.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                assert words in response.error.message
+        await call.done_writing()
         req = pb.ForwardRequest(model=shm_server.config.model, request_id="unary", layer=0, experts=[1], counts=[2])
         wire.describe_shared(req.hidden, torch.float32, [2, H], HEADER_BYTES)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
