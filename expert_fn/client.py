@@ -87,11 +87,11 @@ class _Stream:
         makes later calls travel inline once the segment is full. Raises ValueError when the
         reply does not name exactly the region, dtype and shape the request was sent in.
         """
-        offset = self.regions.pop(request_id)
         if reply != sent:
-            self.allocator.free(offset)
+            self.release(request_id)
             raise ValueError("inline, not the way it was sent" if reply.WhichOneof("payload") != "shared" else
                              "in another region, dtype or shape than it was sent in")
+        offset = self.regions.pop(request_id)
         loop, allocator = asyncio.get_running_loop(), self.allocator
         return self.segment.view(offset, wire.FROM_WIRE[sent.dtype], list(sent.shape),
                                  on_release=lambda: _free_soon(loop, allocator, offset))

@@ -27,7 +27,7 @@ import secrets
 import socket
 import struct
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Coroutine
 
 from google.protobuf.message import DecodeError
 
@@ -136,14 +136,14 @@ def _peer_uid(sock: socket.socket) -> int:
 
 
 class ServerLane:
-    """The server's end of one stream's lane: requests in, each answered by `answer` in a task of
-    `tasks` (the stream's), responses out in whatever order they finish."""
+    """The server's end of one stream's lane: requests in, each answered by `answer` in a task that
+    `spawn` starts (among the stream's), responses out in whatever order they finish."""
 
     def __init__(self, folder: Path, offer: str, answer: Callable[[pb.ForwardRequest], Awaitable[pb.ForwardResponse]],
-                 tasks: set[asyncio.Task]):
+                 spawn: Callable[[Coroutine], None]):
         self._listener, self._path = _listen(folder)
         self.name = self._path.name
-        self._offer, self._answer, self._tasks = offer, answer, tasks
+        self._offer, self._answer, self._spawn = offer, answer, spawn
         self._packets: _Packets | None = None
         self._accepting = asyncio.get_running_loop().create_task(self._accept())
 
@@ -187,9 +187,7 @@ class ServerLane:
             log.warning("lane %s: a packet that is not a ForwardRequest; closing the lane", self.name)
             self._packets.close()
             return
-        task = asyncio.get_running_loop().create_task(self._reply(request))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._reply(request))
 
     async def _reply(self, request: pb.ForwardRequest) -> None:
         response = await self._answer(request)
@@ -197,7 +195,7 @@ class ServerLane:
             await self._packets.send(response.SerializeToString())
 
     def stop_reading(self) -> None:
-        """Take no more requests (the server is stopping); those in `tasks` are still answered."""
+        """Take no more requests (the server is stopping); those already spawned are still answered."""
         if self._packets is not None:
             self._packets.stop_reading()
 

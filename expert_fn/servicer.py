@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Iterable
+from typing import Callable, Coroutine, Iterable
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -129,7 +129,13 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         # one, run in `running` too.
         loop = asyncio.get_running_loop()
         running: set[asyncio.Task] = set()
-        segment, lane = await self._attach(context, running)
+
+        def spawn(work: Coroutine) -> None:
+            task = loop.create_task(work)
+            running.add(task)
+            task.add_done_callback(running.discard)
+
+        segment, lane = await self._attach(context, spawn)
         write_lock = asyncio.Lock()
 
         async def answer(request: pb.ForwardRequest) -> None:
@@ -139,9 +145,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
         async def read_requests() -> None:
             async for request in request_iterator:
-                task = loop.create_task(answer(request))
-                running.add(task)
-                task.add_done_callback(running.discard)
+                spawn(answer(request))
             while running:  # the client sent its last request: answer the ones still running
                 await asyncio.wait(set(running))
 
@@ -172,7 +176,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 segment.unpin()  # no round is running: rounds run on this loop and end synchronised
 
     async def _attach(self, context: grpc.aio.ServicerContext,
-                      tasks: set[asyncio.Task]) -> tuple[Segment | None, ServerLane | None]:
+                      spawn: Callable[[Coroutine], None]) -> tuple[Segment | None, ServerLane | None]:
         """Map the shared-memory segment the client offered, if any, and open its lane (lane.py);
         tell the client the outcome either way."""
         offer = dict(context.invocation_metadata() or ()).get(METADATA_KEY)
@@ -193,7 +197,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         metadata = [(METADATA_KEY, answer.encode("ascii", "replace").decode())]
         if segment is not None:
             try:
-                lane = ServerLane(self.config.shm_dir, offer, lambda request: self._answer(request, segment), tasks)
+                lane = ServerLane(self.config.shm_dir, offer, lambda request: self._answer(request, segment), spawn)
                 metadata.append((LANE_METADATA_KEY, lane.name))
             except SharedMemoryError as e:  # the stream still carries the calls
                 log.warning("%s", e)
