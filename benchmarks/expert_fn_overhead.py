@@ -68,15 +68,14 @@ def make_one_layer_checkpoint(hidden: int, intermediate: int, dtype: str, out: P
     return make_checkpoint(preset, out, progress=False)
 
 
-async def start_server(checkpoint: Path, device: str, batch_wait_ms: float, shm_dir: Path, *, busy_poll_us: float,
-                       stamps: Path | None = None):
-    """The expert function in its own process; with `stamps`, traced_expert_fn.py writes its timeline there."""
+async def start_server(checkpoint: Path, device: str, shm_dir: Path, settings: list[str], stamps: Path | None = None):
+    """The expert function in its own process, with `settings` (more flags); with `stamps`,
+    traced_expert_fn.py writes its timeline there."""
     program = [str(Path(__file__).with_name("traced_expert_fn.py"))] if stamps else ["-m", "kubemoe.expert_fn.cli"]
     process = await asyncio.create_subprocess_exec(
         sys.executable, *program, "--checkpoint", str(checkpoint), "--bundle", "0:0",
         "--port", "0", "--host", "127.0.0.1", "--metrics-port", "-1", "--device", device, "--model", "bench",
-        "--batch-wait-ms", str(batch_wait_ms), "--shm-dir", str(shm_dir), "--busy-poll-us", str(busy_poll_us),
-        stderr=asyncio.subprocess.PIPE,
+        "--shm-dir", str(shm_dir), *settings, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "KUBEMOE_STAMPS": str(stamps)} if stamps else None)
     port = None
     while True:
@@ -249,7 +248,7 @@ TIMELINE = ("client_starts", "client_sends", "server_parsed", "forward_starts", 
 
 
 async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir: Path, workdir: Path,
-                        busy_poll_us: float, calls: int = 300) -> dict:
+                        settings: list[str], calls: int = 300) -> dict:
     """Median microseconds between the stamps of one shared-memory call (over the lane when the server
     offers one), client and server side."""
     import grpc
@@ -261,7 +260,7 @@ async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir:
 
     stamps_path = workdir / "stamps.json"
     client_stamps: dict[str, dict[str, float]] = {}
-    process, address = await start_server(checkpoint, device, 0.5, shm_dir, stamps=stamps_path, busy_poll_us=busy_poll_us)
+    process, address = await start_server(checkpoint, device, shm_dir, settings, stamps=stamps_path)
     tracing = trace_messages(client_stamps, pb.ForwardResponse, "client_parsed", pb.ForwardRequest, "client_sends")
     try:
         parse, send = tracing.__enter__()
@@ -288,15 +287,14 @@ async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir:
 # -- main -------------------------------------------------------------------------------------------
 
 async def bench_size(name: str, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype,
-                     tokens: tuple[int, ...], budget: float, batch_wait_ms: float, busy_poll_us: float,
-                     workdir: Path, shm_dir: Path) -> tuple[list[dict], dict]:
+                     tokens: tuple[int, ...], budget: float, settings: list[str], workdir: Path, shm_dir: Path) -> tuple[list[dict], dict]:
     from kubemoe.expert_fn.client import ExpertClient
 
     t0 = time.perf_counter()
     checkpoint = make_one_layer_checkpoint(hidden, intermediate, str(dtype).removeprefix("torch."), workdir / name)
     print(f"# {name}: checkpoint in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     inprocs = await asyncio.to_thread(time_inprocess_all, checkpoint, tokens, hidden, dtype, device, budget)
-    process, address = await start_server(checkpoint, str(device), batch_wait_ms, shm_dir, busy_poll_us=busy_poll_us)
+    process, address = await start_server(checkpoint, str(device), shm_dir, settings)
     rows, breakdown = [], {}
     try:
         modes = {"unary": dict(streaming=False), "streaming": dict(streaming=True),
@@ -320,7 +318,7 @@ async def bench_size(name: str, hidden: int, intermediate: int, device: torch.de
                 breakdown = {"message_bytes": payload // 2, **time_codec(x), "raw_grpc_echo_us": echo_message,
                              "raw_grpc_echo_64_bytes_us": echo_64,
                              "shm_call_timeline_us": await time_timeline(
-                                 checkpoint, str(device), x, shm_dir, workdir, busy_poll_us,
+                                 checkpoint, str(device), x, shm_dir, workdir, settings,
                                  calls=repeats(inproc, 2 * budget, lo=20))}
     finally:
         process.terminate()
@@ -338,6 +336,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-wait-ms", type=float, default=0.5, help="the server's setting (the default)")
     parser.add_argument("--busy-poll-us", type=float, default=DEFAULT_BUSY_POLL_US,
                         help="the expert function's busy polling (its default)")
+    parser.add_argument("--cuda-graph-tokens", type=int, default=None,
+                        help="the expert function's --cuda-graph-tokens (default: its default)")
     parser.add_argument("--client-busy-poll-us", type=float, default=SHARED_CORES_BUSY_POLL_US,
                         help="this client's busy polling (a frontend's default on this machine)")
     return parser.parse_args()
@@ -348,13 +348,15 @@ async def main(args: argparse.Namespace) -> None:
                           "cpu" if args.device == "auto" else args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
+    server_settings = ["--batch-wait-ms", str(args.batch_wait_ms), "--busy-poll-us", str(args.busy_poll_us)]
+    if args.cuda_graph_tokens is not None:
+        server_settings += ["--cuda-graph-tokens", str(args.cuda_graph_tokens)]
     rows, breakdown = [], {}
     shm_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
     with tempfile.TemporaryDirectory(prefix="kubemoe-bench-") as workdir:
         for name in args.sizes:
             size_rows, size_breakdown = await bench_size(name, *SIZES[name], device, dtype, tuple(args.tokens),
-                                                         args.seconds, args.batch_wait_ms, args.busy_poll_us,
-                                                         Path(workdir),
+                                                         args.seconds, server_settings, Path(workdir),
                                                          shm_dir or Path(workdir))
             rows += size_rows
             breakdown = breakdown or size_breakdown
@@ -378,6 +380,7 @@ async def main(args: argparse.Namespace) -> None:
     path = write_results("expert_fn", device, rows, goals, args.out, breakdown_64tok_mixtral=breakdown,
                          settings={"batch_wait_ms": args.batch_wait_ms, "busy_poll_us": args.busy_poll_us,
                                    "client_busy_poll_us": args.client_busy_poll_us,
+                                   "cuda_graph_tokens": args.cuda_graph_tokens,
                                    "seconds_per_point": args.seconds,
                                    "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
                                    "weights_dtype": str(dtype).removeprefix("torch.")})

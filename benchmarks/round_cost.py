@@ -2,15 +2,16 @@
 
 At Mixtral size (4096 x 14336, or --hidden/--intermediate) and 64 tokens, on the GPU when there is
 one, it times:
-- `inproc`: expert_ffn on an input already on the device, then a synchronisation (the baseline);
-- `round`: run_round on a job whose input and reply lie in a shared-memory segment (pinned on a
-  GPU), as the server runs it for a lane call: copy in, FFN, copy back, one synchronisation;
-- the CPU time of each step of one such round (stamps around each call; `device_wait` is the
-  final synchronisation);
-- `paced`: the same round once every 200 us from an event loop, as requests come to a server,
-  with the loop polling (busy_poll) or sleeping in between, and with or without a grpc.aio server
-  running in it: inside `kubemoe expert-fn` the round took 1.2-2.6x as long as `round` on the
-  H200 host, and this tells which of these it is.
+- `inproc`: expert_ffn on an input already on the device, then a synchronisation (the baseline),
+  and `inproc_graph` the same as a CUDA graph replay (graphs.py);
+- `eager_round` / `graph_round`: run_round on a job whose input and reply lie in a shared-memory
+  segment (pinned on a GPU), as the server runs a lane call: copy in, FFN, copy back, one
+  synchronisation; with the FFN's kernels launched one by one, or as a graph; with the CPU time of
+  each step (stamps around each call; `device_wait` is the final synchronisation);
+- `*_paced_round`: the same round once every 200 us, as requests come to a server: from an event
+  loop that polls (busy_poll) or sleeps in between, with or without a grpc.aio server running in
+  it, or from a plain loop that spins in Python (no syscall in between). On the H200 host a round
+  after a 200 us sleep took 1.7x as long as back to back; polling took 1.0-1.5x.
 
     python benchmarks/round_cost.py [--tokens 64] [--device cuda]   # prints JSON (H200: ~10 s)
 """
@@ -31,6 +32,7 @@ from kubemoe import busy_poll
 from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.expert_fn import batcher
 from kubemoe.expert_fn.batcher import Job, run_round
+from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.shm import HEADER_BYTES, Segment
 
 HIDDEN, INTERMEDIATE = 4096, 14336
@@ -47,8 +49,8 @@ def median_us(function, repeats: int = 200) -> float:
     return statistics.median(times) * 1e6
 
 
-async def paced(one_round, grpc_server: bool, gap_s: float = 200e-6, rounds: int = 300) -> float:
-    """Median microseconds of one_round() run once every `gap_s` from this event loop."""
+async def paced(one_round, grpc_server: bool, gap_s: float = 200e-6, rounds: int = 300) -> list[float]:
+    """Seconds of one_round() run once every `gap_s` from this event loop."""
     server = None
     if grpc_server:
         import grpc
@@ -64,7 +66,26 @@ async def paced(one_round, grpc_server: bool, gap_s: float = 200e-6, rounds: int
         times.append(time.perf_counter() - start)
     if server is not None:
         await server.stop(None)
-    return statistics.median(times[20:]) * 1e6
+    return times
+
+
+def spun(one_round, gap_s: float = 200e-6, rounds: int = 300) -> list[float]:
+    """paced() without a loop: the gap spins in Python, no syscall."""
+    times = []
+    for _ in range(rounds):
+        until = time.perf_counter() + gap_s
+        while time.perf_counter() < until:
+            pass
+        start = time.perf_counter()
+        one_round()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def timeit(function) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -90,19 +111,20 @@ def main() -> None:
         pinned = segment.pin() if device.type == "cuda" else False
         region = segment.view(HEADER_BYTES, dtype, list(x.shape))
 
-        def one_round() -> Job:
+        graphs = ExpertGraphs(args.hidden, act, device, dtype) if device.type == "cuda" else None
+
+        def one_round(graphed: bool = False) -> Job:
             region.copy_(x)
             job = Job(region, [((0, 0), args.tokens)], out_buffer=region)
-            run_round([job], lambda key: weights, act, device, dtype)
+            run_round([job], lambda key: weights, act, device, dtype, graphs if graphed else None)
             return job
 
         x_device = x.to(device)
         result = {"device": str(device), "tokens": args.tokens, "segment_pinned": pinned,
-                  "inproc_us": median_us(lambda: (expert_ffn(x_device, weights, act), sync())),
-                  "round_us": median_us(one_round)}
-        result["round_minus_inproc_us"] = result["round_us"] - result["inproc_us"]
-        result["round_compute_us"] = statistics.median(one_round().compute_seconds for _ in range(50)) * 1e6
-
+                  "inproc_us": median_us(lambda: (expert_ffn(x_device, weights, act), sync()))}
+        if graphs is not None:
+            clock = batcher.ComputeClock(device)
+            result["inproc_graph_us"] = median_us(lambda: (graphs.run((0, 0), weights, [x_device], clock), sync()))
         # The CPU time of each call of one round: wrap what run_round calls.
         stamps: dict[str, list[float]] = {}
 
@@ -114,21 +136,36 @@ def main() -> None:
                 return out
             return wrapper
 
-        originals = (batcher.expert_ffn, batcher.copy_into, batcher._ComputeClock.seconds, torch.Tensor.to)
+        def variant(times: list[float]) -> dict[str, float]:
+            """Median microseconds of the rounds and of each step, since the last variant."""
+            medians = {name: round(statistics.median(values[20:]) * 1e6, 1) for name, values in stamps.items()}
+            stamps.clear()
+            return {"round_us": round(statistics.median(times[20:]) * 1e6, 1), **medians}
+
+        originals = (batcher.expert_ffn, batcher.copy_into, batcher.ComputeClock.seconds, torch.Tensor.to,
+                     ExpertGraphs.run)
         batcher.expert_ffn = timed("ffn_calls", batcher.expert_ffn)
         batcher.copy_into = timed("copy_back_call", batcher.copy_into)
-        batcher._ComputeClock.seconds = timed("device_wait", batcher._ComputeClock.seconds)
+        batcher.ComputeClock.seconds = timed("device_wait", batcher.ComputeClock.seconds)
         torch.Tensor.to = timed("copy_in_call", torch.Tensor.to)
+        ExpertGraphs.run = timed("graph_copy_in_and_replay_calls", ExpertGraphs.run)
         try:
-            for _ in range(100):
-                one_round()
+            for graphed in (False, True) if graphs is not None else (False,):
+                def this_round(graphed=graphed):
+                    return one_round(graphed)
+                name = "graph" if graphed else "eager"
+                result[f"{name}_round_compute_us"] = statistics.median(
+                    this_round().compute_seconds for _ in range(50)) * 1e6
+                stamps.clear()
+                result[f"{name}_round"] = variant([timeit(this_round) for _ in range(200)])
+                result[f"{name}_paced_round"] = {
+                    f"busy_poll_{busy_us:.0f}us{'_grpc_server' if grpc_server else ''}":
+                        variant(busy_poll.run(paced(this_round, grpc_server), busy_us))
+                    for busy_us in (0, busy_poll.DEFAULT_BUSY_POLL_US) for grpc_server in (False, True)}
+                result[f"{name}_paced_round"]["python_spin"] = variant(spun(this_round))
         finally:
-            batcher.expert_ffn, batcher.copy_into, batcher._ComputeClock.seconds, torch.Tensor.to = originals
-        result["round_steps_cpu_us"] = {name: statistics.median(values[10:]) * 1e6 for name, values in stamps.items()}
-        result["paced_round_us"] = {
-            f"busy_poll_{busy_us:.0f}us{'_grpc_server' if grpc_server else ''}":
-                busy_poll.run(paced(one_round, grpc_server), busy_us)
-            for busy_us in (0, busy_poll.DEFAULT_BUSY_POLL_US) for grpc_server in (False, True)}
+            (batcher.expert_ffn, batcher.copy_into, batcher.ComputeClock.seconds, torch.Tensor.to,
+             ExpertGraphs.run) = originals
         segment.unpin()
     print(json.dumps(result, indent=1))
 

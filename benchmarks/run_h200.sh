@@ -4,7 +4,7 @@
 # for the tests, .whl-test (pytest and the test suite's imports; `pip download --python-version 3.12
 # --only-binary=:all: -d .whl-test pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf
 # prometheus-client aiohttp click pyyaml tqdm openai`). Results go into $OUT.
-# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|gpu-tests [ARGS]
+# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|gpu-tests|probe|goal-ab [ARGS]
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -17,6 +17,26 @@ case "${1:-all}" in
     python3 -m pip install -q --no-index --find-links .whl-test --no-compile --upgrade --target /tmp/site-test \
       pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf prometheus-client aiohttp click pyyaml tqdm openai
     PYTHONPATH="/tmp/site:/tmp/site-test:$PWD" python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
+  probe)  # the host: CPUs the GPU is near, their clocks, and what a bare round costs (round_cost.py)
+    nproc; cat /sys/fs/cgroup/cpuset.cpus.effective 2>/dev/null || true; lscpu | grep -E "Model name|MHz|NUMA|Thread|Socket" || true
+    nvidia-smi topo -m || true
+    python3 -m timeit -s "import torch; t=torch.empty(64, 4096)" "t[0:32]"
+    python3 benchmarks/round_cost.py --tokens 64 "${@:2}" | tee "$OUT/round_cost.json" ;;
+  goal-ab)  # the goal point (Mixtral, 64 tokens) alternately for a baseline tree ($2: a worktree of an older
+    # commit) and this one, eager and with CUDA graphs: on that host runs vary more than most changes gain
+    for round in 1 2; do
+      for variant in base eager graphs; do
+        case $variant in
+          base) tree=$(cd "$2" && pwd) extra=() ;;
+          eager) tree=$PWD extra=(--cuda-graph-tokens 0) ;;
+          graphs) tree=$PWD extra=() ;;
+        esac
+        mkdir -p "$OUT/$variant-$round"
+        echo "# $variant, round $round"
+        (cd "$tree" && PYTHONPATH="/tmp/site:$tree" python3 benchmarks/expert_fn_overhead.py --device cuda --sizes mixtral \
+          --tokens 64 --seconds 1 --out "$OUT/$variant-$round" "${extra[@]}") 2>&1 | grep -E "^goal|stamp to stamp| shm "
+      done
+    done ;;
   frontend) python3 benchmarks/frontend_decode.py --device cuda --preset mixtral-4l --layers 2 --steps 30 --warmup 5 --out "$OUT" "${@:2}" ;;
-  *) echo "usage: $0 expert_fn|frontend|gpu-tests" >&2; exit 2 ;;
+  *) echo "usage: $0 expert_fn|frontend|gpu-tests|probe|goal-ab BASE" >&2; exit 2 ;;
 esac

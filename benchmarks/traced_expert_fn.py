@@ -3,7 +3,7 @@
 Records time.perf_counter() (CLOCK_MONOTONIC: comparable across processes of one host) when a
 request is parsed, when ExpertServicer._forward starts, when the request is checked, when its
 round starts, when the round waits for the device (GPU) or is done computing (CPU), when the
-round ends, when _forward ends, and when its reply is sent, on the gRPC stream and on the lane
+round ends, when _forward (or answer_now) ends, and when its reply is sent, on the gRPC stream and on the lane
 alike. The round's stamps go to the request in _forward: the timeline sends one at a time. At exit it writes {request_id: {stamp: seconds}} as JSON to
 $KUBEMOE_STAMPS. Arguments are expert-fn's. `trace_messages` does the same for a client.
 """
@@ -43,18 +43,18 @@ def trace_messages(stamps: dict, received: type, received_stamp: str, sent: type
         def __getattr__(self, name):
             return types.SimpleNamespace(FromString=parse) if name == received.__name__ else getattr(pb, name)
 
-    send = lane._Packets.send
+    try_send = lane._Packets.try_send
 
-    async def traced_send(packets, data: bytes) -> None:
+    def traced_send(packets, data: bytes) -> bool:
         sent_at = time.perf_counter()
         stamps.setdefault(sent.FromString(data).request_id, {})[sent_stamp] = sent_at
-        await send(packets, data)
+        return try_send(packets, data)
 
-    lane.pb, lane._Packets.send = Messages(), traced_send
+    lane.pb, lane._Packets.try_send = Messages(), traced_send
     try:
         yield parse, serialize
     finally:
-        lane.pb, lane._Packets.send = pb, send
+        lane.pb, lane._Packets.try_send = pb, try_send
 
 
 def main() -> None:
@@ -70,12 +70,19 @@ def main() -> None:
             return result
         return traced
 
-    forward = servicer.ExpertServicer._forward
+    forward, answer_now = servicer.ExpertServicer._forward, servicer.ExpertServicer.answer_now
 
     async def traced_forward(self, request, segment=None):
         current[0] = STAMPS.setdefault(request.request_id, {})
         current[0]["forward_starts"] = time.perf_counter()
         response = await forward(self, request, segment)
+        STAMPS[request.request_id]["forward_ends"] = time.perf_counter()
+        return response
+
+    def traced_answer_now(self, request, segment):  # a lone request on the lane (lane.py)
+        current[0] = STAMPS.setdefault(request.request_id, {})
+        current[0]["forward_starts"] = time.perf_counter()
+        response = answer_now(self, request, segment)
         STAMPS[request.request_id]["forward_ends"] = time.perf_counter()
         return response
 
@@ -90,9 +97,9 @@ def main() -> None:
 
         servicer.ExpertServicer._job = stamped(servicer.ExpertServicer._job, None, "request_checked")
         servicer.run_round = stamped(servicer.run_round, "round_starts", "round_ends")
-        batcher._ComputeClock.seconds = stamped(batcher._ComputeClock.seconds, "device_wait_starts", None)
+        batcher.ComputeClock.seconds = stamped(batcher.ComputeClock.seconds, "device_wait_starts", None)
         pb_grpc.kubemoe_dot_v1_dot_kubemoe__pb2 = Messages()
-        servicer.ExpertServicer._forward = traced_forward
+        servicer.ExpertServicer._forward, servicer.ExpertServicer.answer_now = traced_forward, traced_answer_now
         atexit.register(lambda: open(os.environ["KUBEMOE_STAMPS"], "w").write(json.dumps(STAMPS)))
         sys.argv = ["kubemoe.expert_fn.cli", *sys.argv[1:]]
         runpy.run_module("kubemoe.expert_fn.cli", run_name="__main__")

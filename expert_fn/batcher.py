@@ -29,6 +29,7 @@ import torch
 from kubemoe.bundles import ExpertKey
 from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.expert_fn.errors import ExpertFnError
+from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.shm import copy_into
 
 
@@ -70,37 +71,48 @@ def plan_round(jobs: list[Job]) -> dict[ExpertKey, list[Part]]:
     return plan
 
 
-class _ComputeClock:
-    """Times a round's FFNs: CUDA events on a GPU, so the copies, kernels and copies back queue up
-    without a synchronisation in between (one at the end); the wall clock on a CPU. One per device,
-    reused round after round (rounds run one at a time)."""
+class ComputeClock:
+    """Times a round's FFNs. On a GPU with CUDA events around each expert's kernels, so copies and
+    kernels queue up without a synchronisation in between (one, at the end); on a CPU with the wall
+    clock. One per device, reused round after round (rounds run one at a time)."""
 
     def __init__(self, device: torch.device):
-        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
-            if device.type == "cuda" else None
-        self._start = self._stop = 0.0
+        self._cuda = device.type == "cuda"
+        self._events: list[torch.cuda.Event] = []  # start, stop, start, stop... of this round; grown, reused
+        self._recorded = 0
+        self._started = self._seconds = 0.0
 
     def start(self) -> None:
-        if self._events is None:
-            self._start = time.perf_counter()
+        if self._cuda:
+            self._record()
         else:
-            self._events[0].record()
+            self._started = time.perf_counter()
 
     def stop(self) -> None:
-        if self._events is None:
-            self._stop = time.perf_counter()
+        if self._cuda:
+            self._record()
         else:
-            self._events[1].record()
+            self._seconds += time.perf_counter() - self._started
+
+    def _record(self) -> None:
+        if self._recorded == len(self._events):
+            self._events.append(torch.cuda.Event(enable_timing=True))
+        self._events[self._recorded].record()
+        self._recorded += 1
 
     def seconds(self) -> float:
-        """After stop(); on a GPU this waits for all the round's work, copies back included."""
-        if self._events is None:
-            return self._stop - self._start
-        torch.cuda.synchronize()
-        return self._events[0].elapsed_time(self._events[1]) / 1e3
+        """The round's time between starts and stops, and a fresh start for the next round. On a GPU
+        this waits for all the round's work, copies back included."""
+        if self._cuda:
+            torch.cuda.synchronize()
+            events = self._events[:self._recorded]
+            self._seconds = sum(a.elapsed_time(b) for a, b in zip(events[::2], events[1::2])) / 1e3
+            self._recorded = 0
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
 
 
-_clock = functools.cache(_ComputeClock)
+_clock = functools.cache(ComputeClock)
 
 
 def run_round(
@@ -109,24 +121,29 @@ def run_round(
     act: Callable[[torch.Tensor], torch.Tensor],
     device: torch.device,
     dtype: torch.dtype,
+    graphs: ExpertGraphs | None = None,
 ) -> dict[ExpertKey, int]:
     """Run every job's groups, one FFN per expert; fills job.out / job.error. Returns tokens per key.
 
-    On a CPU, a job whose input lies in its reply's region (shared memory, already in `dtype`)
-    gets each group's output written straight into that group's rows: the input rows of a group
-    are read by its own expert only, before its output exists. No copy of the reply is left.
-
     Every step here is on the request's path, where a Python or torch call costs 10-30 us on a
-    CPU whose caches the FFN just flushed: hence no inference_mode (neither weights nor requests
+    core whose caches the FFN just flushed: hence no inference_mode (neither weights nor requests
     carry autograd history), a clock made once, and no slicing of a group that is the whole job.
     """
-    clock = _clock(device)
-    inputs = [job.x if job.x.device == device and job.x.dtype == dtype else
-              job.x.to(device=device, dtype=dtype, non_blocking=True) for job in jobs]
-    in_place = [job.out_buffer is not None and x is job.x for job, x in zip(jobs, inputs)]  # on a GPU x is a copy
     plan = plan_round(jobs)
-    pieces: list[list[torch.Tensor | None]] = [[None] * len(job.groups) for job in jobs]
-    clock.start()
+    clock = _clock(device)
+    experts = _experts(plan, jobs, weights_of)
+    if device.type == "cpu":
+        _cpu_round(jobs, experts, act, dtype, clock)
+    else:
+        _device_round(jobs, experts, act, device, dtype, clock, graphs)
+    compute = clock.seconds()
+    for job in jobs:
+        job.compute_seconds = compute
+    return {key: sum(p.tokens for p in parts) for key, parts in plan.items()}
+
+
+def _experts(plan: dict[ExpertKey, list[Part]], jobs: list[Job], weights_of: Callable[[ExpertKey], ExpertWeights]):
+    """(key, parts, weights) of each expert in the plan; the jobs of one gone missing get its error."""
     for key, parts in plan.items():
         try:
             weights = weights_of(key)  # an Unload may have raced the request's check
@@ -134,10 +151,26 @@ def run_round(
             for part in parts:
                 jobs[part.job].error = e
             continue
+        yield key, parts, weights
+
+
+def _rows(x: torch.Tensor, job: Job, part: Part) -> torch.Tensor:
+    """The rows of `x` (a job's input or output) that `part` covers."""
+    return x if len(job.groups) == 1 else x[part.start:part.start + part.tokens]
+
+
+def _cpu_round(jobs: list[Job], experts, act, dtype: torch.dtype, clock: ComputeClock) -> None:
+    """A job whose input lies in its reply's region (shared memory, already in `dtype`) gets each
+    group's output written straight into that group's rows: the input rows of a group are read by
+    its own expert only, before its output exists. No copy of the reply is left."""
+    inputs = [job.x if job.x.dtype == dtype else job.x.to(dtype) for job in jobs]
+    in_place = [job.out_buffer is not None and x is job.x for job, x in zip(jobs, inputs)]
+    pieces: list[list[torch.Tensor | None]] = [[None] * len(job.groups) for job in jobs]
+    clock.start()
+    for key, parts, weights in experts:
         if len(parts) == 1:
             part = parts[0]
-            x = inputs[part.job]
-            rows = x if len(jobs[part.job].groups) == 1 else x[part.start:part.start + part.tokens]
+            rows = _rows(inputs[part.job], jobs[part.job], part)
             split = (expert_ffn(rows, weights, act, out=rows if in_place[part.job] else None),)
         else:
             rows = [inputs[p.job][p.start:p.start + p.tokens] for p in parts]
@@ -155,15 +188,32 @@ def run_round(
         if direct:
             job.out = job.out_buffer  # every group's rows hold its output already
             continue
-        out = x if not job_pieces else job_pieces[0] if len(job_pieces) == 1 else torch.cat(job_pieces)
-        if job.out_buffer is None:
-            job.out = out.to(device="cpu", dtype=job.x.dtype)  # [T, H]; no copy on CPU in dtype
-        else:  # over the request's own region: every input of the round has been read by now
-            job.out = copy_into(job.out_buffer, out, non_blocking=True)  # a DMA when pinned; waited for below
-    compute = clock.seconds()
-    for job in jobs:
-        job.compute_seconds = compute
-    return {key: sum(p.tokens for p in parts) for key, parts in plan.items()}
+        out = x if not job_pieces else job_pieces[0] if len(job_pieces) == 1 else torch.cat(job_pieces)  # [T, H]
+        job.out = out.to(job.x.dtype) if job.out_buffer is None else copy_into(job.out_buffer, out)  # casts if need be
+
+
+def _device_round(jobs: list[Job], experts, act, device: torch.device, dtype: torch.dtype, clock: ComputeClock,
+                  graphs: ExpertGraphs | None) -> None:
+    """Per expert: its rows copied in (straight from a pinned shared-memory region: a DMA), its
+    FFN (a CUDA graph when `graphs` has one for its size), its output copied out to each job's
+    reply: the job's region (a DMA back), else a device tensor brought back once at the end.
+    Nothing waits for the GPU here: the caller's clock.seconds() does, once."""
+    outs = [job.out_buffer if job.out_buffer is not None else torch.empty(job.x.shape, device=device, dtype=dtype)
+            for job in jobs]
+    for key, parts, weights in experts:
+        rows = [_rows(jobs[p.job].x, jobs[p.job], p) for p in parts]
+        y = graphs.run(key, weights, rows, clock) if graphs is not None else None
+        if y is None:
+            on_device = [r.to(device=device, dtype=dtype, non_blocking=True) for r in rows]
+            x = on_device[0] if len(on_device) == 1 else torch.cat(on_device)
+            clock.start()
+            y = expert_ffn(x, weights, act)  # [N, H]
+            clock.stop()
+        for part, piece in zip(parts, (y,) if len(parts) == 1 else y.split([p.tokens for p in parts])):
+            copy_into(_rows(outs[part.job], jobs[part.job], part), piece, non_blocking=True)
+    for job, out in zip(jobs, outs):
+        if job.error is None:
+            job.out = out if job.out_buffer is not None else out.to(device="cpu", dtype=job.x.dtype)
 
 
 class MicroBatcher:
@@ -187,6 +237,16 @@ class MicroBatcher:
     @property
     def queue_depth(self) -> int:
         return len(self._pending)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing pending (and so nothing running: rounds run on the loop, which runs the caller)."""
+        return not self._pending
+
+    def run_now(self, job: Job) -> Job:
+        """Run `job` alone in this call, when the caller knows no other request came with it (see idle)."""
+        self._run_jobs([job])
+        return job
 
     async def submit(self, job: Job, *, concurrent: bool = False) -> Job:
         """Run `job` in a round; returns it with `out` or `error` set.

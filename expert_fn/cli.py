@@ -43,11 +43,14 @@ def busy_poll_option(waits_for: str, default: float = busy_poll.DEFAULT_BUSY_POL
               help="Largest gRPC message accepted or sent.")
 @click.option("--grace-seconds", type=float, default=25.0, show_default=True,
               help="On SIGTERM, how long in-flight calls may take to finish.")
+@click.option("--cuda-graph-tokens", type=click.IntRange(min=0), default=None,
+              help="On a GPU, run an expert's calls of up to this many tokens as CUDA graphs (one launch instead "
+                   "of five; captured on first use); 0: always eager [default: 256, graphs.py's].")
 @shm_dir_option("frontends")
 @busy_poll_option("the next request")
 def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | None, device: str, dtype: str | None,
-            metrics_port: int, batch_wait_ms: float, max_message_bytes: int, grace_seconds: float, shm_dir: Path | None,
-            busy_poll_us: float) -> None:
+            metrics_port: int, batch_wait_ms: float, max_message_bytes: int, grace_seconds: float,
+            cuda_graph_tokens: int | None, shm_dir: Path | None, busy_poll_us: float) -> None:
     """Serve a bundle of experts over gRPC until SIGTERM."""
     from kubemoe.expert_fn.config import ExpertFnConfig
     from kubemoe.expert_fn.server import serve
@@ -56,6 +59,7 @@ def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | No
         checkpoint, bundle, model=model, device=device, dtype=dtype, host=host, port=port,
         metrics_port=None if metrics_port < 0 else metrics_port, batch_wait_ms=batch_wait_ms,
         max_message_bytes=max_message_bytes, grace_seconds=grace_seconds, shm_dir=shm_dir,
+        **({} if cuda_graph_tokens is None else {"cuda_graph_tokens": cuda_graph_tokens}),
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     busy_poll.run(serve(config), busy_poll_us)

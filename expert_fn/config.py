@@ -12,6 +12,7 @@ from kubemoe.bundles import ExpertKey, format_bundle_spec, parse_bundle_spec
 from kubemoe.checkpoint import Checkpoint, default_model_id
 from kubemoe.devices import resolve_device, resolve_dtype
 from kubemoe.errors import KubemoeError
+from kubemoe.expert_fn.graphs import DEFAULT_MAX_TOKENS as DEFAULT_GRAPH_TOKENS
 from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -29,6 +30,8 @@ class ExpertFnConfig:
     # How long a micro-batch waits for more requests, and only under concurrency (see batcher.py).
     batch_wait_ms: float = 0.5
     max_batch_tokens: int = 8192  # a batch stops waiting once it holds this many tokens
+    # On a GPU, an expert's call of up to this many tokens replays a CUDA graph (graphs.py); 0: never.
+    cuda_graph_tokens: int = DEFAULT_GRAPH_TOKENS
     grace_seconds: float = 25.0  # below Knative's default 30 s terminationGracePeriod
     # A tmpfs folder shared with same-node frontends (see shm.py); None: tensors always travel inline.
     shm_dir: Path | None = None

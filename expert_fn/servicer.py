@@ -26,6 +26,7 @@ from kubemoe import wire
 from kubemoe.expert_fn.batcher import Job, MicroBatcher, run_round
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.errors import ExpertFnError, invalid, not_found
+from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.metrics import ExpertFnMetrics
 from kubemoe.expert_fn.lane import LANE_METADATA_KEY, ServerLane
 from kubemoe.expert_fn.shm import ATTACHED, METADATA_KEY, REFUSED, Segment, SharedMemoryError
@@ -44,6 +45,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self.batcher = MicroBatcher(self._run_round, wait_s=config.batch_wait_ms / 1e3,
                                     max_tokens=config.max_batch_tokens)
         self._dtype = wire.TO_WIRE[config.dtype]
+        self._graphs = ExpertGraphs(store.adapter.hidden_size, store.adapter.act, config.device, config.dtype,
+                                    config.cuda_graph_tokens) \
+            if config.device.type == "cuda" and config.cuda_graph_tokens > 0 else None
         self._forwards_in_progress = 0
         self._ending = asyncio.Event()  # set when the server stops: open streams end (see end_streams)
 
@@ -76,7 +80,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     def _run_round(self, jobs: list[Job]) -> None:
         tokens = run_round(jobs, lambda key: self.store.get(*key), self.store.adapter.act,
-                           self.config.device, self.config.dtype)
+                           self.config.device, self.config.dtype, self._graphs)
         # Off the requests' path: recorded in the loop's next turn (a lone request's reply is out by then).
         asyncio.get_running_loop().call_soon(self.metrics.round, tokens, jobs[0].compute_seconds,
                                              [job.queue_seconds for job in jobs])
@@ -91,6 +95,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         finally:
             self._forwards_in_progress -= 1
         self.metrics.queue_depth.set(self.batcher.queue_depth)
+        return self._response(request, job, started)
+
+    def _response(self, request: pb.ForwardRequest, job: Job, started: float) -> pb.ForwardResponse:
         if job.error is not None:
             raise job.error
         response = pb.ForwardResponse(request_id=request.request_id)
@@ -109,8 +116,22 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         try:
             return await self._forward(request, segment)
         except Exception as e:
-            code, message = self._status(e, "ForwardStream")
-            return pb.ForwardResponse(request_id=request.request_id, error=pb.Status(code=code.value[0], message=message))
+            return self._refusal(request, e)
+
+    def answer_now(self, request: pb.ForwardRequest, segment: Segment | None) -> pb.ForwardResponse | None:
+        """_answer() run to the end in this call, for a request that came alone (lane.py); None when
+        other requests are pending: it should join them (spawn _answer)."""
+        if not self.batcher.idle:
+            return None
+        started = time.perf_counter()
+        try:
+            return self._response(request, self.batcher.run_now(self._job(request, segment)), started)
+        except Exception as e:
+            return self._refusal(request, e)
+
+    def _refusal(self, request: pb.ForwardRequest, error: Exception) -> pb.ForwardResponse:
+        code, message = self._status(error, "ForwardStream")
+        return pb.ForwardResponse(request_id=request.request_id, error=pb.Status(code=code.value[0], message=message))
 
     async def Forward(self, request, context):
         return await self._call("Forward", context, self._forward(request))
@@ -197,7 +218,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         metadata = [(METADATA_KEY, answer.encode("ascii", "replace").decode())]
         if segment is not None:
             try:
-                lane = ServerLane(self.config.shm_dir, offer, lambda request: self._answer(request, segment), spawn)
+                lane = ServerLane(self.config.shm_dir, offer, lambda request: self._answer(request, segment), spawn,
+                                  answer_now=lambda request: self.answer_now(request, segment))
                 metadata.append((LANE_METADATA_KEY, lane.name))
             except SharedMemoryError as e:  # the stream still carries the calls
                 log.warning("%s", e)

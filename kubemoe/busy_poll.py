@@ -21,6 +21,7 @@ import asyncio
 import os
 import selectors
 import time
+import weakref
 from typing import Coroutine, TypeVar
 
 T = TypeVar("T")
@@ -32,9 +33,15 @@ class BusyPollSelector(selectors.EpollSelector):
     def __init__(self, busy_poll_s: float):
         super().__init__()
         self.busy_poll_s = busy_poll_s
+        self.last_ready = 0  # how many files the last select() returned
 
     def select(self, timeout: float | None = None):
-        if timeout is not None and timeout <= 0:
+        ready = self._select(timeout)
+        self.last_ready = len(ready)
+        return ready
+
+    def _select(self, timeout: float | None):
+        if (timeout is not None and timeout <= 0) or self.busy_poll_s <= 0:
             return super().select(timeout)
         spin = self.busy_poll_s if timeout is None else min(timeout, self.busy_poll_s)
         start = time.perf_counter()
@@ -48,10 +55,22 @@ class BusyPollSelector(selectors.EpollSelector):
         return super().select(None if timeout is None else max(0.0, timeout - elapsed))
 
 
+_selectors: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, BusyPollSelector] = weakref.WeakKeyDictionary()
+
+
 def new_event_loop(busy_poll_us: float) -> asyncio.AbstractEventLoop:
-    if busy_poll_us <= 0:
-        return asyncio.new_event_loop()
-    return asyncio.SelectorEventLoop(BusyPollSelector(busy_poll_us / 1e6))
+    """A loop that polls for `busy_poll_us` before it sleeps (0: sleeps at once, as asyncio's own)."""
+    selector = BusyPollSelector(max(busy_poll_us, 0.0) / 1e6)
+    loop = asyncio.SelectorEventLoop(selector)
+    _selectors[loop] = selector
+    return loop
+
+
+def only_event(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether the loop's last wait woke for a single file: a callback of that file's may take it that
+    nothing else arrived with what it reads. False on loops not made by new_event_loop (unknown)."""
+    selector = _selectors.get(loop)
+    return selector is not None and selector.last_ready == 1
 
 
 def run(main: Coroutine[object, object, T], busy_poll_us: float) -> T:

@@ -13,6 +13,7 @@ import uuid
 import pytest
 from kubernetes import client
 
+from kubemoe import busy_poll
 from kubemoe.devcluster import Cluster, ClusterConfig, wait_for
 
 from kubemoe.adapters import arch_names
@@ -20,6 +21,12 @@ from kubemoe.presets import get_preset
 from kubemoe.synth import make_checkpoint
 
 ARCHS = arch_names()
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """Async tests run on the kind of loop kubemoe's processes run (busy_poll.new_event_loop: its
+    callbacks know what else woke the loop), without the spin."""
+    return {"kubemoe": lambda: busy_poll.new_event_loop(0)}
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """On a GPU (run with -m gpu on the lent H200): the CUDA path computes what the CPU does, inline and
-through pinned shared memory, from CPU and from CUDA hidden states."""
+through pinned shared memory, from CPU and from CUDA hidden states, with and without CUDA graphs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from kubemoe.expert import ExpertWeights
+from kubemoe.expert_fn.batcher import Job, run_round
+from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.shm import Segment
 from kubemoe.verify import rel_err
 
@@ -35,9 +39,11 @@ def test_a_tmpfs_segment_pins_and_a_failed_pin_leaves_cuda_usable(tmpfs, tmp_pat
     segment.unlink(), elsewhere.unlink()
 
 
+@pytest.mark.parametrize("cuda_graph_tokens", [256, 0])
 @pytest.mark.parametrize("folder", ["tmpfs", "tmp_path"])
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
-async def test_a_cuda_expert_function_matches_the_cpu_one(dtype, tolerance, folder, tiny_checkpoint, serve, request):
+async def test_a_cuda_expert_function_matches_the_cpu_one(dtype, tolerance, folder, cuda_graph_tokens, tiny_checkpoint,
+                                                          serve, request):
     tmp_path = request.getfixturevalue(folder)  # a pinned segment, and one that may not pin
     checkpoint = tiny_checkpoint(ARCH)
     x = torch.randn(sum(COUNTS), 128, generator=torch.Generator().manual_seed(0)).to(getattr(torch, dtype))
@@ -45,7 +51,7 @@ async def test_a_cuda_expert_function_matches_the_cpu_one(dtype, tolerance, fold
         client = cpu.client(streaming=False)
         want = await client.forward(LAYER, EXPERTS, COUNTS, x)
         await client.close()
-    async with serve(checkpoint, dtype=dtype, device="cuda", shm_dir=tmp_path) as gpu:
+    async with serve(checkpoint, dtype=dtype, device="cuda", shm_dir=tmp_path, cuda_graph_tokens=cuda_graph_tokens) as gpu:
         for transport, options in {"unary": dict(streaming=False), "stream": {}, "shm": dict(shm_dir=tmp_path)}.items():
             client = gpu.client(**options)
             got = await client.forward(LAYER, EXPERTS, COUNTS, x)
@@ -54,3 +60,35 @@ async def test_a_cuda_expert_function_matches_the_cpu_one(dtype, tolerance, fold
             assert from_cuda.device.type == "cuda" and torch.equal(from_cuda.cpu(), got), transport
             assert client.shared_memory == (transport == "shm")
             await client.close()
+
+
+def test_graphed_rounds_match_eager_ones_and_follow_reloaded_weights():
+    cuda, H, I = torch.device("cuda"), 128, 64
+    gen = torch.Generator().manual_seed(0)
+    weights = {(0, e): ExpertWeights((torch.randn(2 * I, H, generator=gen) / 8).cuda(),
+                                     (torch.randn(H, I, generator=gen) / 8).cuda()) for e in range(3)}
+    graphs = ExpertGraphs(H, F.silu, cuda, torch.float32, max_tokens=8)
+
+    def jobs() -> list[Job]:  # one round: expert 0 gets 3+1 rows, expert 1 2+4, expert 2 9 (over max_tokens: eager)
+        gen = torch.Generator().manual_seed(1)
+        groups = (((0, 3), (1, 2)), ((1, 4),), ((2, 9), (0, 1)))
+        return [Job(torch.randn(sum(t for _, t in g), H, generator=gen), [((0, e), t) for e, t in g]) for g in groups]
+
+    def compare() -> None:
+        eager, graphed = jobs(), jobs()
+        run_round(eager, weights.__getitem__, F.silu, cuda, torch.float32)
+        run_round(graphed, weights.__getitem__, F.silu, cuda, torch.float32, graphs)
+        for want, got in zip(eager, graphed):
+            assert got.error is None and got.out.device.type == "cpu" and got.out.shape == got.x.shape
+            assert rel_err(got.out, want.out) < 1e-5
+        assert 0 < graphed[0].compute_seconds < 1
+
+    compare()
+    assert len(graphs) == 2  # (expert 0, 4 rows) and (expert 1, 8 rows); expert 2 ran eagerly
+    compare()  # replayed
+    assert len(graphs) == 2
+    old = weights[(0, 1)]
+    weights[(0, 1)] = ExpertWeights(old.gate_up * 2, old.down)  # reloaded: the old graph reads the old memory
+    del old
+    compare()
+    assert len(graphs) == 2  # the old expert 1's graph is forgotten, a new one made

@@ -78,6 +78,28 @@ async def test_shared_memory_calls_take_the_lane_whose_file_is_then_gone(shm_ser
     await client.close()
 
 
+async def test_a_lone_request_is_answered_in_the_readers_callback_and_requests_sent_together_share_a_round(
+        shm_server, tmp_path):
+    servicer, answered_now = shm_server.servicer, []
+    answer_now = servicer.answer_now
+    servicer.answer_now = lambda request, segment: answered_now.append(answer_now(request, segment)) or answered_now[-1]
+    client = shm_server.client(shm_dir=tmp_path)
+    x = torch.randn(4, H)
+    want = await shm_server.client(streaming=False).forward(1, [2], [4], x)
+    await client.forward(1, [2], [4], x)  # opens the stream and its lane
+    answered_now.clear()
+    rounds = servicer.batcher.rounds
+    for _ in range(3):  # one after the other: each alone
+        assert torch.allclose(await client.forward(1, [2], [4], x), want, rtol=1e-6, atol=1e-7)
+    assert len(answered_now) == 3 and all(r is not None and not r.HasField("error") for r in answered_now)
+    assert servicer.batcher.rounds == rounds + 3
+    together = await asyncio.gather(*(client.forward(1, [2], [4], x) for _ in range(3)))  # sent in one loop turn
+    assert all(torch.allclose(got, want, rtol=1e-6, atol=1e-7) for got in together)
+    assert len(answered_now) == 3  # not answered alone...
+    assert servicer.batcher.rounds == rounds + 4  # ...but in one round
+    await client.close()
+
+
 async def test_a_refused_request_on_the_lane_gets_its_status_and_the_lane_keeps_serving(shm_server, tmp_path):
     client = shm_server.client(shm_dir=tmp_path)
     x = torch.randn(3, H)

@@ -57,6 +57,24 @@ def test_a_busy_polling_loop_runs_io_and_timers_like_any_loop():
 
     data, waited = busy_poll.run(main(), busy_poll_us=1000)
     assert data == b"x" and 0.04 < waited < 5
-    plain = busy_poll.new_event_loop(0)  # 0: a plain loop
-    assert not isinstance(getattr(plain, "_selector", None), BusyPollSelector)
-    plain.close()
+
+
+def test_a_callback_knows_whether_its_file_woke_the_loop_alone():
+    async def seen_by_callbacks(files_ready: int) -> list[bool]:
+        loop, seen = asyncio.get_running_loop(), []
+        pairs = [socket.socketpair() for _ in range(3)]
+        for reader, _ in pairs:
+            loop.add_reader(reader, lambda r=reader: (seen.append(busy_poll.only_event(loop)), r.recv(1)))
+        await asyncio.sleep(0.01)  # the loop is waiting
+        for _, writer in pairs[:files_ready]:
+            writer.send(b"x")  # before the loop's next wait: all wake it together
+        await asyncio.sleep(0.05)
+        for reader, writer in pairs:
+            loop.remove_reader(reader)
+            reader.close(), writer.close()
+        return seen
+
+    for busy_poll_us in (0, 1000):
+        assert busy_poll.run(seen_by_callbacks(1), busy_poll_us) == [True]
+        assert busy_poll.run(seen_by_callbacks(2), busy_poll_us) == [False, False]
+    assert asyncio.run(seen_by_callbacks(1)) == [False]  # another loop: unknown, so never "alone"

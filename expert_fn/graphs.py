@@ -1,0 +1,89 @@
+"""CUDA graphs of expert FFNs: an expert's call is one graph launch instead of five kernel launches.
+
+On the H200 host each eager launch costs 10-30 us of Python, torch and driver on the request's
+path, more on a core that has just waited. Measured with benchmarks/round_cost.py at Mixtral size
+and 64 tokens: a round from pinned shared memory (copy in, FFN, copy back, synchronise) took 203
+us eagerly and 150 us with the FFN replayed as a graph.
+
+One graph per (expert, bucket), where the bucket is the call's token count rounded up: to a power
+of two up to 64, to a multiple of 64 above (padding costs little while the expert is bound by
+reading its weights). Calls over `max_tokens` run eagerly: their kernels outlast their launches.
+All graphs read one static input and write one static output, [max_tokens, H], and share one
+memory pool: rounds run one at a time on one stream, and what a graph wrote is copied out (in
+stream order) before the next replay overwrites it. Rows past a call's tokens hold whatever an
+earlier call left there; an FFN treats rows independently, so they never reach the call's rows.
+
+A graph is captured the first time its (expert, bucket) runs (milliseconds, once) and is replayed
+only with the weights it was captured with: it reads their memory by address, so an Unload (or a
+reload) retires it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from kubemoe.bundles import ExpertKey
+from kubemoe.expert import ExpertWeights, expert_ffn
+
+if TYPE_CHECKING:
+    from kubemoe.expert_fn.batcher import ComputeClock
+
+DEFAULT_MAX_TOKENS = 256
+
+
+def bucket(tokens: int) -> int:
+    """The token count a call of `tokens` runs padded to."""
+    return 1 << (tokens - 1).bit_length() if tokens <= 64 else -(-tokens // 64) * 64
+
+
+class ExpertGraphs:
+    def __init__(self, hidden_size: int, act: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
+                 dtype: torch.dtype, max_tokens: int = DEFAULT_MAX_TOKENS):
+        self.max_tokens, self._act = max_tokens, act
+        self.input = torch.zeros(bucket(max_tokens), hidden_size, device=device, dtype=dtype)
+        self.output = torch.zeros_like(self.input)
+        self._pool = torch.cuda.graph_pool_handle()
+        # (key, bucket) -> (the weights it reads, the graph)
+        self._graphs: dict[tuple[ExpertKey, int], tuple[weakref.ref, torch.cuda.CUDAGraph]] = {}
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: ExpertKey, weights: ExpertWeights, rows: list[torch.Tensor], clock: ComputeClock) -> torch.Tensor | None:
+        """expert_ffn of `rows` stacked ([N, H]; each on the CPU, pinned, or on the device): a view of
+        the static output, valid until the next run. None when N is 0 or over max_tokens (run it eagerly).
+
+        Queues the copies in, the replay (between clock.start and clock.stop) and nothing else."""
+        tokens = sum(r.shape[0] for r in rows)
+        if not 0 < tokens <= self.max_tokens:
+            return None
+        graph = self._graph(key, weights, bucket(tokens))
+        start = 0
+        for r in rows:
+            self.input[start:start + r.shape[0]].copy_(r, non_blocking=True)
+            start += r.shape[0]
+        clock.start()
+        graph.replay()
+        clock.stop()
+        return self.output[:tokens]
+
+    def _graph(self, key: ExpertKey, weights: ExpertWeights, size: int) -> torch.cuda.CUDAGraph:
+        held = self._graphs.get((key, size))
+        if held is not None and held[0]() is weights:
+            return held[1]
+        self._graphs = {k: v for k, v in self._graphs.items() if v[0]() is not None}  # forget unloaded experts'
+        x, y = self.input[:size], self.output[:size]
+        side = torch.cuda.Stream(self.input.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # once outside the capture: cuBLAS settles its kernels and workspace
+            expert_ffn(x, weights, self._act, out=y)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a Load copying weights on another thread meanwhile is not part of the capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            expert_ffn(x, weights, self._act, out=y)
+        self._graphs[(key, size)] = (weakref.ref(weights), graph)
+        return graph
