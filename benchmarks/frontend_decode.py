@@ -147,9 +147,11 @@ def main() -> None:
         bundles = bundles_by_count(fe.adapter.moe_layers, fe.adapter.num_experts, args.experts)
         local_rows = run_kubemoe(fe, table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}),
                                  batches, args.steps, args.warmup, device, vocab)
-        shm_dir = Path(tmp) / "shm"  # stands for /dev/shm: the folder frontend and expert functions share
-        shm_dir.mkdir()
-        with expert_processes(ckpt, bundles, fe.model_id, ready_timeout=600, shm_dir=shm_dir) as experts:
+        # The folder frontend and expert functions share: tmpfs where there is one, as /dev/shm is in
+        # production (a GPU expert function can pin only tmpfs segments; others take staged copies).
+        with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else tmp) as shm_folder, \
+                expert_processes(ckpt, bundles, fe.model_id, ready_timeout=600, shm_dir=Path(shm_folder)) as experts:
+            shm_dir = Path(shm_folder)
             remote_table = table_for_bundles(fe.model_id, bundles, experts.addresses, version=2)
             grpc_rows = run_kubemoe(fe, remote_table, batches, args.steps, args.warmup, device, vocab)
             tbo_rows = run_kubemoe(fe, remote_table, batches, args.steps, args.warmup, device, vocab, micro=2)

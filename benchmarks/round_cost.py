@@ -115,7 +115,7 @@ def main() -> None:
 
         def one_round(graphed: bool = False) -> Job:
             region.copy_(x)
-            job = Job(region, [((0, 0), args.tokens)], out_buffer=region)
+            job = Job(region, [((0, 0), args.tokens)], out_buffer=region, pinned=pinned)
             run_round([job], lambda key: weights, act, device, dtype, graphs if graphed else None)
             return job
 

@@ -40,6 +40,7 @@ class Job:
     x: torch.Tensor  # [T, H] as decoded from the request (CPU, request dtype, read-only)
     groups: list[tuple[ExpertKey, int]]  # (key, tokens) per group, in row order
     out_buffer: torch.Tensor | None = None  # [T, H] where the reply goes (a shared-memory region); None: new
+    pinned: bool = False  # x and out_buffer are that region, registered with CUDA: copies to and from it are DMAs
     arrived: float = field(default_factory=time.perf_counter)
     # Set by the round that runs it:
     out: torch.Tensor | None = None  # [T, H], CPU, request dtype
@@ -194,14 +195,15 @@ def _cpu_round(jobs: list[Job], experts, act, dtype: torch.dtype, clock: Compute
 
 def _device_round(jobs: list[Job], experts, act, device: torch.device, dtype: torch.dtype, clock: ComputeClock,
                   graphs: ExpertGraphs | None) -> None:
-    """Per expert: its rows copied in (straight from a pinned shared-memory region: a DMA), its
-    FFN (a CUDA graph when `graphs` has one for its size), its output copied out to each job's
-    reply: the job's region (a DMA back), else a device tensor brought back once at the end.
-    Nothing waits for the GPU here: the caller's clock.seconds() does, once."""
-    outs = [job.out_buffer if job.out_buffer is not None else torch.empty(job.x.shape, device=device, dtype=dtype)
-            for job in jobs]
+    """Per expert: its rows copied in, its FFN (a CUDA graph when `graphs` has one for its size), its
+    output copied out to each job's reply. A pinned job's rows go straight from and to its region,
+    each a DMA; any other job is copied to the device and back once, whole (from pageable memory
+    every copy is a synchronous, staged one). Nothing waits for the GPU here: the caller's
+    clock.seconds() does, once."""
+    inputs = [job.x if job.pinned else job.x.to(device=device, dtype=dtype, non_blocking=True) for job in jobs]
+    outs = [job.out_buffer if job.pinned else torch.empty(job.x.shape, device=device, dtype=dtype) for job in jobs]
     for key, parts, weights in experts:
-        rows = [_rows(jobs[p.job].x, jobs[p.job], p) for p in parts]
+        rows = [_rows(inputs[p.job], jobs[p.job], p) for p in parts]
         y = graphs.run(key, weights, rows, clock) if graphs is not None else None
         if y is None:
             on_device = [r.to(device=device, dtype=dtype, non_blocking=True) for r in rows]
@@ -212,8 +214,14 @@ def _device_round(jobs: list[Job], experts, act, device: torch.device, dtype: to
         for part, piece in zip(parts, (y,) if len(parts) == 1 else y.split([p.tokens for p in parts])):
             copy_into(_rows(outs[part.job], jobs[part.job], part), piece, non_blocking=True)
     for job, out in zip(jobs, outs):
-        if job.error is None:
-            job.out = out if job.out_buffer is not None else out.to(device="cpu", dtype=job.x.dtype)
+        if job.error is not None:
+            continue
+        if job.pinned:
+            job.out = job.out_buffer  # each expert's rows went there
+        elif job.out_buffer is not None:
+            job.out = copy_into(job.out_buffer, out)  # one staged copy into the region (casts if need be)
+        else:
+            job.out = out.to(device="cpu", dtype=job.x.dtype)
 
 
 class MicroBatcher:

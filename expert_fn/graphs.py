@@ -13,15 +13,17 @@ memory pool: rounds run one at a time on one stream, and what a graph wrote is c
 stream order) before the next replay overwrites it. Rows past a call's tokens hold whatever an
 earlier call left there; an FFN treats rows independently, so they never reach the call's rows.
 
-A graph is captured the first time its (expert, bucket) runs (milliseconds, once) and is replayed
-only with the weights it was captured with: it reads their memory by address, so an Unload (or a
-reload) retires it.
+The expert function captures every bucket's graph of the experts it loads before it reports ready
+(prepare: a millisecond or so per graph); one missing, say after a reload raced a call, is captured
+when first called. A graph is replayed only with the weights it was captured with: it reads their
+memory by address, so an Unload (or a reload) retires it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
@@ -46,6 +48,8 @@ class ExpertGraphs:
         self.input = torch.zeros(bucket(max_tokens), hidden_size, device=device, dtype=dtype)
         self.output = torch.zeros_like(self.input)
         self._pool = torch.cuda.graph_pool_handle()
+        self._side = torch.cuda.Stream(device)  # captures run on a stream of their own, as CUDA requires
+        self._warm: set[int] = set()  # sizes run once eagerly
         # (key, bucket) -> (the weights it reads, the graph)
         self._graphs: dict[tuple[ExpertKey, int], tuple[weakref.ref, torch.cuda.CUDAGraph]] = {}
 
@@ -70,20 +74,39 @@ class ExpertGraphs:
         clock.stop()
         return self.output[:tokens]
 
+    async def prepare(self, experts: Iterable[tuple[ExpertKey, ExpertWeights]]) -> None:
+        """Capture every size's graph of these experts now, one graph per turn of the event loop (a
+        millisecond or so each: rounds go on in between), so no call pays for a capture."""
+        for key, weights in experts:
+            for size in self.sizes:
+                self._graph(key, weights, size)
+                await asyncio.sleep(0)
+
+    @property
+    def sizes(self) -> list[int]:
+        return sorted({bucket(n) for n in range(1, self.max_tokens + 1)})
+
     def _graph(self, key: ExpertKey, weights: ExpertWeights, size: int) -> torch.cuda.CUDAGraph:
         held = self._graphs.get((key, size))
         if held is not None and held[0]() is weights:
             return held[1]
         self._graphs = {k: v for k, v in self._graphs.items() if v[0]() is not None}  # forget unloaded experts'
         x, y = self.input[:size], self.output[:size]
-        side = torch.cuda.Stream(self.input.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # once outside the capture: cuBLAS settles its kernels and workspace
-            expert_ffn(x, weights, self._act, out=y)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a Load copying weights on another thread meanwhile is not part of the capture.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            expert_ffn(x, weights, self._act, out=y)
+        current = torch.cuda.current_stream()
+        self._side.wait_stream(current)  # what the device is still doing with input and output comes first
+        with torch.cuda.stream(self._side):
+            if size not in self._warm:  # once per shape outside a capture: cuBLAS settles its kernels and workspace
+                expert_ffn(x, weights, self._act, out=y)
+                self._warm.add(size)
+            # Not torch.cuda.graph(): it also synchronises, collects garbage and empties the allocator's
+            # cache, each time: tens of milliseconds. thread_local: a Load copying weights on another
+            # thread meanwhile is not part of the capture.
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                expert_ffn(x, weights, self._act, out=y)
+            finally:
+                graph.capture_end()
+        current.wait_stream(self._side)
         self._graphs[(key, size)] = (weakref.ref(weights), graph)
         return graph

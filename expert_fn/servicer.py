@@ -76,7 +76,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         for expert in set(experts):
             self.store.get(request.layer, expert)  # raises with what is wrong: not in the model, or not held
         shared = request.hidden.WhichOneof("payload") == "shared"
-        return Job(x, [((request.layer, e), c) for e, c in zip(experts, counts)], out_buffer=x if shared else None)
+        return Job(x, [((request.layer, e), c) for e, c in zip(experts, counts)], out_buffer=x if shared else None,
+                   pinned=shared and segment.pinned)
 
     def _run_round(self, jobs: list[Job]) -> None:
         tokens = run_round(jobs, lambda key: self.store.get(*key), self.store.adapter.act,
@@ -233,7 +234,13 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             raise not_found(f"this expert function serves model {self.config.model!r}, not {model!r}")
 
     async def load(self, keys: Iterable[tuple[int, int]]) -> pb.LoadResponse:
-        bytes_loaded, seconds = await asyncio.to_thread(self.store.load, list(keys))
+        keys = list(keys)
+        bytes_loaded, seconds = await asyncio.to_thread(self.store.load, keys)
+        if self._graphs is not None:  # before health says ready: no call should wait for a capture
+            started, experts = time.perf_counter(), self.store.held_weights(keys)
+            await self._graphs.prepare(experts)
+            log.info("CUDA graphs of %d experts x %d sizes ready in %.2fs", len(experts), len(self._graphs.sizes),
+                     time.perf_counter() - started)
         self.metrics.loaded(seconds, self.store.nbytes, len(self.store.held()))
         await self.report_health()
         return pb.LoadResponse(bytes_loaded=bytes_loaded, seconds=seconds, held=self._held())

@@ -162,6 +162,11 @@ class Segment:
                     torch.zeros(1, device="cuda")
         return self._pinned
 
+    @property
+    def pinned(self) -> bool:
+        """Whether pin() succeeded (and unpin() has not undone it)."""
+        return bool(self._pinned)
+
     def unpin(self) -> None:
         """Undo pin(); due before the mapping goes, which CUDA would otherwise keep registered."""
         if self._pinned:

@@ -56,6 +56,11 @@ class ExpertStore:
         if not 0 <= expert < self.adapter.num_experts:
             raise invalid(f"expert {expert} does not exist: layer {layer} has experts 0..{self.adapter.num_experts - 1}")
 
+    def held_weights(self, keys: Iterable[ExpertKey]) -> list[tuple[ExpertKey, ExpertWeights]]:
+        """(key, weights) of those of `keys` held now."""
+        weights = self._weights
+        return [(key, weights[key]) for key in keys if key in weights]
+
     def held(self) -> list[ExpertKey]:
         return sorted(self._weights)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kubemoe.expert import ExpertWeights
 from kubemoe.expert_fn.batcher import Job, run_round
 from kubemoe.expert_fn.graphs import ExpertGraphs
-from kubemoe.expert_fn.shm import Segment
+from kubemoe.expert_fn.shm import HEADER_BYTES, Segment
 from kubemoe.verify import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -62,26 +62,38 @@ async def test_a_cuda_expert_function_matches_the_cpu_one(dtype, tolerance, fold
             await client.close()
 
 
-def test_graphed_rounds_match_eager_ones_and_follow_reloaded_weights():
+def test_graphed_rounds_match_eager_ones_from_pinned_regions_too_and_follow_reloaded_weights(tmpfs):
     cuda, H, I = torch.device("cuda"), 128, 64
     gen = torch.Generator().manual_seed(0)
     weights = {(0, e): ExpertWeights((torch.randn(2 * I, H, generator=gen) / 8).cuda(),
                                      (torch.randn(H, I, generator=gen) / 8).cuda()) for e in range(3)}
     graphs = ExpertGraphs(H, F.silu, cuda, torch.float32, max_tokens=8)
+    segment = Segment.create(tmpfs, 1 << 20)
+    assert segment.pin()
 
-    def jobs() -> list[Job]:  # one round: expert 0 gets 3+1 rows, expert 1 2+4, expert 2 9 (over max_tokens: eager)
+    def jobs(pinned: bool) -> list[Job]:  # one round: expert 0 gets 3+1 rows, expert 1 2+4, expert 2 9 (eager: > 8)
         gen = torch.Generator().manual_seed(1)
         groups = (((0, 3), (1, 2)), ((1, 4),), ((2, 9), (0, 1)))
-        return [Job(torch.randn(sum(t for _, t in g), H, generator=gen), [((0, e), t) for e, t in g]) for g in groups]
+        made = [Job(torch.randn(sum(t for _, t in g), H, generator=gen), [((0, e), t) for e, t in g]) for g in groups]
+        if pinned:  # jobs 0 and 2 in regions of the pinned segment, as the lane's calls are
+            for j, offset in ((0, HEADER_BYTES), (2, HEADER_BYTES + (64 << 10))):
+                region = segment.view(offset, torch.float32, list(made[j].x.shape))
+                region.copy_(made[j].x)
+                made[j] = Job(region, made[j].groups, out_buffer=region, pinned=True)
+        return made
 
     def compare() -> None:
-        eager, graphed = jobs(), jobs()
-        run_round(eager, weights.__getitem__, F.silu, cuda, torch.float32)
-        run_round(graphed, weights.__getitem__, F.silu, cuda, torch.float32, graphs)
-        for want, got in zip(eager, graphed):
-            assert got.error is None and got.out.device.type == "cpu" and got.out.shape == got.x.shape
-            assert rel_err(got.out, want.out) < 1e-5
-        assert 0 < graphed[0].compute_seconds < 1
+        want = jobs(pinned=False)
+        run_round(want, weights.__getitem__, F.silu, cuda, torch.float32)
+        for pinned, with_graphs in ((False, graphs), (True, graphs), (True, None)):
+            got = jobs(pinned)
+            run_round(got, weights.__getitem__, F.silu, cuda, torch.float32, with_graphs)
+            for w, g in zip(want, got):
+                assert g.error is None and g.out.device.type == "cpu" and g.out.shape == g.x.shape
+                assert rel_err(g.out, w.out) < 1e-5, (pinned, with_graphs)
+                if g.pinned:
+                    assert g.out.data_ptr() == g.x.data_ptr()  # the reply is in the request's region
+            assert 0 < got[0].compute_seconds < 1
 
     compare()
     assert len(graphs) == 2  # (expert 0, 4 rows) and (expert 1, 8 rows); expert 2 ran eagerly
@@ -92,3 +104,10 @@ def test_graphed_rounds_match_eager_ones_and_follow_reloaded_weights():
     del old
     compare()
     assert len(graphs) == 2  # the old expert 1's graph is forgotten, a new one made
+    segment.unpin(), segment.unlink()
+
+
+async def test_a_cuda_expert_function_captures_its_graphs_before_it_reports_ready(tiny_checkpoint, serve):
+    async with serve(tiny_checkpoint(ARCH), "1:0-3", device="cuda", cuda_graph_tokens=16) as gpu:
+        graphs = gpu.servicer._graphs
+        assert graphs.sizes == [1, 2, 4, 8, 16] and len(graphs) == 4 * 5
