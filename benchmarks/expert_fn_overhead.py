@@ -287,7 +287,8 @@ async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir:
 # -- main -------------------------------------------------------------------------------------------
 
 async def bench_size(name: str, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype,
-                     tokens: tuple[int, ...], budget: float, settings: list[str], workdir: Path, shm_dir: Path) -> tuple[list[dict], dict]:
+                     tokens: tuple[int, ...], budget: float, settings: list[str], workdir: Path,
+                     shm_dir: Path) -> tuple[list[dict], dict]:
     from kubemoe.expert_fn.client import ExpertClient
 
     t0 = time.perf_counter()

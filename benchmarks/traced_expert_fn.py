@@ -1,11 +1,12 @@
 """`kubemoe expert-fn` that stamps each ForwardStream request (for expert_fn_overhead.py's timeline).
 
 Records time.perf_counter() (CLOCK_MONOTONIC: comparable across processes of one host) when a
-request is parsed, when ExpertServicer._forward starts, when the request is checked, when its
-round starts, when the round waits for the device (GPU) or is done computing (CPU), when the
-round ends, when _forward (or answer_now) ends, and when its reply is sent, on the gRPC stream and on the lane
-alike. The round's stamps go to the request in _forward: the timeline sends one at a time. At exit it writes {request_id: {stamp: seconds}} as JSON to
-$KUBEMOE_STAMPS. Arguments are expert-fn's. `trace_messages` does the same for a client.
+request is parsed, when ExpertServicer._forward (or answer_now) starts, when the request is checked,
+when its round starts, when the round waits for the device (GPU) or is done computing (CPU), when
+the round ends, when _forward (or answer_now) ends, and when its reply is sent, on the gRPC stream
+and on the lane alike. The round's stamps go to the request being answered: the timeline sends one
+at a time. At exit it writes {request_id: {stamp: seconds}} as JSON to $KUBEMOE_STAMPS. Arguments
+are expert-fn's. `trace_messages` does the same for a client.
 """
 
 import atexit

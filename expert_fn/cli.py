@@ -45,7 +45,7 @@ def busy_poll_option(waits_for: str, default: float = busy_poll.DEFAULT_BUSY_POL
               help="On SIGTERM, how long in-flight calls may take to finish.")
 @click.option("--cuda-graph-tokens", type=click.IntRange(min=0), default=None,
               help="On a GPU, run an expert's calls of up to this many tokens as CUDA graphs (one launch instead "
-                   "of five; captured on first use); 0: always eager [default: 256, graphs.py's].")
+                   "of five; captured as experts load); 0: always eager [default: 256, graphs.py's].")
 @shm_dir_option("frontends")
 @busy_poll_option("the next request")
 def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | None, device: str, dtype: str | None,

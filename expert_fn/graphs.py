@@ -2,8 +2,8 @@
 
 On the H200 host each eager launch costs 10-30 us of Python, torch and driver on the request's
 path, more on a core that has just waited. Measured with benchmarks/round_cost.py at Mixtral size
-and 64 tokens: a round from pinned shared memory (copy in, FFN, copy back, synchronise) took 203
-us eagerly and 150 us with the FFN replayed as a graph.
+and 64 tokens, a round from pinned shared memory (copy in, FFN, copy back, synchronise) took 203
+us eagerly and 150 us with the FFN replayed as a graph (215 and 194 on another day).
 
 One graph per (expert, bucket), where the bucket is the call's token count rounded up: to a power
 of two up to 64, to a multiple of 64 above (padding costs little while the expert is bound by
@@ -56,7 +56,8 @@ class ExpertGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def run(self, key: ExpertKey, weights: ExpertWeights, rows: list[torch.Tensor], clock: ComputeClock) -> torch.Tensor | None:
+    def run(self, key: ExpertKey, weights: ExpertWeights, rows: list[torch.Tensor],
+            clock: ComputeClock) -> torch.Tensor | None:
         """expert_ffn of `rows` stacked ([N, H]; each on the CPU, pinned, or on the device): a view of
         the static output, valid until the next run. None when N is 0 or over max_tokens (run it eagerly).
 
