@@ -167,7 +167,7 @@ class ServerLane:
 
     def __init__(self, folder: Path, offer: str, answer: Callable[[pb.ForwardRequest], Awaitable[pb.ForwardResponse]],
                  spawn: Callable[[Coroutine], None], *,
-                 answer_now: Callable[[pb.ForwardRequest], pb.ForwardResponse | None] = lambda request: None):
+                 answer_now: Callable[[pb.ForwardRequest], pb.ForwardResponse | None]):
         self._listener, self._path = _listen(folder)
         self.name = self._path.name
         self._offer, self._answer, self._answer_now, self._spawn = offer, answer, answer_now, spawn

@@ -11,8 +11,9 @@ The handshake (also in kubemoe.proto, at ExpertService): the client offers `<nam
 stream's metadata; the server maps the file, checks the nonce and says `attached` or
 `refused: <why>` in its initial metadata; the client then unlinks the file. From then on the
 memory lives exactly as long as the two mappings: nothing is left in the folder when either side
-dies (only a client killed during the handshake leaves its file behind). A server on another node (or pod without the shared folder) finds no such file and refuses:
-tensors then travel inline, as before.
+dies (only a client killed during the handshake leaves its file behind). A server on another node
+(or pod without the shared folder) finds no such file and refuses: tensors then travel inline, as
+before.
 
 Who may attach what: the server opens only `kubemoe-<32 hex digits>` directly in its own folder,
 a regular file (never a symlink, mode 0600) owned by its own user, whose first bytes are the nonce
@@ -57,7 +58,8 @@ class Segment:
 
     def __init__(self, path: Path, buffer: mmap.mmap, nonce: bytes):
         self.path, self.nonce, self.size, self.buffer = path, nonce, len(buffer), buffer
-        # The tensors made from it keep the mapping alive; it is unmapped when the last one goes.
+        # Its views (numpy arrays over `buffer`, and this one) keep the mapping alive: it is unmapped
+        # when the last one goes. This one also gives the mapping's address.
         self._bytes = torch.frombuffer(buffer, dtype=torch.uint8)
         self._address = self._bytes.data_ptr()
         self._pinned: bool | None = None  # None: pin() not tried yet
@@ -170,7 +172,7 @@ class Segment:
     def unpin(self) -> None:
         """Undo pin(); due before the mapping goes, which CUDA would otherwise keep registered."""
         if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._bytes.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(self._address)
             self._pinned = False
 
 
