@@ -68,15 +68,29 @@ def make_one_layer_checkpoint(hidden: int, intermediate: int, dtype: str, out: P
     return make_checkpoint(preset, out, progress=False)
 
 
+SERVER_CPUS: set[int] | None = None  # --server-cpus: the expert function's CPU affinity (None: the client's)
+
+
+def cpu_list(text: str) -> set[int]:
+    """CPUs as the kernel lists them: `0-3,8`."""
+    cpus = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 async def start_server(checkpoint: Path, device: str, shm_dir: Path, settings: list[str], stamps: Path | None = None):
     """The expert function in its own process, with `settings` (more flags); with `stamps`,
     traced_expert_fn.py writes its timeline there."""
+    cpus = SERVER_CPUS
     program = [str(Path(__file__).with_name("traced_expert_fn.py"))] if stamps else ["-m", "kubemoe.expert_fn.cli"]
     process = await asyncio.create_subprocess_exec(
         sys.executable, *program, "--checkpoint", str(checkpoint), "--bundle", "0:0",
         "--port", "0", "--host", "127.0.0.1", "--metrics-port", "-1", "--device", device, "--model", "bench",
         "--shm-dir", str(shm_dir), *settings, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "KUBEMOE_STAMPS": str(stamps)} if stamps else None)
+        env={**os.environ, "KUBEMOE_STAMPS": str(stamps)} if stamps else None,
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
     port = None
     while True:
         line = (await asyncio.wait_for(process.stderr.readline(), 600)).decode()
@@ -339,12 +353,20 @@ def parse_args() -> argparse.Namespace:
                         help="the expert function's busy polling (its default)")
     parser.add_argument("--cuda-graph-tokens", type=int, default=None,
                         help="the expert function's --cuda-graph-tokens (default: its default)")
+    parser.add_argument("--client-cpus", type=cpu_list, default=None,
+                        help="run this client (and the in-process baseline) on these CPUs, e.g. 8-15")
+    parser.add_argument("--server-cpus", type=cpu_list, default=None,
+                        help="run the expert function on these CPUs, e.g. 0-7 (as a Kubernetes static CPU policy would)")
     parser.add_argument("--client-busy-poll-us", type=float, default=SHARED_CORES_BUSY_POLL_US,
                         help="this client's busy polling (a frontend's default on this machine)")
     return parser.parse_args()
 
 
 async def main(args: argparse.Namespace) -> None:
+    global SERVER_CPUS
+    SERVER_CPUS = args.server_cpus
+    if args.client_cpus is not None:
+        os.sched_setaffinity(0, args.client_cpus)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -382,6 +404,8 @@ async def main(args: argparse.Namespace) -> None:
                          settings={"batch_wait_ms": args.batch_wait_ms, "busy_poll_us": args.busy_poll_us,
                                    "client_busy_poll_us": args.client_busy_poll_us,
                                    "cuda_graph_tokens": args.cuda_graph_tokens,
+                                   "client_cpus": sorted(args.client_cpus or []) or "any",
+                                   "server_cpus": sorted(args.server_cpus or []) or "any",
                                    "seconds_per_point": args.seconds,
                                    "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
                                    "weights_dtype": str(dtype).removeprefix("torch.")})

@@ -13,7 +13,10 @@ one, it times:
   it, or from a plain loop that spins in Python (no syscall in between). On the H200 host a round
   after a 200 us sleep took 1.7x as long as back to back; polling took 1.0-1.5x.
 
-    python benchmarks/round_cost.py [--tokens 64] [--device cuda]   # prints JSON (H200: ~10 s)
+With --trace DIR (GPU), it also writes torch.profiler traces of graph rounds back to back and paced
+by a polling loop (torch_trace.py summarises them).
+
+    python benchmarks/round_cost.py [--tokens 64] [--device cuda] [--trace DIR]   # prints JSON (H200: ~10 s)
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=HIDDEN)
     parser.add_argument("--intermediate", type=int, default=INTERMEDIATE)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--trace", type=Path, default=None, help="folder for torch.profiler traces of graph rounds")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -166,6 +170,15 @@ def main() -> None:
         finally:
             (batcher.expert_ffn, batcher.copy_into, batcher.ComputeClock.seconds, torch.Tensor.to,
              ExpertGraphs.run) = originals
+        if args.trace is not None and graphs is not None:
+            import torch_trace
+
+            args.trace.mkdir(parents=True, exist_ok=True)
+            with torch_trace.window(args.trace / "graph_rounds.json"):
+                for _ in range(50):
+                    one_round(True)
+            with torch_trace.window(args.trace / "graph_rounds_paced.json"):
+                busy_poll.run(paced(lambda: one_round(True), False, rounds=50), busy_poll.DEFAULT_BUSY_POLL_US)
         segment.unpin()
     print(json.dumps(result, indent=1))
 

@@ -6,7 +6,8 @@ when its round starts, when the round waits for the device (GPU) or is done comp
 the round ends, when _forward (or answer_now) ends, and when its reply is sent, on the gRPC stream
 and on the lane alike. The round's stamps go to the request being answered: the timeline sends one
 at a time. At exit it writes {request_id: {stamp: seconds}} as JSON to $KUBEMOE_STAMPS. Arguments
-are expert-fn's. `trace_messages` does the same for a client.
+are expert-fn's. `trace_messages` does the same for a client. With $KUBEMOE_TORCH_TRACE set, lone
+lane requests 100 to 159 also run under torch.profiler, written there as a chrome trace (torch_trace.py).
 """
 
 import atexit
@@ -80,7 +81,22 @@ def main() -> None:
         STAMPS[request.request_id]["forward_ends"] = time.perf_counter()
         return response
 
+    profiled = {"count": 0, "profiler": None, "path": os.environ.get("KUBEMOE_TORCH_TRACE")}
+
+    def profile_window() -> None:
+        profiled["count"] += 1
+        if profiled["path"] and profiled["count"] == 100:
+            from torch.profiler import ProfilerActivity, profile
+
+            profiled["profiler"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            profiled["profiler"].start()
+        elif profiled["profiler"] is not None and profiled["count"] == 160:
+            profiled["profiler"].stop()
+            profiled["profiler"].export_chrome_trace(profiled["path"])
+            profiled["profiler"] = None
+
     def traced_answer_now(self, request, segment):  # a lone request on the lane (lane.py)
+        profile_window()
         current[0] = STAMPS.setdefault(request.request_id, {})
         current[0]["forward_starts"] = time.perf_counter()
         response = answer_now(self, request, segment)

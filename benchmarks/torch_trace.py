@@ -1,0 +1,55 @@
+"""A torch.profiler window as a chrome trace (CPU ops, CUDA runtime calls, GPU kernels and copies), for
+looking at where a round's microseconds go on a GPU host: which call the CPU spends them in, and
+when the GPU is idle waiting for the CPU. Open the file in chrome://tracing or Perfetto, or let
+`gaps` summarise it.
+
+    with torch_trace.window(path): ...            # writes path (chrome trace JSON)
+    python benchmarks/torch_trace.py TRACE.json   # median microseconds per CUDA call, GPU op and gap
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def window(path: Path):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+    torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+
+
+def gaps(path: Path) -> dict:
+    """Median durations (us) of each CUDA runtime call and each GPU op, and of the GPU's idle gaps
+    between consecutive GPU ops (a gap over 1 ms is taken as the time between rounds)."""
+    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
+    durations: dict[str, list[float]] = defaultdict(list)
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver", "kernel", "gpu_memcpy", "cpu_op"):
+            durations[f"{e['cat']}: {e['name'][:60]}"].append(e["dur"])
+    idle = defaultdict(list)
+    for a, b in zip(gpu, gpu[1:]):
+        gap = b["ts"] - (a["ts"] + a["dur"])
+        if gap < 1000:
+            idle[f"{a['name'][:30]} -> {b['name'][:30]}"].append(gap)
+    return {"calls": {k: (len(v), round(statistics.median(v), 1)) for k, v in sorted(durations.items())},
+            "gpu_idle_between": {k: (len(v), round(statistics.median(v), 1)) for k, v in idle.items()}}
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        print(name)
+        for section, rows in gaps(Path(name)).items():
+            print(f"  {section}: (count, median us)")
+            for key, (count, median) in rows.items():
+                print(f"    {median:8.1f}  x{count:<5d} {key}")
