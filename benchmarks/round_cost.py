@@ -6,8 +6,9 @@ one, it times:
   and `inproc_graph` the same as a CUDA graph replay (graphs.py);
 - `eager_round` / `graph_round`: run_round on a job whose input and reply lie in a shared-memory
   segment (pinned on a GPU), as the server runs a lane call: copy in, FFN, copy back, one
-  synchronisation; with the FFN's kernels launched one by one, or as a graph; with the CPU time of
-  each step (stamps around each call; `device_wait` is the final synchronisation);
+  synchronisation; with the FFN's kernels launched one by one, or as one graph launch, copies
+  included (round_graph.py); with the CPU time of each step (stamps around each call;
+  `device_wait` is the final synchronisation);
 - `*_paced_round`: the same round once every 200 us, as requests come to a server: from an event
   loop that polls (busy_poll) or sleeps in between, with or without a grpc.aio server running in
   it, or from a plain loop that spins in Python (no syscall in between). On the H200 host a round
@@ -147,12 +148,13 @@ def main() -> None:
             return {"round_us": round(statistics.median(times[20:]) * 1e6, 1), **medians}
 
         originals = (batcher.expert_ffn, batcher.copy_into, batcher.ComputeClock.seconds, torch.Tensor.to,
-                     ExpertGraphs.run)
+                     ExpertGraphs.run, ExpertGraphs.run_pinned)
         batcher.expert_ffn = timed("ffn_calls", batcher.expert_ffn)
         batcher.copy_into = timed("copy_back_call", batcher.copy_into)
         batcher.ComputeClock.seconds = timed("device_wait", batcher.ComputeClock.seconds)
         torch.Tensor.to = timed("copy_in_call", torch.Tensor.to)
         ExpertGraphs.run = timed("graph_copy_in_and_replay_calls", ExpertGraphs.run)
+        ExpertGraphs.run_pinned = timed("round_graph_call", ExpertGraphs.run_pinned)
         try:
             for graphed in (False, True) if graphs is not None else (False,):
                 def this_round(graphed=graphed):
@@ -169,7 +171,7 @@ def main() -> None:
                 result[f"{name}_paced_round"]["python_spin"] = variant(spun(this_round))
         finally:
             (batcher.expert_ffn, batcher.copy_into, batcher.ComputeClock.seconds, torch.Tensor.to,
-             ExpertGraphs.run) = originals
+             ExpertGraphs.run, ExpertGraphs.run_pinned) = originals
         if args.trace is not None and graphs is not None:
             import torch_trace
 

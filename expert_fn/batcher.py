@@ -30,6 +30,7 @@ from kubemoe.bundles import ExpertKey
 from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.expert_fn.errors import ExpertFnError
 from kubemoe.expert_fn.graphs import ExpertGraphs
+from kubemoe.expert_fn.round_graph import RoundGraph
 from kubemoe.expert_fn.shm import copy_into
 
 
@@ -74,13 +75,15 @@ def plan_round(jobs: list[Job]) -> dict[ExpertKey, list[Part]]:
 
 class ComputeClock:
     """Times a round's FFNs. On a GPU with CUDA events around each expert's kernels, so copies and
-    kernels queue up without a synchronisation in between (one, at the end); on a CPU with the wall
-    clock. One per device, reused round after round (rounds run one at a time)."""
+    kernels queue up without a synchronisation in between (one, at the end), or with the events
+    of the round graphs it `include`s; on a CPU with the wall clock. One per device, reused round
+    after round (rounds run one at a time)."""
 
     def __init__(self, device: torch.device):
         self._cuda = device.type == "cuda"
         self._events: list[torch.cuda.Event] = []  # start, stop, start, stop... of this round; grown, reused
         self._recorded = 0
+        self._graphs: list[RoundGraph] = []  # launched in this round
         self._started = self._seconds = 0.0
 
     def start(self) -> None:
@@ -95,6 +98,10 @@ class ComputeClock:
         else:
             self._seconds += time.perf_counter() - self._started
 
+    def include(self, graph: RoundGraph) -> None:
+        """Count the FFN time of `graph`'s launch in this round."""
+        self._graphs.append(graph)
+
     def _record(self) -> None:
         if self._recorded == len(self._events):
             self._events.append(torch.cuda.Event(enable_timing=True))
@@ -108,7 +115,9 @@ class ComputeClock:
             torch.cuda.synchronize()
             events = self._events[:self._recorded]
             self._seconds = sum(a.elapsed_time(b) for a, b in zip(events[::2], events[1::2])) / 1e3
+            self._seconds += sum(graph.seconds() for graph in self._graphs)
             self._recorded = 0
+            self._graphs.clear()
         seconds, self._seconds = self._seconds, 0.0
         return seconds
 
@@ -198,11 +207,16 @@ def _device_round(jobs: list[Job], experts, act, device: torch.device, dtype: to
     """Per expert: its rows copied in, its FFN (a CUDA graph when `graphs` has one for its size), its
     output copied out to each job's reply. A pinned job's rows go straight from and to its region,
     each a DMA; any other job is copied to the device and back once, whole (from pageable memory
-    every copy is a synchronous, staged one). Nothing waits for the GPU here: the caller's
-    clock.seconds() does, once."""
+    every copy is a synchronous, staged one). An expert whose rows all come from one pinned job is
+    one graph launch, copies included (graphs.run_pinned). Nothing waits for the GPU here: the
+    caller's clock.seconds() does, once."""
     inputs = [job.x if job.pinned else job.x.to(device=device, dtype=dtype, non_blocking=True) for job in jobs]
     outs = [job.out_buffer if job.pinned else torch.empty(job.x.shape, device=device, dtype=dtype) for job in jobs]
     for key, parts, weights in experts:
+        if graphs is not None and len(parts) == 1 and jobs[parts[0].job].pinned:
+            job, part = jobs[parts[0].job], parts[0]
+            if graphs.run_pinned(key, weights, _rows(job.x, job, part), _rows(job.out_buffer, job, part), clock):
+                continue
         rows = [_rows(inputs[p.job], jobs[p.job], p) for p in parts]
         y = graphs.run(key, weights, rows, clock) if graphs is not None else None
         if y is None:

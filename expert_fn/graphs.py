@@ -13,6 +13,9 @@ memory pool: rounds run one at a time on one stream, and what a graph wrote is c
 stream order) before the next replay overwrites it. Rows past a call's tokens hold whatever an
 earlier call left there; an FFN treats rows independently, so they never reach the call's rows.
 
+A call whose rows lie in pinned shared memory runs as one launch, its copies included: each graph
+also comes as a RoundGraph (round_graph.py) around it, re-pointed at the call's rows.
+
 The expert function captures every bucket's graph of the experts it loads before it reports ready
 (prepare: a millisecond or so per graph); one missing, say after a reload raced a call, is captured
 when first called. A graph is replayed only with the weights it was captured with: it reads their
@@ -22,18 +25,22 @@ memory by address, so an Unload (or a reload) retires it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import weakref
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
 
 import torch
 
 from kubemoe.bundles import ExpertKey
 from kubemoe.expert import ExpertWeights, expert_ffn
+from kubemoe.expert_fn import round_graph
+from kubemoe.expert_fn.round_graph import CudaError, RoundGraph
 
 if TYPE_CHECKING:
     from kubemoe.expert_fn.batcher import ComputeClock
 
 DEFAULT_MAX_TOKENS = 256
+log = logging.getLogger(__name__)
 
 
 def bucket(tokens: int) -> int:
@@ -50,8 +57,11 @@ class ExpertGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         self._side = torch.cuda.Stream(device)  # captures run on a stream of their own, as CUDA requires
         self._warm: set[int] = set()  # sizes run once eagerly
-        # (key, bucket) -> (the weights it reads, the graph)
-        self._graphs: dict[tuple[ExpertKey, int], tuple[weakref.ref, torch.cuda.CUDAGraph]] = {}
+        # Rounds run on the device's current stream; nothing in an expert function changes it.
+        self._stream = torch.cuda.current_stream(device).cuda_stream
+        # Where round graphs' copies point until their first call: they must start on pinned host memory.
+        self._host = torch.empty(self.input.shape, dtype=dtype, pin_memory=True) if round_graph.runtime() else None
+        self._graphs: dict[tuple[ExpertKey, int], _Graphs] = {}  # by (key, bucket)
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -65,7 +75,7 @@ class ExpertGraphs:
         tokens = sum(r.shape[0] for r in rows)
         if not 0 < tokens <= self.max_tokens:
             return None
-        graph = self._graph(key, weights, bucket(tokens))
+        graph = self._entry(key, weights, bucket(tokens)).ffn
         start = 0
         for r in rows:
             self.input[start:start + r.shape[0]].copy_(r, non_blocking=True)
@@ -75,23 +85,39 @@ class ExpertGraphs:
         clock.stop()
         return self.output[:tokens]
 
+    def run_pinned(self, key: ExpertKey, weights: ExpertWeights, rows: torch.Tensor, out: torch.Tensor,
+                   clock: ComputeClock) -> bool:
+        """expert_ffn of `rows` into `out` (may be `rows` itself): both [N, H], contiguous, in the
+        graphs' dtype, in host memory registered with CUDA (a pinned segment). Queues one launch,
+        copies included, and nothing else; False (nothing queued) when N is 0 or over max_tokens, or
+        round graphs are unavailable: run() it then."""
+        tokens = rows.shape[0]
+        if self._host is None or not 0 < tokens <= self.max_tokens or rows.dtype != self.input.dtype:
+            return False
+        whole = self._entry(key, weights, bucket(tokens)).whole
+        if whole is None:
+            return False
+        whole.launch(rows.data_ptr(), out.data_ptr(), rows.nbytes, self._stream)
+        clock.include(whole)
+        return True
+
     async def prepare(self, experts: Iterable[tuple[ExpertKey, ExpertWeights]]) -> None:
         """Capture every size's graph of these experts now, one graph per turn of the event loop (a
         millisecond or so each: rounds go on in between), so no call pays for a capture."""
         for key, weights in experts:
             for size in self.sizes:
-                self._graph(key, weights, size)
+                self._entry(key, weights, size)
                 await asyncio.sleep(0)
 
     @property
     def sizes(self) -> list[int]:
         return sorted({bucket(n) for n in range(1, self.max_tokens + 1)})
 
-    def _graph(self, key: ExpertKey, weights: ExpertWeights, size: int) -> torch.cuda.CUDAGraph:
+    def _entry(self, key: ExpertKey, weights: ExpertWeights, size: int) -> _Graphs:
         held = self._graphs.get((key, size))
-        if held is not None and held[0]() is weights:
-            return held[1]
-        self._graphs = {k: v for k, v in self._graphs.items() if v[0]() is not None}  # forget unloaded experts'
+        if held is not None and held.weights() is weights:
+            return held
+        self._graphs = {k: v for k, v in self._graphs.items() if v.weights() is not None}  # forget unloaded experts'
         x, y = self.input[:size], self.output[:size]
         current = torch.cuda.current_stream()
         self._side.wait_stream(current)  # what the device is still doing with input and output comes first
@@ -102,12 +128,29 @@ class ExpertGraphs:
             # Not torch.cuda.graph(): it also synchronises, collects garbage and empties the allocator's
             # cache, each time: tens of milliseconds. thread_local: a Load copying weights on another
             # thread meanwhile is not part of the capture.
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph(keep_graph=True)  # its nodes go into the RoundGraph too
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 expert_ffn(x, weights, self._act, out=y)
             finally:
                 graph.capture_end()
         current.wait_stream(self._side)
-        self._graphs[(key, size)] = (weakref.ref(weights), graph)
-        return graph
+        graph.instantiate()
+        entry = self._graphs[(key, size)] = _Graphs(weakref.ref(weights), graph, self._whole(graph, x, y))
+        return entry
+
+    def _whole(self, graph: torch.cuda.CUDAGraph, x: torch.Tensor, y: torch.Tensor) -> RoundGraph | None:
+        if self._host is None:
+            return None
+        try:
+            return RoundGraph(graph, x, y, self._host[:x.shape[0]])
+        except CudaError as e:  # the FFN graphs still serve, with their copies queued one by one
+            log.warning("pinned calls copy their rows with calls of their own: %s", e)
+            self._host = None
+            return None
+
+
+class _Graphs(NamedTuple):
+    weights: weakref.ref  # the weights they read (by address)
+    ffn: torch.cuda.CUDAGraph  # the expert's FFN on `size` rows of input into output
+    whole: RoundGraph | None  # the same with its copies from and to pinned host memory

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from kubemoe.expert import ExpertWeights
 from kubemoe.expert_fn.batcher import Job, run_round
 from kubemoe.expert_fn.graphs import ExpertGraphs
+from kubemoe.expert_fn.round_graph import RoundGraph
 from kubemoe.expert_fn.shm import HEADER_BYTES, Segment
 from kubemoe.verify import rel_err
 
@@ -104,6 +105,45 @@ def test_graphed_rounds_match_eager_ones_from_pinned_regions_too_and_follow_relo
     del old
     compare()
     assert len(graphs) == 2  # the old expert 1's graph is forgotten, a new one made
+    segment.unpin(), segment.unlink()
+
+
+def test_a_call_from_a_pinned_region_is_one_launch_per_expert_that_writes_only_its_own_rows(tmpfs, monkeypatch):
+    cuda, H, I = torch.device("cuda"), 128, 64
+    gen = torch.Generator().manual_seed(0)
+    weights = {(0, e): ExpertWeights((torch.randn(2 * I, H, generator=gen) / 8).cuda(),
+                                     (torch.randn(H, I, generator=gen) / 8).cuda()) for e in range(3)}
+    graphs = ExpertGraphs(H, F.silu, cuda, torch.float32, max_tokens=8)
+    launches = []
+    launch = RoundGraph.launch
+    monkeypatch.setattr(RoundGraph, "launch", lambda self, *args: (launches.append(self), launch(self, *args)))
+    segment = Segment.create(tmpfs, 1 << 20)
+    assert segment.pin()
+    everything = segment.view(HEADER_BYTES, torch.float32, [64, H])
+    groups = [((0, e), t) for e, t in ((0, 3), (1, 5), (2, 2))]  # buckets 4, 8 and 2: padded, full, padded
+    for offset_rows, seed in ((0, 1), (16, 2), (0, 3)):  # re-pointed at another region, and back
+        everything.fill_(7.0)
+        x = torch.randn(10, H, generator=torch.Generator().manual_seed(seed))
+        want = Job(x, groups)
+        run_round([want], weights.__getitem__, F.silu, cuda, torch.float32)
+        region = everything[offset_rows:offset_rows + 10]
+        region.copy_(x)
+        got = Job(region, groups, out_buffer=region, pinned=True)
+        launches.clear()
+        run_round([got], weights.__getitem__, F.silu, cuda, torch.float32, graphs)
+        assert len(set(launches)) == 3  # one launch for each expert, copies included
+        assert got.error is None and got.out.data_ptr() == region.data_ptr()
+        assert rel_err(got.out, want.out) < 1e-5
+        assert 0 < got.compute_seconds < 1
+        outside = torch.cat([everything[:offset_rows], everything[offset_rows + 10:]])
+        assert (outside == 7.0).all()  # padded rows went nowhere
+    # A region in another dtype than the weights' is cast on the way: the graphs' copies cannot.
+    half = segment.view(HEADER_BYTES, torch.float16, [10, H])
+    half.copy_(x)
+    launches.clear()
+    got = Job(half, groups, out_buffer=half, pinned=True)
+    run_round([got], weights.__getitem__, F.silu, cuda, torch.float32, graphs)
+    assert not launches and rel_err(got.out.float(), want.out) < 2e-3
     segment.unpin(), segment.unlink()
 
 

@@ -1,0 +1,223 @@
+"""Experiment (H200): a round as ONE graph launch, copies included, re-pointed per call.
+
+[memcpy in] -> [event] -> [FFN graph captured by torch] -> [event] -> [memcpy out], assembled
+with the CUDA runtime's graph API through ctypes; per call cudaGraphExecMemcpyNodeSetParams1D
+points the copies at the request's region, then one cudaGraphLaunch. Compared with the current
+round (copy_, replay, copy_, events) back to back and paced.
+"""
+import ctypes, json, statistics, sys, tempfile, time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kubemoe.expert import ExpertWeights, expert_ffn
+from kubemoe.expert_fn.batcher import ComputeClock, Job, run_round
+from kubemoe.expert_fn.graphs import ExpertGraphs
+from kubemoe.expert_fn.shm import HEADER_BYTES, Segment
+
+H, I, T = 4096, 14336, 64
+dev, dt, act = torch.device("cuda"), torch.bfloat16, torch.nn.functional.silu
+g = torch.Generator().manual_seed(0)
+w = ExpertWeights((torch.randn(2 * I, H, generator=g) / 64).to(dev, dt), (torch.randn(H, I, generator=g) / 64).to(dev, dt))
+x = torch.randn(T, H, generator=g).to(dt)
+x2 = torch.randn(T, H, generator=g).to(dt)
+ref, ref2 = expert_ffn(x.to(dev), w, act).cpu(), expert_ffn(x2.to(dev), w, act).cpu()
+out = {"torch": torch.__version__}
+
+lib = next(line.split()[-1] for line in open("/proc/self/maps") if "libcudart" in line)
+out["cudart"] = lib
+rt = ctypes.CDLL(lib)
+P, S = ctypes.c_void_p, ctypes.c_size_t
+
+
+def check(code, what):
+    if code != 0:
+        rt.cudaGetErrorString.restype = ctypes.c_char_p
+        raise RuntimeError(f"{what}: {code} {rt.cudaGetErrorString(code).decode()}")
+
+
+folder = tempfile.mkdtemp(dir="/dev/shm")
+seg = Segment.create(folder, 16 << 20)
+seg.unlink()
+out["pinned"] = seg.pin()
+region = seg.view(HEADER_BYTES, dt, [T, H])
+region2 = seg.view(HEADER_BYTES + (1 << 20), dt, [T, H])
+
+# --- the FFN graph, as graphs.py captures it, kept as a cudaGraph_t
+inp, outp = torch.zeros(T, H, device=dev, dtype=dt), torch.zeros(T, H, device=dev, dtype=dt)
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    expert_ffn(inp, w, act, out=outp)
+    ffn = torch.cuda.CUDAGraph(keep_graph=True)
+    ffn.capture_begin(capture_error_mode="thread_local")
+    expert_ffn(inp, w, act, out=outp)
+    ffn.capture_end()
+torch.cuda.current_stream().wait_stream(side)
+torch.cuda.synchronize()
+
+# --- the round graph
+graph = P()
+check(rt.cudaGraphCreate(ctypes.byref(graph), 0), "create")
+staging = torch.empty(T, H, dtype=dt, pin_memory=True)
+n_in, n_ev0, n_child, n_ev1, n_out = P(), P(), P(), P(), P()
+ev0, ev1 = P(), P()
+check(rt.cudaEventCreate(ctypes.byref(ev0)), "event")
+check(rt.cudaEventCreate(ctypes.byref(ev1)), "event")
+nbytes = T * H * 2
+check(rt.cudaGraphAddMemcpyNode1D(ctypes.byref(n_in), graph, None, S(0), P(inp.data_ptr()), P(staging.data_ptr()),
+                                  S(nbytes), 1), "memcpy in")
+check(rt.cudaGraphAddEventRecordNode(ctypes.byref(n_ev0), graph, ctypes.byref(n_in), S(1), ev0), "ev0")
+check(rt.cudaGraphAddChildGraphNode(ctypes.byref(n_child), graph, ctypes.byref(n_ev0), S(1), P(ffn.raw_cuda_graph())),
+      "child")
+check(rt.cudaGraphAddEventRecordNode(ctypes.byref(n_ev1), graph, ctypes.byref(n_child), S(1), ev1), "ev1")
+check(rt.cudaGraphAddMemcpyNode1D(ctypes.byref(n_out), graph, ctypes.byref(n_ev1), S(1), P(staging.data_ptr()),
+                                  P(outp.data_ptr()), S(nbytes), 2), "memcpy out")
+exe = P()
+check(rt.cudaGraphInstantiate(ctypes.byref(exe), graph, ctypes.c_ulonglong(0)), "instantiate")
+stream = torch.cuda.Stream()
+sh = P(stream.cuda_stream)
+ms = ctypes.c_float()
+set1d = rt.cudaGraphExecMemcpyNodeSetParams1D
+launch, sync, elapsed = rt.cudaGraphLaunch, rt.cudaStreamSynchronize, rt.cudaEventElapsedTime
+
+
+def graph_round(r: torch.Tensor) -> float:
+    a = r.data_ptr()
+    set1d(exe, n_in, P(inp.data_ptr()), P(a), S(nbytes), 1)
+    set1d(exe, n_out, P(a), P(outp.data_ptr()), S(nbytes), 2)
+    launch(exe, sh)
+    sync(sh)
+    elapsed(ctypes.byref(ms), ev0, ev1)
+    return ms.value / 1e3
+
+
+# --- (b) the same without event nodes
+graph_b = P()
+check(rt.cudaGraphCreate(ctypes.byref(graph_b), 0), "create")
+b_in, b_child, b_out = P(), P(), P()
+check(rt.cudaGraphAddMemcpyNode1D(ctypes.byref(b_in), graph_b, None, S(0), P(inp.data_ptr()), P(staging.data_ptr()),
+                                  S(nbytes), 1), "memcpy in")
+check(rt.cudaGraphAddChildGraphNode(ctypes.byref(b_child), graph_b, ctypes.byref(b_in), S(1), P(ffn.raw_cuda_graph())),
+      "child")
+check(rt.cudaGraphAddMemcpyNode1D(ctypes.byref(b_out), graph_b, ctypes.byref(b_child), S(1), P(staging.data_ptr()),
+                                  P(outp.data_ptr()), S(nbytes), 2), "memcpy out")
+exe_b = P()
+check(rt.cudaGraphInstantiate(ctypes.byref(exe_b), graph_b, ctypes.c_ulonglong(0)), "instantiate")
+
+
+def no_events_round(r: torch.Tensor) -> float:
+    a = r.data_ptr()
+    set1d(exe_b, b_in, P(inp.data_ptr()), P(a), S(nbytes), 1)
+    set1d(exe_b, b_out, P(a), P(outp.data_ptr()), S(nbytes), 2)
+    launch(exe_b, sh)
+    sync(sh)
+    return 0.0
+
+
+# --- (c) flat: copies and events captured by torch with the FFN; memcpy nodes found by their pointers
+try:
+    staging_out = torch.empty(T, H, dtype=dt, pin_memory=True)
+    e0, e1 = torch.cuda.Event(enable_timing=True, external=True), torch.cuda.Event(enable_timing=True, external=True)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flat = torch.cuda.CUDAGraph(keep_graph=True)
+        flat.capture_begin(capture_error_mode="thread_local")
+        inp.copy_(staging, non_blocking=True)
+        e0.record()
+        expert_ffn(inp, w, act, out=outp)
+        e1.record()
+        staging_out.copy_(outp, non_blocking=True)
+        flat.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    flat.instantiate()
+    count = S(0)
+    check(rt.cudaGraphGetNodes(P(flat.raw_cuda_graph()), None, ctypes.byref(count)), "nodes")
+    nodes = (P * count.value)()
+    check(rt.cudaGraphGetNodes(P(flat.raw_cuda_graph()), nodes, ctypes.byref(count)), "nodes")
+    params = (ctypes.c_ubyte * 256)()
+    c_in = c_out = None
+    types = []
+    for node in nodes:
+        kind = ctypes.c_int()
+        check(rt.cudaGraphNodeGetType(P(node), ctypes.byref(kind)), "type")
+        types.append(kind.value)
+        if kind.value == 1:
+            check(rt.cudaGraphMemcpyNodeGetParams(P(node), params), "params")
+            src = ctypes.c_void_p.from_buffer(params, 32).value
+            dst = ctypes.c_void_p.from_buffer(params, 96).value
+            if src == staging.data_ptr():
+                c_in = P(node)
+            if dst == staging_out.data_ptr():
+                c_out = P(node)
+    out["flat_node_types"] = types
+    out["flat_found"] = [c_in is not None, c_out is not None]
+    exe_c = P(flat.raw_cuda_graph_exec())
+except Exception as e:
+    out["flat_error"] = repr(e)
+    print("flat failed", repr(e), flush=True)
+
+
+def flat_round(r: torch.Tensor) -> float:
+    a = r.data_ptr()
+    set1d(exe_c, c_in, P(inp.data_ptr()), P(a), S(nbytes), 1)
+    set1d(exe_c, c_out, P(a), P(outp.data_ptr()), S(nbytes), 2)
+    flat.replay()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / 1e3
+
+
+def current_round(r: torch.Tensor, graphs=ExpertGraphs(H, act, dev, dt, 64)) -> float:
+    job = Job(r, [((0, 0), T)], out_buffer=r, pinned=True)
+    run_round([job], lambda key: w, act, dev, dt, graphs)
+    return job.compute_seconds
+
+
+def err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+for name, fn in (("current", current_round), ("one_graph", graph_round), ("no_events", no_events_round),
+                 ("flat", flat_round)):
+    if "flat_error" in out and name == "flat":
+        continue
+    errs = []
+    for r, src, want in ((region, x, ref), (region2, x2, ref2), (region, x2, ref2)):
+        r.copy_(src)
+        fn(r)
+        errs.append(err(r, want))
+    out[f"{name}_rel_err"] = errs
+
+    for gap_us in (0, 200):
+        times, computes = [], []
+        for i in range(320):
+            if gap_us:
+                until = time.perf_counter() + gap_us / 1e6
+                while time.perf_counter() < until:
+                    pass
+            r = region if i % 2 else region2
+            r.copy_(x)
+            t0 = time.perf_counter()
+            computes.append(fn(r))
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_gap{gap_us}"] = {"round_us": round(statistics.median(times[20:]) * 1e6, 1),
+                                     "compute_us": round(statistics.median(computes[20:]) * 1e6, 1),
+                                     "p90_us": round(sorted(times[20:])[270] * 1e6, 1)}
+    print(name, {k: v for k, v in out.items() if k.startswith(name)}, flush=True)
+
+try:
+    import torch_trace
+    trace_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp")
+    for name, fn in (("current", current_round), ("one_graph", graph_round), ("no_events", no_events_round),
+                     ("flat", flat_round)):
+        if "flat_error" in out and name == "flat":
+            continue
+        with torch_trace.window(trace_dir / f"probe_{name}.json"):
+            for i in range(40):
+                fn(region)
+        out[f"{name}_trace"] = torch_trace.gaps(trace_dir / f"probe_{name}.json")["gpu_idle_between"]
+except Exception as e:
+    out["trace_error"] = repr(e)
+seg.unpin()
+print(json.dumps({k: v for k, v in out.items() if k.endswith("trace")}))
