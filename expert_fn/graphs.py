@@ -97,7 +97,11 @@ class ExpertGraphs:
         whole = self._entry(key, weights, bucket(tokens)).whole
         if whole is None:
             return False
-        whole.launch(rows.data_ptr(), out.data_ptr(), rows.nbytes, self._stream)
+        try:
+            whole.launch(rows.data_ptr(), out.data_ptr(), rows.nbytes, self._stream)
+        except CudaError as e:  # nothing was queued: this call, and the ones after it, take run()
+            self._no_round_graphs(e)
+            return False
         clock.include(whole)
         return True
 
@@ -145,9 +149,12 @@ class ExpertGraphs:
         try:
             return RoundGraph(graph, x, y, self._host[:x.shape[0]])
         except CudaError as e:  # the FFN graphs still serve, with their copies queued one by one
-            log.warning("pinned calls copy their rows with calls of their own: %s", e)
-            self._host = None
+            self._no_round_graphs(e)
             return None
+
+    def _no_round_graphs(self, error: CudaError) -> None:
+        log.warning("calls from pinned memory now copy their rows with calls of their own: %s", error)
+        self._host = None
 
 
 class _Graphs(NamedTuple):
