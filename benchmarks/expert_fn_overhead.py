@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import multiprocessing
@@ -166,14 +167,18 @@ def bench_input(tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).to(dtype)
 
 
-async def time_remote(client, x: torch.Tensor, budget: float) -> dict:
+async def time_remote(client, x: torch.Tensor, budget: float, warmup: float = 0.0) -> dict:
+    """Round trips of `client` on `x`, after 3 calls and at least `warmup` seconds of calls."""
     async def one() -> tuple[float, float]:
         t0 = time.perf_counter()
         _, timing = await client.call(0, [0], [x.shape[0]], x)
         return time.perf_counter() - t0, timing.compute_seconds
 
-    for _ in range(3):
+    until = time.perf_counter() + warmup
+    for n in itertools.count():
         rtt, _ = await one()
+        if n >= 2 and time.perf_counter() >= until:
+            break
     samples = [await one() for _ in range(repeats(rtt, budget))]
     rtts, computes = [s[0] for s in samples], [s[1] for s in samples]
     overheads = sorted(r - c for r, c in samples)
@@ -301,7 +306,7 @@ async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir:
 # -- main -------------------------------------------------------------------------------------------
 
 async def bench_size(name: str, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype,
-                     tokens: tuple[int, ...], budget: float, settings: list[str], workdir: Path,
+                     tokens: tuple[int, ...], budget: float, warmup: float, settings: list[str], workdir: Path,
                      shm_dir: Path) -> tuple[list[dict], dict]:
     from kubemoe.expert_fn.client import ExpertClient
 
@@ -320,7 +325,7 @@ async def bench_size(name: str, hidden: int, intermediate: int, device: torch.de
             for mode, options in modes.items():
                 # One client at a time, as a frontend has: no idle streams of the other modes meanwhile.
                 async with ExpertClient(address, model="bench", **options) as client:
-                    remote = await time_remote(client, x, budget)
+                    remote = await time_remote(client, x, budget, warmup)
                     if mode == "shm" and not client.shared_memory:
                         raise RuntimeError(f"the expert function did not attach the segment in {shm_dir}")
                 rows.append({"size": name, "hidden": hidden, "intermediate": intermediate, "tokens": n, "mode": mode,
@@ -348,6 +353,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--seconds", type=float, default=1.5, help="time budget per measurement")
+    parser.add_argument("--warmup-seconds", type=float, default=0.0,
+                        help="calls before each measurement: 3, and for at least this long")
     parser.add_argument("--batch-wait-ms", type=float, default=0.5, help="the server's setting (the default)")
     parser.add_argument("--busy-poll-us", type=float, default=DEFAULT_BUSY_POLL_US,
                         help="the expert function's busy polling (its default)")
@@ -379,7 +386,8 @@ async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="kubemoe-bench-") as workdir:
         for name in args.sizes:
             size_rows, size_breakdown = await bench_size(name, *SIZES[name], device, dtype, tuple(args.tokens),
-                                                         args.seconds, server_settings, Path(workdir),
+                                                         args.seconds, args.warmup_seconds, server_settings,
+                                                         Path(workdir),
                                                          shm_dir or Path(workdir))
             rows += size_rows
             breakdown = breakdown or size_breakdown
@@ -406,7 +414,7 @@ async def main(args: argparse.Namespace) -> None:
                                    "cuda_graph_tokens": args.cuda_graph_tokens,
                                    "client_cpus": sorted(args.client_cpus or []) or "any",
                                    "server_cpus": sorted(args.server_cpus or []) or "any",
-                                   "seconds_per_point": args.seconds,
+                                   "seconds_per_point": args.seconds, "warmup_seconds": args.warmup_seconds,
                                    "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
                                    "weights_dtype": str(dtype).removeprefix("torch.")})
     for name, goal in goals.items():
