@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import multiprocessing
@@ -69,29 +68,15 @@ def make_one_layer_checkpoint(hidden: int, intermediate: int, dtype: str, out: P
     return make_checkpoint(preset, out, progress=False)
 
 
-SERVER_CPUS: set[int] | None = None  # --server-cpus: the expert function's CPU affinity (None: the client's)
-
-
-def cpu_list(text: str) -> set[int]:
-    """CPUs as the kernel lists them: `0-3,8`."""
-    cpus = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
-
-
 async def start_server(checkpoint: Path, device: str, shm_dir: Path, settings: list[str], stamps: Path | None = None):
     """The expert function in its own process, with `settings` (more flags); with `stamps`,
     traced_expert_fn.py writes its timeline there."""
-    cpus = SERVER_CPUS
     program = [str(Path(__file__).with_name("traced_expert_fn.py"))] if stamps else ["-m", "kubemoe.expert_fn.cli"]
     process = await asyncio.create_subprocess_exec(
         sys.executable, *program, "--checkpoint", str(checkpoint), "--bundle", "0:0",
         "--port", "0", "--host", "127.0.0.1", "--metrics-port", "-1", "--device", device, "--model", "bench",
         "--shm-dir", str(shm_dir), *settings, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "KUBEMOE_STAMPS": str(stamps)} if stamps else None,
-        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
+        env={**os.environ, "KUBEMOE_STAMPS": str(stamps)} if stamps else None)
     port = None
     while True:
         line = (await asyncio.wait_for(process.stderr.readline(), 600)).decode()
@@ -167,18 +152,14 @@ def bench_input(tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).to(dtype)
 
 
-async def time_remote(client, x: torch.Tensor, budget: float, warmup: float = 0.0) -> dict:
-    """Round trips of `client` on `x`, after 3 calls and at least `warmup` seconds of calls."""
+async def time_remote(client, x: torch.Tensor, budget: float) -> dict:
     async def one() -> tuple[float, float]:
         t0 = time.perf_counter()
         _, timing = await client.call(0, [0], [x.shape[0]], x)
         return time.perf_counter() - t0, timing.compute_seconds
 
-    until = time.perf_counter() + warmup
-    for n in itertools.count():
+    for _ in range(3):
         rtt, _ = await one()
-        if n >= 2 and time.perf_counter() >= until:
-            break
     samples = [await one() for _ in range(repeats(rtt, budget))]
     rtts, computes = [s[0] for s in samples], [s[1] for s in samples]
     overheads = sorted(r - c for r, c in samples)
@@ -306,7 +287,7 @@ async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir:
 # -- main -------------------------------------------------------------------------------------------
 
 async def bench_size(name: str, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype,
-                     tokens: tuple[int, ...], budget: float, warmup: float, settings: list[str], workdir: Path,
+                     tokens: tuple[int, ...], budget: float, settings: list[str], workdir: Path,
                      shm_dir: Path) -> tuple[list[dict], dict]:
     from kubemoe.expert_fn.client import ExpertClient
 
@@ -325,7 +306,7 @@ async def bench_size(name: str, hidden: int, intermediate: int, device: torch.de
             for mode, options in modes.items():
                 # One client at a time, as a frontend has: no idle streams of the other modes meanwhile.
                 async with ExpertClient(address, model="bench", **options) as client:
-                    remote = await time_remote(client, x, budget, warmup)
+                    remote = await time_remote(client, x, budget)
                     if mode == "shm" and not client.shared_memory:
                         raise RuntimeError(f"the expert function did not attach the segment in {shm_dir}")
                 rows.append({"size": name, "hidden": hidden, "intermediate": intermediate, "tokens": n, "mode": mode,
@@ -353,27 +334,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--seconds", type=float, default=1.5, help="time budget per measurement")
-    parser.add_argument("--warmup-seconds", type=float, default=0.0,
-                        help="calls before each measurement: 3, and for at least this long")
     parser.add_argument("--batch-wait-ms", type=float, default=0.5, help="the server's setting (the default)")
     parser.add_argument("--busy-poll-us", type=float, default=DEFAULT_BUSY_POLL_US,
                         help="the expert function's busy polling (its default)")
     parser.add_argument("--cuda-graph-tokens", type=int, default=None,
                         help="the expert function's --cuda-graph-tokens (default: its default)")
-    parser.add_argument("--client-cpus", type=cpu_list, default=None,
-                        help="run this client (and the in-process baseline) on these CPUs, e.g. 8-15")
-    parser.add_argument("--server-cpus", type=cpu_list, default=None,
-                        help="run the expert function on these CPUs, e.g. 0-7 (as a Kubernetes static CPU policy would)")
     parser.add_argument("--client-busy-poll-us", type=float, default=SHARED_CORES_BUSY_POLL_US,
                         help="this client's busy polling (a frontend's default on this machine)")
     return parser.parse_args()
 
 
 async def main(args: argparse.Namespace) -> None:
-    global SERVER_CPUS
-    SERVER_CPUS = args.server_cpus
-    if args.client_cpus is not None:
-        os.sched_setaffinity(0, args.client_cpus)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -386,8 +357,7 @@ async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="kubemoe-bench-") as workdir:
         for name in args.sizes:
             size_rows, size_breakdown = await bench_size(name, *SIZES[name], device, dtype, tuple(args.tokens),
-                                                         args.seconds, args.warmup_seconds, server_settings,
-                                                         Path(workdir),
+                                                         args.seconds, server_settings, Path(workdir),
                                                          shm_dir or Path(workdir))
             rows += size_rows
             breakdown = breakdown or size_breakdown
@@ -412,9 +382,7 @@ async def main(args: argparse.Namespace) -> None:
                          settings={"batch_wait_ms": args.batch_wait_ms, "busy_poll_us": args.busy_poll_us,
                                    "client_busy_poll_us": args.client_busy_poll_us,
                                    "cuda_graph_tokens": args.cuda_graph_tokens,
-                                   "client_cpus": sorted(args.client_cpus or []) or "any",
-                                   "server_cpus": sorted(args.server_cpus or []) or "any",
-                                   "seconds_per_point": args.seconds, "warmup_seconds": args.warmup_seconds,
+                                   "seconds_per_point": args.seconds,
                                    "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
                                    "weights_dtype": str(dtype).removeprefix("torch.")})
     for name, goal in goals.items():

@@ -37,29 +37,15 @@ case "${1:-all}" in
           --tokens 64 --seconds 1 --out "$OUT/$variant-$round" "${extra[@]}") 2>&1 | grep -E "^goal|stamp to stamp| shm "
       done
     done ;;
-  profile)  # where the goal point's time goes: torch.profiler traces of bare rounds and of the server's rounds,
-    # and the goal point with client and expert function on disjoint physical cores or anywhere, alternately
-    lscpu -e || true
-    halves=$(python3 -c 'import glob
-groups = sorted({open(f).read().strip() for f in glob.glob("/sys/devices/system/cpu/cpu*/topology/thread_siblings_list")},
-                key=lambda g: int(g.replace("-", ",").split(",")[0]))
-print(",".join(groups[:len(groups) // 2]), ",".join(groups[len(groups) // 2:]))')
-    read -r server_cpus client_cpus <<< "$halves"
-    echo "# server cpus $server_cpus, client cpus $client_cpus"
+  profile)  # where the goal point's time goes: torch.profiler traces of bare rounds and of the server's rounds
     mkdir -p "$OUT/traces"
     python3 benchmarks/round_cost.py --tokens 64 --trace "$OUT/traces" > "$OUT/round_cost.json"
-    python3 benchmarks/torch_trace.py "$OUT"/traces/*.json
     for round in 1 2; do
-      for variant in anywhere pinned; do
-        extra=(); [ $variant = pinned ] && extra=(--server-cpus "$server_cpus" --client-cpus "$client_cpus")
-        echo "# $variant, round $round"; mkdir -p "$OUT/$variant-$round"
-        KUBEMOE_TORCH_TRACE="$OUT/traces/server-$variant-$round.json" python3 benchmarks/expert_fn_overhead.py \
-          --device cuda --sizes mixtral --tokens 64 --out "$OUT/$variant-$round" "${extra[@]}" "${@:2}" 2>&1 \
-          | grep -E "^goal|stamp to stamp| shm "
-        nvidia-smi --query-gpu=clocks.sm,clocks.mem,pstate --format=csv,noheader
-      done
+      echo "# round $round"; mkdir -p "$OUT/$round"
+      KUBEMOE_TORCH_TRACE="$OUT/traces/server-$round.json" python3 benchmarks/expert_fn_overhead.py --device cuda \
+        --sizes mixtral --tokens 64 --out "$OUT/$round" "${@:2}" 2>&1 | grep -E "^goal|stamp to stamp| shm "
     done
-    python3 benchmarks/torch_trace.py "$OUT"/traces/server-*-1.json ;;
+    python3 benchmarks/torch_trace.py "$OUT"/traces/*.json ;;
   frontend) python3 benchmarks/frontend_decode.py --device cuda --preset mixtral-4l --layers 2 --steps 30 --warmup 5 --out "$OUT" "${@:2}" ;;
   *) echo "usage: $0 expert_fn|frontend|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
 esac

@@ -1,18 +1,29 @@
-"""Experiment (H200): a round as ONE graph launch, copies included, re-pointed per call.
+"""Experiment (H200), which chose round_graph.py's layout: a pinned call's round as ONE graph launch.
 
 [memcpy in] -> [event] -> [FFN graph captured by torch] -> [event] -> [memcpy out], assembled
 with the CUDA runtime's graph API through ctypes; per call cudaGraphExecMemcpyNodeSetParams1D
-points the copies at the request's region, then one cudaGraphLaunch. Compared with the current
-round (copy_, replay, copy_, events) back to back and paced.
+points the copies at the request's region, then one cudaGraphLaunch (`one_graph`). Beside it: the
+same without the events (`no_events`); copies and events captured by torch with the FFN, the copy
+nodes found by their pointers, replayed by torch (`flat`); and `current`, run_round as it was at
+eed627f (copy_, replay, copy_, events). Since c0473d4 run_round takes the one-launch path for
+such a call, so `current` now measures that.
+
+Measured at eed627f on two H200 hosts, 64 tokens at Mixtral size, round in us back to back / once
+every 200 us: current 207 / - and 190 / 196, one_graph 182 / 178 and 173 / 177, no_events 170 / 172,
+flat 182 / 183. The GPU's idle time between the copy in and the FFN's first kernel (torch_trace.py):
+current 40 and 18 us, every one-graph variant 10-11. All wrote the same bytes as eager rounds,
+re-pointed at two regions in turn.
+
+    python benchmarks/experiments/round_graph_probe.py TRACE_DIR   # on the GPU host, ~15 s
 """
 import ctypes, json, statistics, sys, tempfile, time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # torch_trace
 from kubemoe.expert import ExpertWeights, expert_ffn
-from kubemoe.expert_fn.batcher import ComputeClock, Job, run_round
+from kubemoe.expert_fn.batcher import Job, run_round
 from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.shm import HEADER_BYTES, Segment
 
