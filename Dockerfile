@@ -12,7 +12,6 @@
 # the MoEDeployment's spec.model.uri.
 
 ARG PYTHON_VERSION=3.11
-ARG CUDA_IMAGE=nvidia/cuda:12.4.1-runtime-ubuntu22.04
 
 # -- the kubemoe wheel, built once from the source tree --------------------------------------------------
 FROM python:${PYTHON_VERSION}-slim AS wheel
@@ -38,15 +37,13 @@ USER 65532:65532
 ENV HOME=/tmp PYTHONUNBUFFERED=1
 ENTRYPOINT ["python", "-m", "kubemoe.operator.cli"]
 
-# -- serving images: GPU (CUDA runtime + PyPI's CUDA torch) ----------------------------------------------
-FROM ${CUDA_IMAGE} AS serving-gpu
-ARG DEBIAN_FRONTEND=noninteractive
-RUN apt-get update \
- && apt-get install --yes --no-install-recommends python3 python3-pip python3-venv \
- && rm -rf /var/lib/apt/lists/* \
- && python3 -m venv /opt/kubemoe \
- && groupadd --gid 65532 kubemoe && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /tmp kubemoe
-ENV PATH=/opt/kubemoe/bin:$PATH HOME=/tmp PYTHONUNBUFFERED=1
+# -- serving images: GPU (PyPI's torch, which brings the CUDA libraries it needs) -------------------------
+# Not an nvidia/cuda base: their Ubuntu's python3 is older than kubemoe's requires-python. The node's
+# driver comes in through the NVIDIA container toolkit, for the GPUs the device plugin allocated;
+# the toolkit mounts its compute libraries only where the image asks for them, as below.
+FROM python:${PYTHON_VERSION}-slim AS serving-gpu
+RUN groupadd --gid 65532 kubemoe && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /tmp kubemoe
+ENV HOME=/tmp PYTHONUNBUFFERED=1 NVIDIA_DRIVER_CAPABILITIES=compute,utility
 COPY --from=wheel /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
 

@@ -140,3 +140,18 @@ def test_dockerfile_copies_and_entrypoints_exist(f):
         assert command in {"frontend", "expert-fn"}
     assert all("USER 65532:65532" in stage for stage in dockerfile.split("\nFROM ")
                if re.search(r"^ENTRYPOINT", stage, re.M))
+
+
+def test_every_image_installs_kubemoe_on_a_python_it_supports(f):
+    dockerfile = (f.repo / "Dockerfile").read_text()
+    minimum = re.search(r'^requires-python = ">=(\d+)\.(\d+)"', (f.repo / "pyproject.toml").read_text(), re.M)
+    version = re.search(r"^ARG PYTHON_VERSION=(\d+)\.(\d+)$", dockerfile, re.M)
+    assert minimum and version and tuple(map(int, version.groups())) >= tuple(map(int, minimum.groups()))
+    stages = [(re.match(r"(\S+) AS (\S+)", part).groups(), part) for part in dockerfile.split("\nFROM ")[1:]]
+    base_of = {stage: base for (base, stage), _ in stages}
+    for (_, stage), body in stages:
+        if "/wheels" in body:  # builds or installs the kubemoe wheel
+            root = stage
+            while base_of[root] in base_of:  # FROM another stage: look at that one's base
+                root = base_of[root]
+            assert base_of[root] == "python:${PYTHON_VERSION}-slim", f"stage {stage} installs kubemoe on {base_of[root]}"
