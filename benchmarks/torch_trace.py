@@ -22,9 +22,11 @@ def window(path: Path):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         yield
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     prof.export_chrome_trace(str(path))
 
 

@@ -12,6 +12,7 @@ lane requests 100 to 159 also run under torch.profiler, written there as a chrom
 
 import atexit
 import contextlib
+import itertools
 import json
 import os
 import runpy
@@ -22,6 +23,8 @@ import types
 from kubemoe.expert_fn import batcher, lane, servicer
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
+
+import torch_trace  # beside this file
 
 STAMPS: dict[str, dict[str, float]] = {}
 
@@ -81,19 +84,15 @@ def main() -> None:
         STAMPS[request.request_id]["forward_ends"] = time.perf_counter()
         return response
 
-    profiled = {"count": 0, "profiler": None, "path": os.environ.get("KUBEMOE_TORCH_TRACE")}
+    lone_requests = itertools.count(1)
+    trace_path, profiling = os.environ.get("KUBEMOE_TORCH_TRACE"), contextlib.ExitStack()
 
-    def profile_window() -> None:
-        profiled["count"] += 1
-        if profiled["path"] and profiled["count"] == 100:
-            from torch.profiler import ProfilerActivity, profile
-
-            profiled["profiler"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-            profiled["profiler"].start()
-        elif profiled["profiler"] is not None and profiled["count"] == 160:
-            profiled["profiler"].stop()
-            profiled["profiler"].export_chrome_trace(profiled["path"])
-            profiled["profiler"] = None
+    def profile_window() -> None:  # lone requests 100 to 159 under torch.profiler
+        n = next(lone_requests)
+        if trace_path and n == 100:
+            profiling.enter_context(torch_trace.window(trace_path))
+        elif n == 160:
+            profiling.close()
 
     def traced_answer_now(self, request, segment):  # a lone request on the lane (lane.py)
         profile_window()
