@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.expert_fn.batcher import Job, MicroBatcher, Part, plan_round, run_round
 from kubemoe.expert_fn.errors import ExpertFnError
+from kubemoe.verify import rel_err
 
 H, I = 16, 8
 CPU = torch.device("cpu")
@@ -46,7 +47,9 @@ def test_round_runs_each_expert_once_and_matches_separate_calls():
         rows = job.x.split([t for _, t in job.groups])
         want = torch.cat([expert_ffn(r, weights[k], F.silu) for (k, _), r in zip(job.groups, rows)]) if rows else job.x
         assert job.error is None and job.out.shape == job.x.shape
-        assert torch.allclose(job.out, want, rtol=1e-5, atol=1e-6)
+        # One matmul over the merged rows may sum in another order than separate ones (the BLAS blocks
+        # by row count, and by thread count under load): equal within float32 rounding, not bit for bit.
+        assert job.out.numel() == 0 or rel_err(job.out, want) < 1e-5
 
 
 def test_round_answers_in_the_request_dtype():
