@@ -90,11 +90,11 @@ class RoundGraph:
             made.append((destroy, handle))
             return handle
 
-        def node(add, after: ctypes.c_void_p | None, *args) -> ctypes.c_void_p:
-            made = ctypes.c_void_p()
-            _check(lib, add(ctypes.byref(made), graph, None if after is None else ctypes.byref(after),
+        def node(add, after: ctypes.c_void_p | None, *args) -> ctypes.c_void_p:  # freed with the graph
+            handle = ctypes.c_void_p()
+            _check(lib, add(ctypes.byref(handle), graph, None if after is None else ctypes.byref(after),
                             0 if after is None else 1, *args), add.__name__)
-            return made
+            return handle
 
         self._start = new(lib.cudaEventCreate, lib.cudaEventDestroy)
         self._stop = new(lib.cudaEventCreate, lib.cudaEventDestroy)
