@@ -183,7 +183,7 @@ def _cpu_round(jobs: list[Job], experts, act, dtype: torch.dtype, clock: Compute
             rows = _rows(inputs[part.job], jobs[part.job], part)
             split = (expert_ffn(rows, weights, act, out=rows if in_place[part.job] else None),)
         else:
-            rows = [inputs[p.job][p.start:p.start + p.tokens] for p in parts]
+            rows = [_rows(inputs[p.job], jobs[p.job], p) for p in parts]
             y = expert_ffn(torch.cat(rows), weights, act)  # [N, H]
             split = y.split([p.tokens for p in parts])  # split costs ~15 us
             for part, piece, target in zip(parts, split, rows):
