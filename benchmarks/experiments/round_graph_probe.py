@@ -12,7 +12,7 @@ Measured at eed627f on two H200 hosts, 64 tokens at Mixtral size, round in us ba
 every 200 us: current 207 / - and 190 / 196, one_graph 182 / 178 and 173 / 177, no_events 170 / 172,
 flat 182 / 183. The GPU's idle time between the copy in and the FFN's first kernel (torch_trace.py):
 current 40 and 18 us, every one-graph variant 10-11. All wrote the same bytes as eager rounds,
-re-pointed at two regions in turn.
+re-pointed at two regions in turn. (Since then (a) and (b) are built by one function; not re-run.)
 
     python benchmarks/experiments/round_graph_probe.py TRACE_DIR   # on the GPU host, ~15 s
 """
@@ -68,25 +68,39 @@ with torch.cuda.stream(side):
 torch.cuda.current_stream().wait_stream(side)
 torch.cuda.synchronize()
 
-# --- the round graph
-graph = P()
-check(rt.cudaGraphCreate(ctypes.byref(graph), 0), "create")
+# --- (a) and (b): the round graph, with and without event nodes around the FFN
 staging = torch.empty(T, H, dtype=dt, pin_memory=True)
-n_in, n_ev0, n_child, n_ev1, n_out = P(), P(), P(), P(), P()
+nbytes = T * H * 2
 ev0, ev1 = P(), P()
 check(rt.cudaEventCreate(ctypes.byref(ev0)), "event")
 check(rt.cudaEventCreate(ctypes.byref(ev1)), "event")
-nbytes = T * H * 2
-check(rt.cudaGraphAddMemcpyNode1D(ctypes.byref(n_in), graph, None, S(0), P(inp.data_ptr()), P(staging.data_ptr()),
-                                  S(nbytes), 1), "memcpy in")
-check(rt.cudaGraphAddEventRecordNode(ctypes.byref(n_ev0), graph, ctypes.byref(n_in), S(1), ev0), "ev0")
-check(rt.cudaGraphAddChildGraphNode(ctypes.byref(n_child), graph, ctypes.byref(n_ev0), S(1), P(ffn.raw_cuda_graph())),
-      "child")
-check(rt.cudaGraphAddEventRecordNode(ctypes.byref(n_ev1), graph, ctypes.byref(n_child), S(1), ev1), "ev1")
-check(rt.cudaGraphAddMemcpyNode1D(ctypes.byref(n_out), graph, ctypes.byref(n_ev1), S(1), P(staging.data_ptr()),
-                                  P(outp.data_ptr()), S(nbytes), 2), "memcpy out")
-exe = P()
-check(rt.cudaGraphInstantiate(ctypes.byref(exe), graph, ctypes.c_ulonglong(0)), "instantiate")
+
+
+def assemble(events: bool) -> tuple[P, P, P]:
+    """copy in -> [event] -> FFN -> [event] -> copy out: (its executable graph, copy in, copy out)."""
+    graph = P()
+    check(rt.cudaGraphCreate(ctypes.byref(graph), 0), "create")
+
+    def add(function, after: P | None, *args) -> P:
+        node = P()
+        check(function(ctypes.byref(node), graph, None if after is None else ctypes.byref(after),
+                       S(0 if after is None else 1), *args), function.__name__)
+        return node
+
+    copy_in = after = add(rt.cudaGraphAddMemcpyNode1D, None, P(inp.data_ptr()), P(staging.data_ptr()), S(nbytes), 1)
+    if events:
+        after = add(rt.cudaGraphAddEventRecordNode, after, ev0)
+    after = add(rt.cudaGraphAddChildGraphNode, after, P(ffn.raw_cuda_graph()))
+    if events:
+        after = add(rt.cudaGraphAddEventRecordNode, after, ev1)
+    copy_out = add(rt.cudaGraphAddMemcpyNode1D, after, P(staging.data_ptr()), P(outp.data_ptr()), S(nbytes), 2)
+    executable = P()
+    check(rt.cudaGraphInstantiate(ctypes.byref(executable), graph, ctypes.c_ulonglong(0)), "instantiate")
+    return executable, copy_in, copy_out
+
+
+exe, n_in, n_out = assemble(events=True)
+exe_b, b_in, b_out = assemble(events=False)
 stream = torch.cuda.Stream()
 sh = P(stream.cuda_stream)
 ms = ctypes.c_float()
@@ -94,34 +108,22 @@ set1d = rt.cudaGraphExecMemcpyNodeSetParams1D
 launch, sync, elapsed = rt.cudaGraphLaunch, rt.cudaStreamSynchronize, rt.cudaEventElapsedTime
 
 
+def point(executable: P, copy_in: P, copy_out: P, r: torch.Tensor) -> None:
+    """Re-point a graph's copies at the region `r` (in, then the reply back over it)."""
+    set1d(executable, copy_in, P(inp.data_ptr()), P(r.data_ptr()), S(nbytes), 1)
+    set1d(executable, copy_out, P(r.data_ptr()), P(outp.data_ptr()), S(nbytes), 2)
+
+
 def graph_round(r: torch.Tensor) -> float:
-    a = r.data_ptr()
-    set1d(exe, n_in, P(inp.data_ptr()), P(a), S(nbytes), 1)
-    set1d(exe, n_out, P(a), P(outp.data_ptr()), S(nbytes), 2)
+    point(exe, n_in, n_out, r)
     launch(exe, sh)
     sync(sh)
     elapsed(ctypes.byref(ms), ev0, ev1)
     return ms.value / 1e3
 
 
-# --- (b) the same without event nodes
-graph_b = P()
-check(rt.cudaGraphCreate(ctypes.byref(graph_b), 0), "create")
-b_in, b_child, b_out = P(), P(), P()
-check(rt.cudaGraphAddMemcpyNode1D(ctypes.byref(b_in), graph_b, None, S(0), P(inp.data_ptr()), P(staging.data_ptr()),
-                                  S(nbytes), 1), "memcpy in")
-check(rt.cudaGraphAddChildGraphNode(ctypes.byref(b_child), graph_b, ctypes.byref(b_in), S(1), P(ffn.raw_cuda_graph())),
-      "child")
-check(rt.cudaGraphAddMemcpyNode1D(ctypes.byref(b_out), graph_b, ctypes.byref(b_child), S(1), P(staging.data_ptr()),
-                                  P(outp.data_ptr()), S(nbytes), 2), "memcpy out")
-exe_b = P()
-check(rt.cudaGraphInstantiate(ctypes.byref(exe_b), graph_b, ctypes.c_ulonglong(0)), "instantiate")
-
-
 def no_events_round(r: torch.Tensor) -> float:
-    a = r.data_ptr()
-    set1d(exe_b, b_in, P(inp.data_ptr()), P(a), S(nbytes), 1)
-    set1d(exe_b, b_out, P(a), P(outp.data_ptr()), S(nbytes), 2)
+    point(exe_b, b_in, b_out, r)
     launch(exe_b, sh)
     sync(sh)
     return 0.0
@@ -171,9 +173,7 @@ except Exception as e:
 
 
 def flat_round(r: torch.Tensor) -> float:
-    a = r.data_ptr()
-    set1d(exe_c, c_in, P(inp.data_ptr()), P(a), S(nbytes), 1)
-    set1d(exe_c, c_out, P(a), P(outp.data_ptr()), S(nbytes), 2)
+    point(exe_c, c_in, c_out, r)
     flat.replay()
     torch.cuda.synchronize()
     return e0.elapsed_time(e1) / 1e3
