@@ -16,6 +16,9 @@ from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher
 from kubemoe.frontend.engine import Engine
 from kubemoe.frontend.loads import LoadRecorder
 from kubemoe.frontend.metrics import FrontendMetrics
+from kubemoe.frontend.prediction import OnlinePredictor, RefreshConfig
+from kubemoe.frontend.predictor import LoadPredictor
+from kubemoe.frontend.records import ModelShape, RoutingRecorder
 from kubemoe.frontend.routing_table import (RoutingTableError, build_route_map, watch_configmap, watch_file)
 from kubemoe.frontend.scheduler import SchedulerConfig
 from kubemoe.proto import kubemoe_pb2 as pb
@@ -42,6 +45,11 @@ class FrontendConfig:
     call_timeout: float = 30.0
     shm_dir: Path | None = None  # see DispatchConfig
     busy_poll_us: float = SHARED_CORES_BUSY_POLL_US  # see DispatchConfig
+    predictor: str = "router"  # "router" (the next layers' routers), "none", or a file from `kubemoe predictor train`
+    prediction_distance: int = 1  # predict MoE layer l+d at layer l
+    predictor_refresh: bool = True  # fine-tune layers online when their accuracy drops (prediction.py)
+    record_routing: Path | None = None  # write routing records here (records.py); None: off
+    record_max_mb: int = 1024
 
     @property
     def model_id(self) -> str:
@@ -65,6 +73,13 @@ class Frontend:
             DispatchConfig(config.model_id, config.streaming, config.call_timeout, shm_dir=config.shm_dir,
                            busy_poll_us=config.busy_poll_us),
             self.loads, self.dtype, self.device, self.metrics)
+        self.predictor_problem: str | None = None
+        self.online_predictor = self._start_predictor()
+        self.recorder = None
+        if config.record_routing:
+            self.recorder = RoutingRecorder(config.record_routing, ModelShape.of(self.adapter), config.model_id,
+                                            config.record_max_mb << 20)
+            self.dispatcher.observers.append(self.recorder)
         from kubemoe.frontend.shell import build_shell
 
         self.model = build_shell(self.checkpoint, self.adapter, self.dispatcher.layer_module, self.dtype, self.device)
@@ -74,8 +89,37 @@ class Frontend:
         self.engine = Engine(self.model, self.tokenizer, eos_ids, self.max_context,
                              SchedulerConfig(config.max_batch, config.max_waiting),
                              before_step=self.dispatcher.apply_pending, metrics=self.metrics, loads=self.loads,
-                             micro_batches=config.micro_batches)
+                             micro_batches=config.micro_batches,
+                             on_forward=self.recorder.start_forward if self.recorder else None)
         self._watch: asyncio.Task | None = None
+
+    def _start_predictor(self) -> OnlinePredictor | None:
+        """The load predictor, or None; a predictor that cannot load leaves the frontend serving without one."""
+        choice = self.config.predictor
+        if choice == "none":
+            return None
+        try:
+            if choice == "router":
+                predictor = LoadPredictor.from_routers(self.adapter, self.checkpoint, self.config.prediction_distance)
+            else:
+                predictor = LoadPredictor.load(choice, self.adapter, self.config.prediction_distance)
+        except Exception as e:  # noqa: BLE001 - any failure here must leave serving untouched
+            self.predictor_problem = f"no load predictions: {e}"
+            log.error("the load predictor did not load, serving without predictions: %s", e)
+            return None
+        online = OnlinePredictor(predictor, self.loads, self.metrics,
+                                 RefreshConfig() if self.config.predictor_refresh else None, self.device)
+        self.dispatcher.observers.append(online)
+        log.info("load predictor: %s, %d MoE layers ahead, %d parameters", predictor.kind, predictor.distance,
+                 predictor.parameters_count())
+        return online
+
+    def readiness(self) -> dict:
+        """What /readyz says beside ready or not: the load predictor's state."""
+        if self.online_predictor:
+            p = self.online_predictor.predictor
+            return {"predictor": {"kind": p.kind, "distance": p.distance}}
+        return {"predictor": {"kind": "none", **({"problem": self.predictor_problem} if self.predictor_problem else {})}}
 
     @property
     def model_id(self) -> str:
@@ -108,3 +152,7 @@ class Frontend:
             self._watch.cancel()
         self.engine.stop()
         self.dispatcher.close()
+        if self.online_predictor:
+            self.online_predictor.close()
+        if self.recorder:
+            self.recorder.close()

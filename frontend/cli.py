@@ -23,6 +23,17 @@ _SERVING_OPTIONS = (  # what both commands serve with, in --help order
                  help="2 decodes two half-batches on two threads so one's attention overlaps the other's remote "
                       "expert calls (experimental: slower than 1 in benchmarks/results/frontend_*.json so far)."),
     shm_dir_option("expert functions"),
+    click.option("--predictor", default="router", show_default=True, metavar="router|none|FILE",
+                 help="Expert-load predictor: the next layers' routers unchanged, none, or a file from "
+                      "`kubemoe predictor train`. One that fails to load leaves the frontend serving without "
+                      "predictions (/readyz says why)."),
+    click.option("--prediction-distance", type=click.IntRange(1), default=1, show_default=True,
+                 help="Predict MoE layer l+d's loads at layer l (MoEless's d)."),
+    click.option("--record-routing", type=click.Path(file_okay=False, path_type=Path), default=None,
+                 help="Write routing records (hidden states entering each MoE layer and the experts chosen) "
+                      "into this folder, for `kubemoe predictor train`. Off by default."),
+    click.option("--record-max-mb", type=click.IntRange(1), default=1024, show_default=True,
+                 help="Stop recording routing once this many MiB are written."),
     busy_poll_option("expert replies", SHARED_CORES_BUSY_POLL_US,
                      " The default is 1000 on nodes with 8 or more cores, else 0: on fewer, the expert "
                      "functions compute on the core a polling frontend would take."),
@@ -55,7 +66,8 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's).")
 def frontend_command(checkpoint, routing_table, routing_configmap, host, port, grpc_port, max_batch, micro_batches,
-                     shm_dir, busy_poll_us, model, name, device, dtype):
+                     shm_dir, predictor, prediction_distance, record_routing, record_max_mb, busy_poll_us, model, name,
+                     device, dtype):
     """Serve a model: attention and routing here, routed experts per the routing table."""
     from kubemoe.frontend.app import FrontendConfig
 
@@ -65,8 +77,14 @@ def frontend_command(checkpoint, routing_table, routing_configmap, host, port, g
         raise click.UsageError("give exactly one of --routing-table and --routing-configmap")
     config = FrontendConfig(checkpoint=checkpoint, model=model, name=name, routing_table=routing_table,
                             routing_configmap=routing_configmap, dtype=dtype, device=device, max_batch=max_batch,
-                            micro_batches=micro_batches, shm_dir=shm_dir, busy_poll_us=busy_poll_us)
+                            micro_batches=micro_batches, shm_dir=shm_dir, busy_poll_us=busy_poll_us,
+                            **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
     _serve(config, host, port, grpc_port, _banner)
+
+
+def _prediction_fields(predictor, prediction_distance, record_routing, record_max_mb) -> dict:
+    return dict(predictor=predictor, prediction_distance=prediction_distance, record_routing=record_routing,
+                record_max_mb=record_max_mb)
 
 
 @click.command("serve")
@@ -75,7 +93,8 @@ def frontend_command(checkpoint, routing_table, routing_configmap, host, port, g
               help="Architecture of the generated tiny checkpoint used when --checkpoint is not given.")
 @click.option("--experts", default=2, show_default=True, help="Local expert-function processes.")
 @serving_options
-def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, micro_batches, shm_dir, busy_poll_us):
+def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, micro_batches, shm_dir, predictor,
+                  prediction_distance, record_routing, record_max_mb, busy_poll_us):
     """Run everything locally: a frontend and expert functions over gRPC on loopback.
 
     With no arguments it generates (or reuses) a tiny checkpoint in ~/.cache/kubemoe."""
@@ -93,7 +112,8 @@ def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, m
         table = Path(tmp) / "routing.json"
         table.write_text(to_json(table_for_bundles(model, bundles, experts.addresses)))
         config = FrontendConfig(checkpoint=checkpoint, routing_table=table, max_batch=max_batch,
-                                micro_batches=micro_batches, shm_dir=shm_dir, busy_poll_us=busy_poll_us)
+                                micro_batches=micro_batches, shm_dir=shm_dir, busy_poll_us=busy_poll_us,
+                                **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
         _serve(config, host, port, grpc_port,
                lambda fe, h, g: _banner(fe, h, g, f", experts in {len(bundles)} local processes"))
     click.echo("stopped", err=True)

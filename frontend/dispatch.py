@@ -86,6 +86,9 @@ class Dispatcher:
         self._replicas: dict[str, Replica] = {}
         self._clients: dict[str, object] = {}
         self._ids = itertools.count()
+        # See each layer's router input and choice before its experts run: the load predictor and
+        # the routing recorder. One that fails is dropped (logged): serving goes on without it.
+        self.observers: list = []
 
     # -- routing table --------------------------------------------------------------------------
 
@@ -133,6 +136,13 @@ class Dispatcher:
         self.loads.record(layer, counts)
         if self.metrics:
             self.metrics.record_expert_tokens(layer, counts)
+        for observer in list(self.observers):
+            try:
+                observer.on_layer(layer, hidden, top_k_index, top_k_weights)
+            except Exception:  # noqa: BLE001 - observing must never fail a request
+                log.exception("%s failed at layer %d and is switched off; serving goes on without it",
+                              type(observer).__name__, layer)
+                self.observers.remove(observer)
         calls: dict[str, _BundleCall] = {}
         for g in groups:
             route = self._routes.routes[(layer, g.expert)]

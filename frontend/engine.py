@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from kubemoe.frontend.batch import BatchState
+from kubemoe.frontend.records import ForwardRows
 from kubemoe.frontend.sampling import SamplingParams, sample_next
 from kubemoe.frontend.scheduler import QueueFull, Scheduler, SchedulerConfig, StepPlan
 from kubemoe.frontend.text import TextStream
@@ -81,11 +82,12 @@ class MicroBatch:
 class Engine:
     def __init__(self, model, tokenizer, eos_ids: set[int], max_context: int,
                  scheduler: SchedulerConfig = SchedulerConfig(), before_step=None, metrics=None, loads=None,
-                 micro_batches: int = 1):
+                 micro_batches: int = 1, on_forward=None):
         self.model, self.tokenizer, self.eos_ids, self.max_context = model, tokenizer, eos_ids, max_context
         self.scheduler = Scheduler(scheduler)
         self.before_step = before_step  # e.g. the dispatcher switching routing tables between steps
         self.metrics, self.loads = metrics, loads
+        self.on_forward = on_forward  # callable(ForwardRows) before each forward pass: whose rows it computes
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_input_embeddings().num_embeddings
         # Two micro-batches overlap: while one waits for its remote experts, the other runs its
@@ -171,6 +173,8 @@ class Engine:
         for seq in plan.prefill:
             cache = DynamicCache()
             ids = torch.tensor([seq.prompt_ids], device=self.device)
+            if self.on_forward:
+                self.on_forward(ForwardRows((seq.request_id,), (0,), (len(seq.prompt_ids),)))
             logits = self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
             if self.loads:
                 self.loads.record_tokens(len(seq.prompt_ids))
@@ -187,6 +191,10 @@ class Engine:
 
     def _decode(self, mb: MicroBatch) -> torch.Tensor:  # -> logits [B, V] of the micro-batch
         with torch.inference_mode():  # inference mode is per thread: micro-batches run on pool threads
+            if self.on_forward:  # each sequence feeds its last token, at position prompt + generated - 1
+                self.on_forward(ForwardRows(tuple(s.request_id for s in mb.seqs),
+                                            tuple(len(s.prompt_ids) + len(s.generated) - 1 for s in mb.seqs),
+                                            (1,) * len(mb.seqs)))
             inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
                       for k, v in mb.state.decode_inputs(mb.tokens).items()}
             return self.model(**inputs, use_cache=True).logits[:, -1]

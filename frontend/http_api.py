@@ -298,9 +298,10 @@ class HttpApi:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
+        details = self.frontend.readiness()
         if self.frontend.ready:
-            return web.json_response({"status": "ready"})
-        return web.json_response({"status": "not ready", "reason": NOT_READY}, status=503)
+            return web.json_response({"status": "ready", **details})
+        return web.json_response({"status": "not ready", "reason": NOT_READY, **details}, status=503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.frontend.metrics.registry),

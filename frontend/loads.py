@@ -1,8 +1,10 @@
-"""Observed expert loads: tokens per (layer, expert) per window, for the operator's planner.
+"""Expert loads per window, observed and predicted, for the operator's planner.
 
-The dispatcher records every routed token; windows roll over every `window_seconds`. `/loads`
-serves the last complete window (or the current one before the first completes) as a
-`kubemoe.v1.LoadReport`, whose rates the operator turns into replica counts.
+The dispatcher records every routed token; the load predictor (`prediction.py`) records the tokens
+per expert it predicted each layer would get and, once that layer has routed, how many of the
+tokens' true experts it named. Windows roll over every `window_seconds`. `/loads` serves the last
+complete window (or the current one before the first completes) as a `kubemoe.v1.LoadReport`,
+whose rates the operator turns into replicas.
 """
 
 from __future__ import annotations
@@ -22,14 +24,37 @@ class LoadRecorder:
         self._lock = threading.Lock()
         self._start = clock()
         self._current: Counter = Counter()
+        self._predicted: Counter = Counter()
+        self._scores: dict[int, list[int]] = {}  # layer -> [source layer, tokens, hits, true choices]
         self._tokens = 0
         self._last: pb.LoadReport | None = None
+        self.predictor, self.prediction_distance = "", 0  # what predicts, set by the frontend
 
     def record(self, layer: int, expert_counts: list[tuple[int, int]]) -> None:
         with self._lock:
             self._roll()
             for expert, count in expert_counts:
                 self._current[(layer, expert)] += count
+
+    def record_predicted(self, layer: int, source: int, counts: list[int], tokens: int) -> None:
+        """`counts[e]` of `tokens` tokens predicted for expert e of `layer`, from the hidden state at `source`."""
+        with self._lock:
+            self._roll()
+            for expert, count in enumerate(counts):
+                if count:
+                    self._predicted[(layer, expert)] += count
+            self._score(layer, source)[1] += tokens
+
+    def record_accuracy(self, layer: int, source: int, hits: int, choices: int) -> None:
+        """Of the `choices` (token, expert) pairs `layer` routed, `hits` had been predicted."""
+        with self._lock:
+            self._roll()
+            score = self._score(layer, source)
+            score[2] += hits
+            score[3] += choices
+
+    def _score(self, layer: int, source: int) -> list[int]:
+        return self._scores.setdefault(layer, [source, 0, 0, 0])
 
     def record_tokens(self, count: int) -> None:
         """Tokens that went through the model (each counted once, not once per layer)."""
@@ -48,13 +73,19 @@ class LoadRecorder:
         now = self._clock()
         if now - self._start >= self.window_seconds:
             self._last = self._build(self.window_seconds)
-            self._start, self._current, self._tokens = now, Counter(), 0
+            self._start, self._current, self._predicted, self._scores, self._tokens = now, Counter(), Counter(), {}, 0
 
     def _build(self, seconds: float) -> pb.LoadReport:
         seconds = max(seconds, 1e-9)
         return pb.LoadReport(
             model=self.model, frontend=self.frontend, window_start=self._start, window_seconds=seconds,
             tokens=self._tokens,
-            loads=[pb.ExpertLoad(layer=l, expert=e, tokens=n, tokens_per_second=n / seconds)
-                   for (l, e), n in sorted(self._current.items())],
+            loads=[pb.ExpertLoad(layer=l, expert=e, tokens=self._current[(l, e)],
+                                 tokens_per_second=self._current[(l, e)] / seconds,
+                                 predicted_tokens=self._predicted[(l, e)],
+                                 predicted_tokens_per_second=self._predicted[(l, e)] / seconds)
+                   for l, e in sorted(self._current.keys() | self._predicted.keys())],
+            predictions=[pb.LayerPrediction(layer=l, source_layer=s, tokens=t, accuracy=h / c if c else 0.0)
+                         for l, (s, t, h, c) in sorted(self._scores.items())],
+            predictor=self.predictor, prediction_distance=self.prediction_distance,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -26,11 +27,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(vocab_size: int):
-    """Train a byte-level BPE tokenizer of at most `vocab_size` tokens; return a transformers tokenizer."""
+def build_tokenizer(vocab_size: int, texts: Iterable[str] | None = None):
+    """Train a byte-level BPE tokenizer of at most `vocab_size` tokens on `texts` (default: the shipped
+    corpus); return a transformers tokenizer."""
     from transformers import PreTrainedTokenizerFast
 
-    corpus = resources.files("kubemoe").joinpath("data/corpus.txt").read_text()
+    if texts is None:
+        texts = resources.files("kubemoe").joinpath("data/corpus.txt").read_text().splitlines()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -40,7 +43,7 @@ def build_tokenizer(vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus.splitlines(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=END_OF_TEXT,
@@ -50,8 +53,8 @@ def build_tokenizer(vocab_size: int):
     )
 
 
-def save_tokenizer(vocab_size: int, out: Path) -> dict[str, int]:
+def save_tokenizer(vocab_size: int, out: Path, texts: Iterable[str] | None = None) -> dict[str, int]:
     """Write the tokenizer files into `out`; return the ids of its special tokens."""
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = build_tokenizer(vocab_size, texts)
     tokenizer.save_pretrained(out)
     return {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}

@@ -177,32 +177,54 @@ class RoutingTable(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ...) -> None: ...
 
 class ExpertLoad(_message.Message):
-    __slots__ = ("layer", "expert", "tokens", "tokens_per_second")
+    __slots__ = ("layer", "expert", "tokens", "tokens_per_second", "predicted_tokens", "predicted_tokens_per_second")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     EXPERT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     layer: int
     expert: int
     tokens: int
     tokens_per_second: float
-    def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+    predicted_tokens: int
+    predicted_tokens_per_second: float
+    def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., predicted_tokens: _Optional[int] = ..., predicted_tokens_per_second: _Optional[float] = ...) -> None: ...
+
+class LayerPrediction(_message.Message):
+    __slots__ = ("layer", "source_layer", "accuracy", "tokens")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_LAYER_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    source_layer: int
+    accuracy: float
+    tokens: int
+    def __init__(self, layer: _Optional[int] = ..., source_layer: _Optional[int] = ..., accuracy: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("model", "frontend", "window_start", "window_seconds", "tokens", "loads")
+    __slots__ = ("model", "frontend", "window_start", "window_seconds", "tokens", "loads", "predictions", "predictor", "prediction_distance")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_FIELD_NUMBER: _ClassVar[int]
     WINDOW_START_FIELD_NUMBER: _ClassVar[int]
     WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTOR_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_DISTANCE_FIELD_NUMBER: _ClassVar[int]
     model: str
     frontend: str
     window_start: float
     window_seconds: float
     tokens: int
     loads: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
-    def __init__(self, model: _Optional[str] = ..., frontend: _Optional[str] = ..., window_start: _Optional[float] = ..., window_seconds: _Optional[float] = ..., tokens: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ...) -> None: ...
+    predictions: _containers.RepeatedCompositeFieldContainer[LayerPrediction]
+    predictor: str
+    prediction_distance: int
+    def __init__(self, model: _Optional[str] = ..., frontend: _Optional[str] = ..., window_start: _Optional[float] = ..., window_seconds: _Optional[float] = ..., tokens: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., predictions: _Optional[_Iterable[_Union[LayerPrediction, _Mapping]]] = ..., predictor: _Optional[str] = ..., prediction_distance: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens")

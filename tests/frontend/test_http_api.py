@@ -269,8 +269,16 @@ async def test_loads_as_json_and_protobuf_give_the_same_report(base_url, client,
         report.ClearField("window_seconds")
         for load in report.loads:
             load.ClearField("tokens_per_second")
+            load.ClearField("predicted_tokens_per_second")
     assert as_json == as_proto
     assert as_proto.model == frontend.model_id and as_proto.tokens > 0 and sum(l.tokens for l in as_proto.loads) > 0
+    # the default predictor (layer 1's router on layer 0's input) predicted every token layer 1 routed
+    assert (as_proto.predictor, as_proto.prediction_distance) == ("router", 1)
+    (layer1,) = as_proto.predictions
+    assert (layer1.layer, layer1.source_layer) == (1, 0) and 0 <= layer1.accuracy <= 1
+    top_k = frontend.adapter.top_k
+    assert sum(l.predicted_tokens for l in as_proto.loads if l.layer == 1) == layer1.tokens * top_k
+    assert sum(l.tokens for l in as_proto.loads if l.layer == 1) == layer1.tokens * top_k
 
 
 # -- the whole server ------------------------------------------------------------------------------
