@@ -99,11 +99,13 @@ class StaticSplit:
 
 
 class Oracle:
-    """A reference bound: the best split of every layer with perfect knowledge of the next one.
+    """The clairvoyant policy: the best split of every layer with perfect knowledge of the next one.
 
-    `ahead` holds the actual routing (clairvoyant). This layer takes the split with the shortest
-    makespan; every expert the next layer's own best split will load is prefetched (it would be copied
-    anyway, so starting now never costs), as many as the slots hold.
+    `ahead` holds the actual routing. This layer takes the split with the shortest makespan; every
+    expert the next layer's own best split will load is prefetched (it would be copied anyway), as many
+    as the slots hold. Layer by layer it is best by LayerScope's cost sums, but not a bound on the step:
+    pipeline.py overlaps copies with compute, and a policy that prefetches more (into CPU-bound experts)
+    can beat it. pipeline.step_lower_bound is the bound that holds for every policy.
     """
 
     name = "oracle"

@@ -28,6 +28,7 @@ from kubemoe.frontend.offload.policy import LayerDemand, Policy
 # Pinned host-to-GPU bandwidth as measured on x16 links (bytes/s), to scale t_io with.
 PCIE_BANDWIDTH = {"pcie3": 12e9, "pcie4": 25e9, "pcie5": 55e9}
 WINDOW = 2  # predicted layers a policy sees ahead (PreSched's window extension reaches the second)
+BOUND_LAMBDAS = (0.0,) + tuple(2 ** (i / 4) for i in range(-28, 29))  # see step_lower_bound
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,41 @@ def simulate(trace: Sequence[StepTrace], policy: Policy, profile: OffloadProfile
     for step in trace:
         total.add(simulate_step(step, policy, profile, expert_bytes, resident, prefetch_slots))
     return RunResult(policy.name, len(trace), total, expert_bytes)
+
+
+def step_lower_bound(step: StepTrace, profile: OffloadProfile, expert_bytes: int,
+                     resident: frozenset[tuple[int, int]], lambdas: Sequence[float] = BOUND_LAMBDAS) -> float:
+    """Seconds no policy can beat on `step` in this model, with the same hot table: a true lower bound.
+
+    If a policy computes k_l missing experts of layer l on the GPU, its step takes at least
+      A = sum over layers of (t_attn + max(GPU compute, CPU compute))  (layers follow each other), and
+      B = t_attn + sum over layers of k_l * t_io  (every copy waits for the first gate, on one engine).
+    With k_l fixed, the CPU side is shortest when the k_l experts with most tokens leave it, and the GPU
+    side is at least the k_l smallest t_g. max(A, B) >= (A + lambda * B) / (1 + lambda) for any
+    lambda >= 0, and that relaxation splits by layer, so each lambda gives a bound computed layer by
+    layer; the best over `lambdas` is returned. Unlike the `Oracle` policy, this bound holds for every
+    policy (the oracle decides greedily and pipeline overlap can beat it).
+    """
+    costs = profile.costs(expert_bytes)
+    t_attn = profile.t_attn(step.tokens)
+    phases = []  # [layer][k] -> shortest expert phase with k missing experts on the GPU
+    for routing in step.layers:
+        tokens = [n for e, n in routing.actual.items() if n > 0 and (routing.layer, e) not in resident]
+        gpu = sum(costs.t_g(n) for e, n in routing.actual.items() if n > 0 and (routing.layer, e) in resident)
+        by_cpu = sorted((costs.t_c(n) for n in tokens), reverse=True)
+        by_gpu = sorted(costs.t_g(n) for n in tokens)
+        cpu_left, gpu_side, layer = sum(by_cpu), gpu, []
+        for k in range(len(tokens) + 1):
+            layer.append(max(gpu_side, cpu_left))
+            if k < len(tokens):
+                cpu_left, gpu_side = cpu_left - by_cpu[k], gpu_side + by_gpu[k]
+        phases.append(layer)
+    best = 0.0
+    for lam in lambdas:
+        relaxed = len(phases) * t_attn + lam * t_attn
+        relaxed += sum(min(span + lam * k * costs.t_io for k, span in enumerate(layer)) for layer in phases)
+        best = max(best, relaxed / (1 + lam))
+    return best
 
 
 def routing_counts(tokens_by_expert: Sequence[Sequence[int]]) -> dict[int, int]:

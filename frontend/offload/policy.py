@@ -97,17 +97,20 @@ class SideTimes:
         return max(self.gpu, self.cpu)
 
 
-def side_times(resident: Sequence[int], loaded: Sequence[int], cpu: Sequence[int], costs: ExpertCosts) -> SideTimes:
-    """Token counts on each side -> the two sides' times."""
-    copies = len(loaded) * costs.t_io
-    gpu = sum(costs.t_g(n) for n in resident) + copies + sum(costs.t_g(n) for n in loaded)
-    return SideTimes(gpu, sum(costs.t_c(n) for n in cpu), copies)
-
-
-def prefix_split_times(demand: LayerDemand, costs: ExpertCosts, k: int) -> SideTimes:
-    """The layer's times when its k missing experts with the most tokens are loaded, the rest on the CPU."""
+def prefix_spans(demand: LayerDemand, costs: ExpertCosts) -> list[SideTimes]:
+    """[k] -> the layer's times when its k missing experts with the most tokens are loaded, the rest on
+    the CPU, for k = 0 .. len(missing) (prefix and suffix sums: linear in the experts)."""
     missing = [n for _, n in demand.missing()]
-    return side_times([n for _, n in demand.resident_pending()], missing[:k], missing[k:], costs)
+    cpu_from = [0.0] * (len(missing) + 1)  # [k]: t_c of missing[k:]
+    for k in range(len(missing) - 1, -1, -1):
+        cpu_from[k] = cpu_from[k + 1] + costs.t_c(missing[k])
+    gpu = sum(costs.t_g(n) for _, n in demand.resident_pending())
+    spans = []
+    for k in range(len(missing) + 1):
+        spans.append(SideTimes(gpu + k * costs.t_io, cpu_from[k], k * costs.t_io))
+        if k < len(missing):
+            gpu += costs.t_g(missing[k])
+    return spans
 
 
 def best_prefix(demand: LayerDemand, costs: ExpertCosts) -> int:
@@ -117,5 +120,5 @@ def best_prefix(demand: LayerDemand, costs: ExpertCosts) -> int:
     per token is below the CPU's (beta): swapping a loaded expert for a CPU one with more tokens
     shortens the CPU side by more than it lengthens the GPU side.
     """
-    spans = [prefix_split_times(demand, costs, k).makespan for k in range(len(demand.missing()) + 1)]
+    spans = [times.makespan for times in prefix_spans(demand, costs)]
     return min(range(len(spans)), key=lambda k: (spans[k], k))

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 from kubemoe.frontend.offload.costs import ExpertCosts
-from kubemoe.frontend.offload.policy import LayerDemand, Schedule, prefix_split_times
+from kubemoe.frontend.offload.policy import LayerDemand, Schedule, prefix_spans
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,9 @@ class PreSched:
             if prefetchable or not self.extend_window or depth >= len(demand.ahead):
                 break
             depth += 1
-        k = self.recheck(demand, costs, self.monotone_loads(demand, chosen))
-        times = prefix_split_times(demand, costs, k)
+        spans = prefix_spans(demand, costs)
+        k = self.recheck([times.makespan for times in spans], self.monotone_loads(demand, chosen))
+        times = spans[k]
         f = prefetch_count(times.makespan - times.copies + demand.t_attn, costs.t_io, self.xi)
         prefetch = [(demand.layer + c.offset, c.expert) for c in prefetchable[:min(f, demand.prefetch_slots)]]
         return Schedule.from_split(demand, [e for e, _ in demand.missing()[:k]], prefetch)
@@ -109,14 +110,10 @@ class PreSched:
         return max(picked) + 1 if picked else 0
 
     @staticmethod
-    def recheck(demand: LayerDemand, costs: ExpertCosts, k: int) -> int:
-        """Step 4: move k by one while this layer's own makespan shrinks."""
-        def span(j: int) -> float:
-            return prefix_split_times(demand, costs, j).makespan
-
-        limit = len(demand.missing())
+    def recheck(spans: list[float], k: int) -> int:
+        """Step 4: move k (this layer's loads) by one while this layer's own makespan `spans[k]` shrinks."""
         while True:
-            better = [j for j in (k - 1, k + 1) if 0 <= j <= limit and span(j) < span(k)]
+            better = [j for j in (k - 1, k + 1) if 0 <= j < len(spans) and spans[j] < spans[k]]
             if not better:
                 return k
-            k = min(better, key=span)
+            k = min(better, key=spans.__getitem__)

@@ -4,11 +4,13 @@ Costs: t_io = 2 (100-byte experts at 50 B/s), t_g(n) = 0.5, t_c(n) = n + 1, atte
 A timeline line reads `what: start -> end`.
 """
 
+import random
+
 import pytest
 
 from kubemoe.frontend.offload.baselines import FiddlerLike, GatePrefetch, OnDemand, Oracle
 from kubemoe.frontend.offload.costs import CostLine, OffloadProfile
-from kubemoe.frontend.offload.pipeline import LayerRouting, StepTrace, simulate, simulate_step
+from kubemoe.frontend.offload.pipeline import LayerRouting, StepTrace, simulate, simulate_step, step_lower_bound
 from kubemoe.frontend.offload.presched import PreSched
 
 
@@ -90,3 +92,29 @@ def test_a_run_adds_up_its_steps(profile):
     assert result.steps == 2 and result.stats.seconds == 7 and result.tokens_per_s == pytest.approx(8 / 7)
     assert result.bytes_copied == 200 and result.hit_rate == 0 and result.cpu_share == 0
     assert result.summary()["policy"] == "kubemoe"
+
+
+def test_lower_bound_by_hand(profile):
+    # One layer {0: 3, 1: 2, 2: 1}, nothing resident. With k loaded: CPU side 9, 5, 2, 0; GPU side at
+    # least 0, 0.5, 1, 1.5: phases 9, 5, 2, 1.5. lambda 0: 1 + 1.5 = 2.5 (copies free).
+    # lambda 1.5: (1 + 1.5 + min(9, 5 + 3, 2 + 6, 1.5 + 9)) / 2.5 = 10.5 / 2.5 = 4.2.
+    # The best schedule takes 5.5 (e0, e1 loaded, e2 on the CPU), so 4.2 is a bound, not a schedule.
+    trace = step(({0: 3, 1: 2, 2: 1}, {}))
+    assert step_lower_bound(trace, profile, 100, frozenset(), lambdas=(0.0,)) == 2.5
+    assert step_lower_bound(trace, profile, 100, frozenset(), lambdas=(0.0, 1.5)) == pytest.approx(4.2)
+
+
+def test_no_policy_beats_the_lower_bound(profile, make_costs):
+    rng = random.Random(1)
+    policies = [PreSched(), PreSched(xi=1.0), OnDemand(), GatePrefetch(), FiddlerLike(), Oracle()]
+    for _ in range(40):
+        layers = []
+        for _ in range(3):
+            actual = {e: rng.randint(1, 12) for e in rng.sample(range(8), 3)}
+            layers.append((actual, {e: rng.randint(1, 12) for e in rng.sample(range(8), 3)}))
+        cost = OffloadProfile("model", (make_costs(t_io=rng.uniform(0.2, 5), beta=rng.uniform(0.05, 1)),),
+                              CostLine(0.0, rng.uniform(0.1, 2)))
+        resident = frozenset((l, e) for l in range(3) for e in rng.sample(range(8), 2))
+        bound = step_lower_bound(step(*layers), cost, 100, resident)
+        for policy in policies:
+            assert run(policy, step(*layers), cost, resident, slots=2).seconds >= bound - 1e-9
