@@ -1,0 +1,204 @@
+"""Cost figures of the offload path: what LayerScope's Timer measures, as one JSON-serialisable profile.
+
+Per expert size (bytes of one routed expert's gate, up and down projections):
+- t_io: seconds to copy one expert host -> GPU from pinned memory (no token term: the bytes are fixed);
+- t_g(n): GPU seconds for one expert on n tokens;
+- t_c(n) = beta * n + C: CPU seconds for one expert on n tokens (C: reading the weights, starting threads).
+And t_attn(n): one layer's attention and gate on the GPU for a batch of n tokens.
+
+Token-dependent figures are lines (`CostLine`). The profile lies beside a checkpoint as
+`offload_profile.json`, naming the device it was measured on. Pure: a Timer (later) times copies and
+kernels, fits the lines offline with `fit_line` and keeps them fresh online through `ProfileRefresher`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Iterable
+
+PROFILE_FILE = "offload_profile.json"
+
+
+@dataclass(frozen=True)
+class CostLine:
+    """seconds(tokens) = slope * tokens + intercept."""
+
+    slope: float = 0.0  # seconds per token (beta, for the CPU line)
+    intercept: float = 0.0  # seconds at zero tokens (C)
+
+    def __post_init__(self) -> None:
+        if self.slope < 0 or self.intercept < 0:
+            raise ValueError(f"a cost line needs slope >= 0 and intercept >= 0, got {self}")
+
+    def __call__(self, tokens: float) -> float:
+        return self.slope * tokens + self.intercept
+
+
+class LineFit:
+    """Least squares of seconds on tokens, optionally exponentially weighted (the online refresh).
+
+    `forget` is the EMA's alpha: each new sample scales the weight of all earlier ones by (1 - forget);
+    0 gives the plain least-squares fit. The fit keeps the five weighted sums it needs, never the samples.
+    """
+
+    def __init__(self, forget: float = 0.0):
+        if not 0 <= forget < 1:
+            raise ValueError(f"forget must be in [0, 1), got {forget}")
+        self.forget = forget
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        keep = 1.0 - self.forget
+        self._w = keep * self._w + 1.0
+        self._x = keep * self._x + tokens
+        self._y = keep * self._y + seconds
+        self._xx = keep * self._xx + tokens * tokens
+        self._xy = keep * self._xy + tokens * seconds
+
+    def line(self) -> CostLine | None:
+        """The fitted line, or None while the samples span fewer than two token counts."""
+        if self._w == 0:
+            return None
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x <= 1e-12 * max(1.0, mean_x * mean_x):
+            return None
+        slope = (self._xy / self._w - mean_x * mean_y) / var_x
+        intercept = mean_y - slope * mean_x
+        # Costs cannot be negative: where the free fit crosses zero, fit the remaining term alone
+        # (the constrained least-squares optimum lies on that boundary).
+        if slope < 0:
+            return CostLine(0.0, max(mean_y, 0.0))
+        if intercept < 0:
+            return CostLine(max(self._xy / self._xx, 0.0), 0.0)
+        return CostLine(slope, intercept)
+
+
+def fit_line(samples: Iterable[tuple[float, float]]) -> CostLine:
+    """Least-squares (slope, intercept) from (tokens, seconds) samples, e.g. t_c's (beta, C)."""
+    fit = LineFit()
+    for tokens, seconds in samples:
+        fit.add(tokens, seconds)
+    line = fit.line()
+    if line is None:
+        raise ValueError("fitting a cost line needs samples at two or more different token counts")
+    return line
+
+
+@dataclass(frozen=True)
+class ExpertCosts:
+    """The figures for one expert size."""
+
+    expert_bytes: int
+    t_io: float  # seconds, host -> GPU, pinned
+    gpu: CostLine  # t_g
+    cpu: CostLine  # t_c = beta * tokens + C
+
+    def t_g(self, tokens: float) -> float:
+        return self.gpu(tokens)
+
+    def t_c(self, tokens: float) -> float:
+        return self.cpu(tokens)
+
+
+@dataclass(frozen=True)
+class OffloadProfile:
+    device: str  # where the figures come from, e.g. "Tesla V100-PCIE-32GB, PCIe 3.0 x16, 2x Xeon 6248"
+    experts: tuple[ExpertCosts, ...]  # one per expert size of the model
+    attn: CostLine  # t_attn, one layer, by batch tokens
+    source: str = "measured"  # or "assumed" / "modelled": say which, results quote it
+
+    def __post_init__(self) -> None:
+        sizes = [e.expert_bytes for e in self.experts]
+        if not sizes or len(set(sizes)) != len(sizes):
+            raise ValueError(f"a profile needs one entry per expert size, got sizes {sizes}")
+
+    def costs(self, expert_bytes: int) -> ExpertCosts:
+        for entry in self.experts:
+            if entry.expert_bytes == expert_bytes:
+                return entry
+        sizes = ", ".join(str(e.expert_bytes) for e in self.experts)
+        raise ValueError(f"the profile has no figures for {expert_bytes}-byte experts (it has {sizes}): "
+                         "re-profile for this checkpoint")
+
+    def t_attn(self, tokens: float) -> float:
+        return self.attn(tokens)
+
+    def at_bandwidth(self, bytes_per_s: float, label: str) -> "OffloadProfile":
+        """The same profile with t_io = bytes / bandwidth: what another link (PCIe 3.0, 4.0) would give."""
+        return replace(
+            self,
+            experts=tuple(replace(e, t_io=e.expert_bytes / bytes_per_s) for e in self.experts),
+            device=f"{self.device}; t_io scaled to {label} ({bytes_per_s / 1e9:g} GB/s)",
+            source="modelled",
+        )
+
+    # -- stored beside the checkpoint -----------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "OffloadProfile":
+        experts = tuple(
+            ExpertCosts(e["expert_bytes"], e["t_io"], CostLine(**e["gpu"]), CostLine(**e["cpu"]))
+            for e in doc["experts"]
+        )
+        return cls(doc["device"], experts, CostLine(**doc["attn"]), doc.get("source", "measured"))
+
+    def save(self, checkpoint_dir: str | Path) -> Path:
+        path = Path(checkpoint_dir) / PROFILE_FILE
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, checkpoint_dir: str | Path) -> "OffloadProfile":
+        path = Path(checkpoint_dir) / PROFILE_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist: profile the checkpoint on this machine first")
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+class ProfileRefresher:
+    """Keeps a profile fresh from online timings: EMA of t_io, exponentially weighted fits of the lines.
+
+    A line keeps its stored value until the recent samples span two token counts (one token count
+    cannot separate slope from intercept).
+    """
+
+    def __init__(self, profile: OffloadProfile, alpha: float = 0.1):
+        if not 0 < alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+        self.alpha = alpha
+        self._profile = profile
+        self._fits: dict[tuple[str, int], LineFit] = {}
+
+    @property
+    def profile(self) -> OffloadProfile:
+        return self._profile
+
+    def observe_io(self, expert_bytes: int, seconds: float) -> None:
+        entry = self._profile.costs(expert_bytes)
+        self._put(replace(entry, t_io=(1 - self.alpha) * entry.t_io + self.alpha * seconds))
+
+    def observe_gpu(self, expert_bytes: int, tokens: int, seconds: float) -> None:
+        entry = self._profile.costs(expert_bytes)
+        self._put(replace(entry, gpu=self._refit(("gpu", expert_bytes), entry.gpu, tokens, seconds)))
+
+    def observe_cpu(self, expert_bytes: int, tokens: int, seconds: float) -> None:
+        entry = self._profile.costs(expert_bytes)
+        self._put(replace(entry, cpu=self._refit(("cpu", expert_bytes), entry.cpu, tokens, seconds)))
+
+    def observe_attn(self, tokens: int, seconds: float) -> None:
+        self._profile = replace(self._profile, attn=self._refit(("attn", 0), self._profile.attn, tokens, seconds))
+
+    def _refit(self, key: tuple[str, int], current: CostLine, tokens: int, seconds: float) -> CostLine:
+        fit = self._fits.setdefault(key, LineFit(forget=self.alpha))
+        fit.add(tokens, seconds)
+        return fit.line() or current
+
+    def _put(self, entry: ExpertCosts) -> None:
+        experts = tuple(entry if e.expert_bytes == entry.expert_bytes else e for e in self._profile.experts)
+        self._profile = replace(self._profile, experts=experts)

@@ -1,0 +1,124 @@
+"""The interface every offload policy has (PreSched and the baselines), so one engine runs any of them.
+
+Per MoE layer, after the gate: `policy.schedule(demand, costs) -> Schedule`. The demand says which
+experts this layer's tokens chose (and how many tokens each), what is already on the GPU, and what the
+predictor expects of the next layers; the schedule says where each expert runs, which are copied on
+demand, and which later-layer experts to prefetch. Pure: executors (and pipeline.py) carry it out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence
+
+from kubemoe.frontend.offload.costs import ExpertCosts
+
+
+@dataclass(frozen=True)
+class LayerDemand:
+    layer: int
+    pending: Mapping[int, int]  # expert -> tokens routed to it in this layer (known: the gate has run)
+    resident: frozenset[int]  # this layer's experts on the GPU: hot table + prefetched
+    ahead: Sequence[Mapping[int, int]] = ()  # predicted expert -> tokens for layers layer+1, layer+2, ...
+    resident_ahead: Sequence[frozenset[int]] = ()  # what is on the GPU for those layers already
+    t_attn: float = 0.0  # seconds of the next layer's attention: the copy engine is free meanwhile
+    prefetch_slots: int = 0  # experts one prefetch group holds
+
+    def __post_init__(self) -> None:
+        if len(self.ahead) != len(self.resident_ahead):
+            raise ValueError("ahead and resident_ahead must describe the same layers")
+        if any(n <= 0 for n in self.pending.values()):
+            raise ValueError(f"layer {self.layer}: pending token counts must be positive, got {dict(self.pending)}")
+
+    def missing(self) -> list[tuple[int, int]]:
+        """This layer's (expert, tokens) not on the GPU, most tokens first (ties: lower expert id)."""
+        return by_tokens((e, n) for e, n in self.pending.items() if e not in self.resident)
+
+    def resident_pending(self) -> list[tuple[int, int]]:
+        return by_tokens((e, n) for e, n in self.pending.items() if e in self.resident)
+
+
+def by_tokens(items) -> list[tuple[int, int]]:
+    return sorted(items, key=lambda item: (-item[1], item[0]))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    gpu: tuple[int, ...]  # this layer's experts computed on the GPU (resident ones first, then `load`)
+    load: tuple[int, ...]  # of those, copied on demand, in copy order
+    cpu: tuple[int, ...]  # computed on the CPU
+    prefetch: tuple[tuple[int, int], ...] = field(default=())  # (layer, expert) copied after `load`, in order
+
+    def check(self, demand: LayerDemand) -> None:
+        """Raise ValueError unless this is a valid schedule for `demand` (the engine relies on it)."""
+        placed = list(self.gpu) + list(self.cpu)
+        if sorted(placed) != sorted(demand.pending):
+            raise ValueError(f"layer {demand.layer}: every pending expert must run exactly once on the GPU or "
+                             f"the CPU; pending {sorted(demand.pending)}, gpu {self.gpu}, cpu {self.cpu}")
+        needs_copy = {e for e in self.gpu if e not in demand.resident}
+        if set(self.load) != needs_copy or len(self.load) != len(needs_copy):
+            raise ValueError(f"layer {demand.layer}: load {self.load} must be exactly the GPU experts not "
+                             f"resident ({sorted(needs_copy)})")
+        ahead = {demand.layer + 1 + i: r for i, r in enumerate(demand.resident_ahead)}
+        for layer, expert in self.prefetch:
+            if layer not in ahead or expert in ahead[layer]:
+                raise ValueError(f"layer {demand.layer}: prefetch of ({layer}, {expert}) is outside the window "
+                                 "or already resident")
+        if len(set(self.prefetch)) != len(self.prefetch) or len(self.prefetch) > demand.prefetch_slots:
+            raise ValueError(f"layer {demand.layer}: {len(self.prefetch)} prefetches (with repeats?) exceed "
+                             f"the {demand.prefetch_slots} prefetch slots")
+
+    @classmethod
+    def from_split(cls, demand: LayerDemand, load: Sequence[int], prefetch=()) -> "Schedule":
+        """Resident experts on the GPU, `load` copied and computed on the GPU, every other one on the CPU."""
+        loaded = set(load)
+        cpu = tuple(e for e, _ in demand.missing() if e not in loaded)
+        gpu = tuple(e for e, _ in demand.resident_pending()) + tuple(load)
+        return cls(gpu, tuple(load), cpu, tuple(prefetch))
+
+
+class Policy(Protocol):
+    name: str
+    clairvoyant: bool  # True: `ahead` must hold the actual routing (the oracle), not the prediction
+
+    def schedule(self, demand: LayerDemand, costs: ExpertCosts) -> Schedule: ...
+
+
+@dataclass(frozen=True)
+class SideTimes:
+    """LayerScope's estimate of one layer's two sides: sums of per-expert costs (transfers included)."""
+
+    gpu: float  # resident experts' t_g + each loaded expert's t_io + t_g
+    cpu: float  # CPU experts' t_c, one after another (each uses every core)
+    copies: float  # the loads' share of `gpu`: the copy engine's busy time
+
+    @property
+    def makespan(self) -> float:
+        return max(self.gpu, self.cpu)
+
+
+def prefix_spans(demand: LayerDemand, costs: ExpertCosts) -> list[SideTimes]:
+    """[k] -> the layer's times when its k missing experts with the most tokens are loaded, the rest on
+    the CPU, for k = 0 .. len(missing) (prefix and suffix sums: linear in the experts)."""
+    missing = [n for _, n in demand.missing()]
+    cpu_from = [0.0] * (len(missing) + 1)  # [k]: t_c of missing[k:]
+    for k in range(len(missing) - 1, -1, -1):
+        cpu_from[k] = cpu_from[k + 1] + costs.t_c(missing[k])
+    gpu = sum(costs.t_g(n) for _, n in demand.resident_pending())
+    spans = []
+    for k in range(len(missing) + 1):
+        spans.append(SideTimes(gpu + k * costs.t_io, cpu_from[k], k * costs.t_io))
+        if k < len(missing):
+            gpu += costs.t_g(missing[k])
+    return spans
+
+
+def best_prefix(demand: LayerDemand, costs: ExpertCosts) -> int:
+    """The k minimising this layer's makespan; fewest loads on ties (they leave PCIe to prefetching).
+
+    Loading the experts with the most tokens is optimal among splits of k loads while the GPU's cost
+    per token is below the CPU's (beta): swapping a loaded expert for a CPU one with more tokens
+    shortens the CPU side by more than it lengthens the GPU side.
+    """
+    spans = [times.makespan for times in prefix_spans(demand, costs)]
+    return min(range(len(spans)), key=lambda k: (spans[k], k))

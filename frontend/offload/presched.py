@@ -1,0 +1,119 @@
+"""PreSched: LayerScope's prefetch-aware cross-layer scheduler (Algorithm 1), as pure decision code.
+
+At layer l, once the gate has run, it decides for every expert this layer's tokens chose whether it
+runs on the GPU (already resident, or copied on demand) or on the CPU, and which experts of the
+predicted next layer to prefetch while the copy engine would otherwise idle. The steps:
+
+1. Cross-layer sorting: this layer's missing experts (pending tokens) and the predicted next layer's
+   missing experts (predicted tokens) in one list, most tokens first.
+2. GPU queue: everything missing starts on the CPU; walking the sorted list, an expert moves to the GPU
+   while T_G_all < T_C_all, the GPU side's total time over the window (t_g of resident experts, t_io + t_g
+   of moved ones) against the CPU side's (t_c of those left). For the next layer, "moved" means prefetched.
+3. On-demand monotonicity: if an expert with n tokens is loaded on demand, every expert of this layer
+   with more tokens is on the GPU too (the loads are a prefix of this layer's sorted missing experts).
+4. Re-check of this layer's part: this layer's tokens are known, the next layer's only predicted, so the
+   number of on-demand loads moves by one at a time while that shortens this layer's makespan.
+5. Prefetch count: the copy engine idles for T_gap = makespan - on-demand copy time in this layer, and
+   during the next layer's attention, so f = (T_gap + t_attn) / t_io experts fit. The trade-off xi in [0, 1]
+   rounds f: up when its fraction exceeds 1 - xi (a prefetch that may overrun its gap, in exchange for a
+   hit), down otherwise (xi = 0.5 rounds to nearest; xi -> 1 favours hits, xi -> 0 never delays the
+   next layer's on-demand copies).
+6. Window extension: when the window asks no prefetch of the next layer (all that is worth the GPU is
+   resident), the window grows to the layer after it, and so on while predictions reach.
+
+The sums in step 2 and the makespan in steps 4-5 are the paper's estimate (transfers and compute added,
+not overlapped); pipeline.py times the overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kubemoe.frontend.offload.costs import ExpertCosts
+from kubemoe.frontend.offload.policy import LayerDemand, Schedule, prefix_spans
+
+
+@dataclass(frozen=True)
+class Candidate:
+    offset: int  # 0: this layer, 1: the next one, ...
+    expert: int
+    tokens: int  # pending (this layer) or predicted (later layers)
+
+
+def prefetch_count(window_s: float, t_io: float, xi: float) -> float:
+    """Step 5: how many expert copies fit in `window_s` seconds of idle copy engine, rounded by xi
+    (an int; infinite when copies are free)."""
+    if t_io <= 0:
+        return math.inf
+    f = window_s / t_io
+    whole = math.floor(f + 1e-9)
+    fraction = max(f - whole, 0.0)
+    return whole + int(fraction > 1e-9 and fraction > 1 - xi + 1e-9)
+
+
+class PreSched:
+    name = "kubemoe"
+    clairvoyant = False
+
+    def __init__(self, xi: float = 0.5, extend_window: bool = True):
+        if not 0 <= xi <= 1:
+            raise ValueError(f"xi must be in [0, 1], got {xi}")
+        self.xi, self.extend_window = xi, extend_window
+
+    def schedule(self, demand: LayerDemand, costs: ExpertCosts) -> Schedule:
+        depth = min(1, len(demand.ahead))
+        while True:
+            chosen = self.gpu_queue(demand, costs, depth)
+            prefetchable = [c for c in chosen if c.offset > 0]
+            # Step 6: nothing to prefetch for the window's layers: look one layer further.
+            if prefetchable or not self.extend_window or depth >= len(demand.ahead):
+                break
+            depth += 1
+        spans = prefix_spans(demand, costs)
+        k = self.recheck([times.makespan for times in spans], self.monotone_loads(demand, chosen))
+        times = spans[k]
+        f = prefetch_count(times.makespan - times.copies + demand.t_attn, costs.t_io, self.xi)
+        prefetch = [(demand.layer + c.offset, c.expert) for c in prefetchable[:min(f, demand.prefetch_slots)]]
+        return Schedule.from_split(demand, [e for e, _ in demand.missing()[:k]], prefetch)
+
+    @staticmethod
+    def candidates(demand: LayerDemand, depth: int) -> list[Candidate]:
+        """Step 1: the window's missing experts, most tokens first (ties: nearer layer, lower id)."""
+        items = [Candidate(0, e, n) for e, n in demand.missing()]
+        for offset, (predicted, resident) in enumerate(zip(demand.ahead[:depth], demand.resident_ahead), 1):
+            items += [Candidate(offset, e, n) for e, n in predicted.items() if e not in resident and n > 0]
+        return sorted(items, key=lambda c: (-c.tokens, c.offset, c.expert))
+
+    def gpu_queue(self, demand: LayerDemand, costs: ExpertCosts, depth: int) -> list[Candidate]:
+        """Step 2: candidates moved to the GPU, in sorted order, while T_G_all < T_C_all."""
+        candidates = self.candidates(demand, depth)
+        resident_tokens = [n for _, n in demand.resident_pending()]
+        for predicted, resident in zip(demand.ahead[:depth], demand.resident_ahead):
+            resident_tokens += [n for e, n in predicted.items() if e in resident and n > 0]
+        t_g_all = sum(costs.t_g(n) for n in resident_tokens)
+        t_c_all = sum(costs.t_c(c.tokens) for c in candidates)
+        chosen = []
+        for c in candidates:
+            if t_g_all >= t_c_all:
+                break
+            t_g_all += costs.t_io + costs.t_g(c.tokens)
+            t_c_all -= costs.t_c(c.tokens)
+            chosen.append(c)
+        return chosen
+
+    @staticmethod
+    def monotone_loads(demand: LayerDemand, chosen: list[Candidate]) -> int:
+        """Step 3: the number k of this layer's missing experts loaded: every one down to the last chosen."""
+        order = [e for e, _ in demand.missing()]
+        picked = [order.index(c.expert) for c in chosen if c.offset == 0]
+        return max(picked) + 1 if picked else 0
+
+    @staticmethod
+    def recheck(spans: list[float], k: int) -> int:
+        """Step 4: move k (this layer's loads) by one while this layer's own makespan `spans[k]` shrinks."""
+        while True:
+            better = [j for j in (k - 1, k + 1) if 0 <= j < len(spans) and spans[j] < spans[k]]
+            if not better:
+                return k
+            k = min(better, key=spans.__getitem__)

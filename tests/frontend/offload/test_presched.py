@@ -1,0 +1,101 @@
+"""PreSched (LayerScope Algorithm 1) on hand-worked cases.
+
+Unless a test says otherwise: t_io = 2, t_g(n) = 0.5, t_c(n) = n + 1, next layer's attention 1.
+Notation: T_G / T_C are the window's GPU and CPU sums of step 2; span(k) is this layer's makespan
+max(GPU side, CPU side) with its k missing experts with most tokens loaded (step 4).
+"""
+
+import math
+import random
+
+import pytest
+
+from kubemoe.frontend.offload.presched import Candidate, PreSched, prefetch_count
+
+
+def test_all_resident_nothing_moves(make_demand, costs):
+    # Both layers fully resident: no candidates, nothing to load or prefetch, and no layer beyond.
+    schedule = PreSched().schedule(make_demand({0: 5, 1: 3}, {0, 1}, [{2: 4}], [{2}]), costs)
+    assert (schedule.gpu, schedule.load, schedule.cpu, schedule.prefetch) == ((0, 1), (), (), ())
+
+
+def test_all_resident_the_idle_copy_engine_prefetches_the_next_layer(make_demand, costs):
+    # This layer resident: T_G = t_g + t_g = 1.0; next layer missing {2: 4, 3: 1}: T_C = 5 + 2 = 7.
+    # Sorted: e2 (4), e3 (1). 1 < 7: e2 moves (T_G 3.5, T_C 2); 3.5 >= 2: stop. Prefetchable: [e2].
+    # k = 0, span = 1.0, no copies: T_gap = 1.0; f = (1.0 + 1.0) / 2 = 1.
+    schedule = PreSched().schedule(make_demand({0: 5, 1: 3}, {0, 1}, [{2: 4, 3: 1}]), costs)
+    assert schedule.gpu == (0, 1) and schedule.load == () and schedule.prefetch == ((1, 2),)
+
+
+def test_nothing_resident(make_demand, costs):
+    # Sorted: (this e0, 8) (next e3, 6) (this e1, 4) (next e4, 2) (this e2, 1).
+    # T_C = 9 + 7 + 5 + 3 + 2 = 26, T_G = 0. e0 moves: T_G 2.5, T_C 17; e3: 5, 10; e1: 7.5, 5; stop.
+    # This layer's loads: e0, e1 (k = 2). Re-check: span(1) = max(2.5, 5 + 2) = 7, span(2) = max(5, 2) = 5,
+    # span(3) = max(7.5, 0) = 7.5: k stays 2. T_gap = 5 - 2 copies x 2 = 1; f = (1 + 1) / 2 = 1: prefetch e3.
+    schedule = PreSched().schedule(make_demand({0: 8, 1: 4, 2: 1}, ahead=[{3: 6, 4: 2}]), costs)
+    assert (schedule.gpu, schedule.load, schedule.cpu, schedule.prefetch) == ((0, 1), (0, 1), (2,), ((1, 3),))
+
+
+def test_cpu_is_faster_for_small_token_counts(make_demand, make_costs):
+    costs = make_costs(beta=0.5, c=0.5)  # t_c(1) = 1 < t_io + t_g = 2.5
+    # Window: T_C = 2, T_G = 0: e0 moves (T_G 2.5, T_C 1), stop: k = 1. Re-check: span(1) = max(2.5, 1) = 2.5,
+    # span(0) = max(0, 1 + 1) = 2 is shorter: both one-token experts go back to the CPU.
+    schedule = PreSched().schedule(make_demand({0: 1, 1: 1}), costs)
+    assert schedule.gpu == () and schedule.cpu == (0, 1)
+    # With 20 tokens, e0 is worth its copy: span(1) = max(2.5, 1) beats span(0) = 10.5 + 1 and span(2) = 5.
+    schedule = PreSched().schedule(make_demand({0: 20, 1: 1}), costs)
+    assert schedule.load == (0,) and schedule.cpu == (1,)
+
+
+@pytest.mark.parametrize(("t_attn", "xi", "expected"), [
+    # f = (T_gap 0.5 + t_attn) / 2: 1.4 has fraction 0.4, 1.6 has 0.6; round up when fraction > 1 - xi.
+    (2.3, 0.3, 1), (2.3, 0.5, 1), (2.3, 0.7, 2),
+    (2.7, 0.3, 1), (2.7, 0.5, 2), (2.7, 0.7, 2),
+])
+def test_prefetch_count_rounding_follows_xi(make_demand, costs, t_attn, xi, expected):
+    # This layer: e0 resident (T_G = 0.5). Next: {1: 9, 2: 8, 3: 7, 4: 6} missing, T_C = 10 + 9 + 8 + 7 = 34.
+    # e1 moves (3, 24), e2 (5.5, 15), e3 (8, 7), stop: prefetchable e1, e2, e3. span = 0.5, no copies.
+    demand = make_demand({0: 4}, {0}, [{1: 9, 2: 8, 3: 7, 4: 6}], t_attn=t_attn)
+    assert PreSched(xi=xi).schedule(demand, costs).prefetch == ((1, 1), (1, 2))[:expected]
+
+
+def test_prefetch_count_edges():
+    assert prefetch_count(4.0, 2.0, 0.99) == 2 and prefetch_count(4.0, 2.0, 0.0) == 2  # exact: no rounding
+    assert prefetch_count(2.2, 2.0, 1.0) == 2 and prefetch_count(3.8, 2.0, 0.0) == 1
+    assert prefetch_count(1.0, 0.0, 0.5) == math.inf  # free copies
+
+
+def test_prefetch_is_capped_by_the_slots(make_demand, costs):
+    demand = make_demand({0: 4}, {0}, [{1: 9, 2: 8, 3: 7, 4: 6}], t_attn=20.0, slots=1)
+    assert PreSched().schedule(demand, costs).prefetch == ((1, 1),)
+
+
+def test_on_demand_loads_are_monotone_in_tokens(make_demand, make_costs):
+    # Step 3 alone: a window that chose the third-largest expert loads the two larger ones too.
+    demand = make_demand({0: 10, 1: 1, 2: 6, 3: 3})  # missing by tokens: e0, e2, e3, e1
+    assert PreSched.monotone_loads(demand, [Candidate(0, 3, 3), Candidate(1, 7, 20)]) == 3
+    assert PreSched.monotone_loads(demand, [Candidate(1, 7, 20)]) == 0
+    # And end to end on random layers: no CPU expert has more tokens than a loaded one.
+    rng = random.Random(0)
+    for _ in range(200):
+        pending = {e: rng.randint(1, 40) for e in rng.sample(range(16), rng.randint(1, 8))}
+        ahead = [{e: rng.randint(1, 40) for e in rng.sample(range(16), 4)}]
+        resident = set(rng.sample(sorted(pending), rng.randint(0, len(pending))))
+        cost = make_costs(t_io=rng.uniform(0.5, 20), beta=rng.uniform(0.1, 2))
+        schedule = PreSched(xi=rng.random()).schedule(make_demand(pending, resident, ahead), cost)
+        schedule.check(make_demand(pending, resident, ahead))
+        if schedule.load and schedule.cpu:
+            assert min(pending[e] for e in schedule.load) >= max(pending[e] for e in schedule.cpu)
+
+
+def test_window_extends_when_the_next_layer_needs_no_prefetch(make_demand, costs):
+    # Next layer's only expert e1 is resident: depth 1 has no candidates. Depth 2: T_G = t_g(4) + t_g(5) = 1,
+    # candidate (layer 2, e2, 6): T_C = 7; it moves. span = 0.5: f = (0.5 + 1.5) / 2 = 1: prefetch (2, e2).
+    demand = make_demand({0: 4}, {0}, [{1: 5}, {2: 6}], [{1}, ()], t_attn=1.5)
+    assert PreSched().schedule(demand, costs).prefetch == ((2, 2),)
+    assert PreSched(extend_window=False).schedule(demand, costs).prefetch == ()
+
+
+def test_invalid_xi():
+    with pytest.raises(ValueError, match="xi"):
+        PreSched(xi=1.5)
