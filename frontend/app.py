@@ -16,7 +16,8 @@ from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher
 from kubemoe.frontend.engine import Engine
 from kubemoe.frontend.loads import LoadRecorder
 from kubemoe.frontend.metrics import FrontendMetrics
-from kubemoe.frontend.routing_table import (RoutingTableError, build_route_map, watch_configmap, watch_file)
+from kubemoe.frontend.routing_table import watch_configmap, watch_file
+from kubemoe.routing_table import RoutingTableError, build_route_map
 from kubemoe.frontend.scheduler import SchedulerConfig
 from kubemoe.proto import kubemoe_pb2 as pb
 

@@ -1,10 +1,10 @@
 import json
 
-from kubemoe.frontend.routing_table import build_route_map, parse_table
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.plan import Loads, plan
 from kubemoe.operator.render import (FINGERPRINT_ANNOTATION, RETIRED_ANNOTATION, child_name, observe, render)
 from kubemoe.operator.spec import MoEDeployment
+from kubemoe.routing_table import build_route_map, parse_table
 
 NOW = 1_000_000.0
 CONFIG = OperatorConfig()
@@ -139,3 +139,13 @@ def test_object_store_checkpoint_is_copied_by_an_init_container(f):
 def test_long_names_are_cut_with_a_hash_and_stay_unique():
     a, b = child_name("x" * 60, "bundle-a"), child_name("x" * 60, "bundle-b")
     assert len(a) == 63 and len(b) == 63 and a != b
+
+
+def test_the_operator_never_imports_the_data_plane():
+    # The routing table is a contract (kubemoe.routing_table), not a frontend module the operator reaches into.
+    import subprocess
+    import sys
+    code = ("import sys, kubemoe.operator.reconcile, kubemoe.operator.loads, kubemoe.operator.render; "
+            "print(sorted(m for m in sys.modules if m.startswith('kubemoe.frontend')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
