@@ -97,10 +97,11 @@ def test_knative_runtime_annotations_affinity_and_address(f):
 
 
 def test_retired_service_renders_unchanged_template_and_leaves_the_routing_table(f):
-    deployment, first, objects = rendered(f)
+    one_replica = {"scaling": {"maxReplicasPerExpert": 1}}  # moved, not scaled out
+    deployment, first, objects = rendered(f, experts=one_replica)
     previous = observe(deployment.spec, "distributed", objects)
     assert previous.nodes == first.nodes and previous.version == first.version
-    _, second, again = rendered(f, loads=Loads({(0, 0): 50.0, (0, 1): 50.0}), previous=previous)
+    _, second, again = rendered(f, loads=Loads({(0, 0): 50.0, (0, 1): 50.0}), previous=previous, experts=one_replica)
     assert second.retired
     retired = [o for o in again if RETIRED_ANNOTATION in o["metadata"]["annotations"] and o["kind"] == "Deployment"]
     assert len(retired) == len(second.retired)
