@@ -98,8 +98,9 @@ def _add_component_commands() -> None:
     from kubemoe.expert_fn.cli import command as expert_fn
     from kubemoe.frontend.cli import frontend_command, serve_command
     from kubemoe.operator.cli import command as operator_command
+    from kubemoe.plan_cli import plan_command
 
-    for command in (serve_command, frontend_command, expert_fn, operator_command, dev):
+    for command in (serve_command, frontend_command, expert_fn, operator_command, plan_command, dev):
         cli.add_command(command)
 
 

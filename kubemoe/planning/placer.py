@@ -97,7 +97,8 @@ def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], g
 
 @dataclass
 class _LayerQueue:
-    """GPUs ordered by (layer load / capacity, total load / capacity, id): a lazy min-heap, O(log G) a replica."""
+    """GPUs ordered by (layer load / capacity, total load / capacity, most free memory, id): a lazy
+    min-heap, O(log G) a replica. Free memory spreads replicas that carry no load at all."""
 
     gpus: Sequence[GPU]
     total: Mapping[str, float]
@@ -111,9 +112,9 @@ class _LayerQueue:
         self.heap = [self.rank(g.id) for g in self.gpus if self.free[g.id] >= self.expert_bytes]
         heapq.heapify(self.heap)
 
-    def rank(self, gpu: str) -> tuple[float, float, str]:
+    def rank(self, gpu: str) -> tuple[float, float, int, str]:
         capacity = self.capacity[gpu]
-        return (self.layer.get(gpu, 0.0) / capacity, self.total[gpu] / capacity, gpu)
+        return (self.layer.get(gpu, 0.0) / capacity, self.total[gpu] / capacity, -self.free[gpu], gpu)
 
     def add(self, gpu: str, load: float) -> None:
         self.layer[gpu] = self.layer.get(gpu, 0.0) + load
@@ -125,7 +126,7 @@ class _LayerQueue:
         skipped, found = [], None
         while self.heap:
             entry = self.heap[0]
-            gpu = entry[2]
+            gpu = entry[-1]
             if entry != self.rank(gpu) or self.free[gpu] < self.expert_bytes:
                 heapq.heappop(self.heap)  # stale, or full for good (memory only shrinks while placing)
                 continue
@@ -137,5 +138,5 @@ class _LayerQueue:
         for entry in skipped:
             heapq.heappush(self.heap, entry)
         if found is None and skipped:
-            found = min(skipped)[2]  # every GPU with room already holds this expert: share one
+            found = min(skipped)[-1]  # every GPU with room already holds this expert: share one
         return found
