@@ -68,6 +68,11 @@ class LatencyModel:
     def beta_s_per_token(self) -> float:
         return 2 * self.token_bytes / self.copy_bytes_per_s  # there and back
 
+    def replica_seconds(self, replica_tokens):
+        """A replica's own time for its tokens (FFN, wire, its call's fixed cost); 0 without tokens. Any shape."""
+        tokens = np.asarray(replica_tokens, dtype=np.float64)
+        return np.where(tokens > 0, self.curve.seconds(tokens) + self.beta_s_per_token * tokens + self.call_overhead_s, 0.0)
+
     def gpu_seconds(self, replica_gpu, replica_tokens, num_gpus: int):
         """replica_gpu [R] (GPU index of each replica), replica_tokens [T, R] -> per-GPU time [T, G]."""
         replica_gpu = np.asarray(replica_gpu, dtype=np.int64)
@@ -86,11 +91,13 @@ class LatencyModel:
         return self.gpu_seconds(compact, replica_tokens, int(compact.max()) + 1).max(axis=1)
 
     def busy_byte_seconds(self, replica_tokens):
-        """Serverless billing: each replica's weights held while it computes. [T, R] -> [T] byte-seconds."""
-        return self.curve.weight_bytes * self.curve.seconds(replica_tokens).reshape(
-            np.asarray(replica_tokens).shape[0], -1).sum(axis=1)
+        """Pay-per-use (serverless, as MoEless bills): each replica's weights for the time its call
+        takes; idle warm replicas cost nothing. [T, R] -> [T] byte-seconds."""
+        tokens = np.asarray(replica_tokens, dtype=np.float64)
+        return self.curve.weight_bytes * self.replica_seconds(tokens).reshape(tokens.shape[0], -1).sum(axis=1)
 
 
-def reserved_byte_seconds(gpu_memory_bytes: int, num_gpus: int, layer_seconds):
-    """Reserved (serverful) billing: whole GPUs held for the whole layer. [T] -> [T] byte-seconds."""
-    return gpu_memory_bytes * num_gpus * np.asarray(layer_seconds, dtype=np.float64)
+def held_byte_seconds(held_bytes: float, layer_seconds):
+    """Serverful billing: memory held (every replica loaded, busy or not) for the layer's whole time.
+    [T] -> [T] byte-seconds."""
+    return held_bytes * np.asarray(layer_seconds, dtype=np.float64)

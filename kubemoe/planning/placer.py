@@ -7,12 +7,16 @@ replica's layer (per unit of capacity), because layers run one after another and
 in a layer holds only that layer's replicas; the GPU's load over all layers breaks ties, so the
 hot replicas of different layers spread too. Two replicas of one expert never share a GPU while
 another GPU has room (they would only queue behind each other). A replica that fits nowhere is
-returned in `unplaced`, never dropped. Shapes: L = MoE layers, E = experts, G = GPUs.
+returned in `unplaced`, never dropped. `warm_slack` bounds what a warm start may cost in balance: a
+warm GPU is taken unless its queue in the layer exceeds the shortest queue by more than warm_slack x
+the replica's load (inf, the default, always reuses, as MoEless does; 0 reuses only where the warm
+GPU is as good as any). Shapes: L = MoE layers, E = experts, G = GPUs.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -51,12 +55,15 @@ class Placement:
 
 
 def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], gpus: Sequence[GPU],
-          expert_bytes: int, warm_previous: Mapping[ExpertKey, Sequence[str]] | None = None) -> Placement:
+          expert_bytes: int, warm_previous: Mapping[ExpertKey, Sequence[str]] | None = None,
+          warm_slack: float = math.inf) -> Placement:
     """replicas [L][E] and loads [L][E] -> a Placement over `gpus`."""
     if len(replicas) != len(loads) or any(len(r) != len(x) for r, x in zip(replicas, loads)):
         raise ValueError("replicas and loads must have the same [L][E] shape")
     if expert_bytes <= 0:
         raise ValueError(f"expert_bytes must be positive, got {expert_bytes}")
+    if not warm_slack >= 0:
+        raise ValueError(f"warm_slack must be >= 0 (inf: always reuse warm replicas), got {warm_slack}")
     if len({g.id for g in gpus}) != len(gpus):
         raise ValueError("GPU ids must be unique")
     by_id = {g.id: g for g in gpus}
@@ -78,11 +85,13 @@ def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], g
             taken = hosts.setdefault(expert, set())
             gpu = next((g for g in sorted(warm.get((layer, expert), ()), key=queue.rank)
                         if g not in taken and free[g] >= expert_bytes), None)
-            if gpu is not None:
+            cold = queue.shortest(taken)
+            if gpu is not None and (warm_slack == math.inf or cold is None
+                                    or queue.queue(gpu) - queue.queue(cold) <= warm_slack * load):
                 warm[(layer, expert)].remove(gpu)  # one warm replica serves one new replica
                 reused += 1
             else:
-                gpu = queue.shortest(taken)
+                gpu = cold
             if gpu is None:
                 unplaced.append(key)
                 continue
@@ -115,6 +124,9 @@ class _LayerQueue:
     def rank(self, gpu: str) -> tuple[float, float, int, str]:
         capacity = self.capacity[gpu]
         return (self.layer.get(gpu, 0.0) / capacity, self.total[gpu] / capacity, -self.free[gpu], gpu)
+
+    def queue(self, gpu: str) -> float:
+        return self.layer.get(gpu, 0.0) / self.capacity[gpu]
 
     def add(self, gpu: str, load: float) -> None:
         self.layer[gpu] = self.layer.get(gpu, 0.0) + load

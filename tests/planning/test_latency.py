@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from kubemoe.planning.latency import (H200_MIXTRAL_EXPERT_S, MIXTRAL_EXPERT_BYTES, MIXTRAL_FLOPS_PER_TOKEN, ExpertCurve,
-                                      LatencyModel, reserved_byte_seconds)
+                                      LatencyModel, held_byte_seconds)
 
 CURVE = ExpertCurve(MIXTRAL_EXPERT_BYTES, MIXTRAL_FLOPS_PER_TOKEN)
 
@@ -20,7 +20,7 @@ def test_layer_time_is_the_slowest_gpu_and_replicas_on_one_gpu_queue():
     tokens = np.array([[10, 10, 10], [0, 0, 10]])
     seconds = model.layer_seconds([5, 5, 9], tokens)
     assert seconds == pytest.approx([1e-3 + 2 * H200_MIXTRAL_EXPERT_S, 1e-3 + H200_MIXTRAL_EXPERT_S])
-    assert model.busy_byte_seconds(tokens)[1] == pytest.approx(MIXTRAL_EXPERT_BYTES * H200_MIXTRAL_EXPERT_S)
-    assert reserved_byte_seconds(2, 3, [1.0])[0] == 6.0
+    assert model.busy_byte_seconds(tokens)[1] == pytest.approx(MIXTRAL_EXPERT_BYTES * (1e-3 + H200_MIXTRAL_EXPERT_S))
+    assert held_byte_seconds(6, [1.0, 2.0]).tolist() == [6.0, 12.0]
     with_wire = LatencyModel(CURVE, token_bytes=8192)
     assert with_wire.beta_s_per_token == pytest.approx(2 * 8192 / 23e9)

@@ -24,6 +24,15 @@ def test_warm_replicas_are_reused():
     assert again.locations() == p.locations() and again.warm_reused == 3
 
 
+def test_warm_slack_bounds_what_a_warm_start_may_cost():
+    # Expert 0 (load 4) is warm on g0 only; expert 1 (load 4) too: always reusing stacks both on g0.
+    warm = {(0, 0): ("g0",), (0, 1): ("g0",)}
+    always = place([[1, 1]], [[4.0, 4.0]], gpus(2), MIB, warm)
+    assert set(always.gpu_of.values()) == {"g0"} and always.warm_reused == 2
+    bounded = place([[1, 1]], [[4.0, 4.0]], gpus(2), MIB, warm, warm_slack=0.5)
+    assert set(bounded.gpu_of.values()) == {"g0", "g1"} and bounded.warm_reused == 1
+
+
 def test_what_does_not_fit_is_reported_least_loaded_last():
     p = place([[2, 1]], [[4.0, 1.0]], gpus(2, experts_each=1), MIB)
     assert p.unplaced == ((0, 1, 0),) and set(p.gpu_memory.values()) == {MIB}
