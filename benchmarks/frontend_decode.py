@@ -29,7 +29,7 @@ from common import Goal, write_results  # noqa: E402
 from kubemoe.bundles import bundles_by_count  # noqa: E402
 from kubemoe.frontend.app import Frontend, FrontendConfig  # noqa: E402
 from kubemoe.frontend.embedded import expert_processes  # noqa: E402
-from kubemoe.frontend.routing_table import LOCAL, table_for_bundles  # noqa: E402
+from kubemoe.routing_table import LOCAL, table_for_bundles  # noqa: E402
 from kubemoe.presets import Preset, get_preset  # noqa: E402
 from kubemoe.synth import make_checkpoint  # noqa: E402
 

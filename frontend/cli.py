@@ -101,7 +101,7 @@ def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, m
     from kubemoe.checkpoint import default_model_id
     from kubemoe.frontend.app import FrontendConfig
     from kubemoe.frontend.embedded import default_checkpoint, embedded_bundles, expert_processes
-    from kubemoe.frontend.routing_table import table_for_bundles, to_json
+    from kubemoe.routing_table import table_for_bundles, to_json
 
     checkpoint = checkpoint or default_checkpoint(arch)
     bundles = embedded_bundles(checkpoint, experts)

@@ -37,7 +37,7 @@ def read_token_ids(tokenizer, text_file: Path, max_tokens: int) -> list[int]:
 def collect_records(checkpoint: Path, text_file: Path, out: Path, max_tokens: int = 200_000, seq_len: int = 256,
                     batch: int = 8, device: str = "auto", dtype: str | None = None, max_mb: int = 1024) -> CollectReport:
     from kubemoe.frontend.app import Frontend, FrontendConfig
-    from kubemoe.frontend.routing_table import LOCAL, table_for_bundles
+    from kubemoe.routing_table import LOCAL, table_for_bundles
 
     if seq_len < 1 or batch < 1 or max_tokens < 1:
         raise KubemoeError("--seq-len, --batch and --max-tokens must be positive")

@@ -27,7 +27,7 @@ from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.frontend.loads import LoadRecorder
 from kubemoe.frontend.loop_thread import LoopThread
-from kubemoe.frontend.routing_table import LOCAL, BundleRoute, RouteMap
+from kubemoe.routing_table import LOCAL, BundleRoute, RouteMap
 from kubemoe.moe import combine, expert_inputs, group_tokens
 
 log = logging.getLogger(__name__)

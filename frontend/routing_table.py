@@ -1,8 +1,8 @@
-"""The routing table: which endpoints serve each (layer, expert), read from a file or a ConfigMap.
+"""The routing table in the frontend: watch a file or a ConfigMap for new versions.
 
-The operator writes it (a ConfigMap key `routing.json`); `kubemoe serve` writes a file. Its format is
-the protobuf JSON form of `kubemoe.v1.RoutingTable`. A watcher reports new versions; the dispatcher
-switches to them between engine steps, so no request ever sees half a table.
+The table's format and validation are the contract in `kubemoe.routing_table`, shared with the
+operator. A watcher reports new versions; the dispatcher switches to them between engine steps, so
+no request ever sees half a table.
 """
 
 from __future__ import annotations
@@ -10,82 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from google.protobuf import json_format
-
-from kubemoe.bundles import Bundle, format_bundle_spec
 from kubemoe.proto import kubemoe_pb2 as pb
+from kubemoe.routing_table import CONFIGMAP_KEY, RoutingTableError, parse_table
 
 log = logging.getLogger(__name__)
-
-LOCAL = "local"  # the endpoint address of experts computed inside the frontend process
-CONFIGMAP_KEY = "routing.json"
-
-
-class RoutingTableError(ValueError):
-    """A routing table that cannot be used; the message says what is wrong."""
-
-
-@dataclass(frozen=True)
-class BundleRoute:
-    bundle: str
-    addresses: tuple[str, ...]  # replicas of the bundle: JSQ picks among them per call
-
-
-@dataclass(frozen=True)
-class RouteMap:
-    """A validated routing table: (layer, expert) -> the bundle serving it and its endpoints."""
-
-    version: int
-    routes: dict[tuple[int, int], BundleRoute]
-
-    def addresses(self) -> set[str]:
-        return {a for r in self.routes.values() for a in r.addresses}
-
-
-def parse_table(text: str) -> pb.RoutingTable:
-    try:
-        return json_format.Parse(text, pb.RoutingTable())
-    except json_format.ParseError as e:
-        raise RoutingTableError(f"routing table is not a kubemoe.v1.RoutingTable in JSON: {e}") from None
-
-
-def to_json(table: pb.RoutingTable) -> str:
-    return json_format.MessageToJson(table, indent=2)
-
-
-def table_for_bundles(model: str, bundles: list[Bundle], addresses: dict[str, list[str]], version: int = 1) -> pb.RoutingTable:
-    """A table routing each bundle to its addresses (`LOCAL` for in-process experts)."""
-    return pb.RoutingTable(model=model, version=version, routes=[
-        pb.Route(bundle=b.name, experts=[pb.ExpertKey(layer=l, expert=e) for l, e in b.experts],
-                 endpoints=[pb.Endpoint(address=a, replicas=1, weight=1.0 / len(addresses[b.name])) for a in addresses[b.name]])
-        for b in bundles
-    ])
-
-
-def build_route_map(table: pb.RoutingTable, model: str, moe_layers, num_experts: int) -> RouteMap:
-    """Check that the table serves exactly every routed expert of the model, once."""
-    if table.model and table.model != model:
-        raise RoutingTableError(f"routing table is for model {table.model!r}, this frontend serves {model!r}")
-    routes: dict[tuple[int, int], BundleRoute] = {}
-    for route in table.routes:
-        if not route.endpoints:
-            raise RoutingTableError(f"bundle {route.bundle!r} has no endpoint")
-        target = BundleRoute(route.bundle, tuple(e.address for e in route.endpoints))
-        for key in route.experts:
-            k = (key.layer, key.expert)
-            if key.layer not in moe_layers or not 0 <= key.expert < num_experts:
-                raise RoutingTableError(f"bundle {route.bundle!r} names ({key.layer}, {key.expert}), not an expert of this model")
-            if k in routes:
-                raise RoutingTableError(f"expert {k} is in two bundles: {routes[k].bundle!r} and {route.bundle!r}")
-            routes[k] = target
-    missing = [(l, e) for l in moe_layers for e in range(num_experts) if (l, e) not in routes]
-    if missing:
-        raise RoutingTableError(f"routing table serves no endpoint for experts {format_bundle_spec(missing)}")
-    return RouteMap(table.version, routes)
 
 
 async def watch_file(path: Path, on_table: Callable[[pb.RoutingTable], Awaitable[None]], interval: float = 1.0) -> None:

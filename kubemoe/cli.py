@@ -122,8 +122,9 @@ def _add_component_commands() -> None:
     from kubemoe.frontend.cli import frontend_command, serve_command
     from kubemoe.frontend.predictor_cli import command as predictor
     from kubemoe.operator.cli import command as operator_command
+    from kubemoe.plan_cli import plan_command
 
-    for command in (serve_command, frontend_command, expert_fn, predictor, operator_command, dev):
+    for command in (serve_command, frontend_command, expert_fn, predictor, operator_command, plan_command, dev):
         cli.add_command(command)
 
 

@@ -15,6 +15,7 @@ from typing import Iterable, Protocol
 
 from google.protobuf import json_format
 
+from kubemoe.load_report import expert_rate
 from kubemoe.operator.kube import Kube
 from kubemoe.operator.plan import Loads
 from kubemoe.operator.render import FRONTEND, selector
@@ -30,7 +31,7 @@ class LoadSource(Protocol):
 
 
 def aggregate(reports: Iterable[pb.LoadReport], model: str) -> Loads | None:
-    """Sum tokens/s per (layer, expert) over the frontends' reports of `model`."""
+    """Sum tokens/s per (layer, expert) over the frontends' reports of `model` (predicted where sent)."""
     per_expert: dict[tuple[int, int], float] = {}
     tokens, frontends = 0.0, 0
     for report in reports:
@@ -41,7 +42,7 @@ def aggregate(reports: Iterable[pb.LoadReport], model: str) -> Loads | None:
         tokens += report.tokens / report.window_seconds if report.window_seconds > 0 else 0.0
         for load in report.loads:
             key = (load.layer, load.expert)
-            per_expert[key] = per_expert.get(key, 0.0) + load.tokens_per_second
+            per_expert[key] = per_expert.get(key, 0.0) + expert_rate(load)
     return Loads(per_expert, tokens, frontends) if frontends else None
 
 

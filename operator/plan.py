@@ -1,7 +1,8 @@
 """Planning: from the spec, the observed expert loads and the nodes to replicas per bundle and their nodes.
 
-Pure functions, no I/O. For now every bundle gets one replica (the MoEless Expert Scaler replaces
-`_replicas` in a later change); placement is Join-the-Shortest-Queue over eligible GPU nodes by
+Pure functions, no I/O. Replica counts come from the MoEless Expert Scaler (`kubemoe.planning.scaler`)
+run per layer over the bundles' loads, with the spec's cvThreshold, layerMemoryCap and
+maxReplicasPerExpert; placement is Join-the-Shortest-Queue over eligible GPU nodes by
 aggregated load, heaviest bundle first, preferring a node where the bundle is already warm. A
 (bundle, node) service that leaves the plan is *retired*: kept (pods warm) until spec keepAlive has
 passed since it left, reused if the plan brings it back, then dropped (the operator deletes it).
@@ -18,6 +19,7 @@ from typing import Any, Mapping, Sequence
 
 from kubemoe.bundles import Bundle
 from kubemoe.operator.spec import MoESpec
+from kubemoe.planning.scaler import scale
 
 ServiceKey = tuple[str, str]  # (bundle name, node name): one expert service
 GPU = "nvidia.com/gpu"
@@ -139,7 +141,7 @@ def plan(spec: MoESpec, loads: Loads, nodes: Sequence[NodeInfo], previous: Plan 
         placed: dict[str, tuple[str, ...]] = {}
     else:
         _check_fits(spec, bundles, eligible)
-        placed = _place(spec, bundles, _replicas(bundles), loads, eligible, previous)
+        placed = _place(spec, bundles, _replicas(spec, bundles, loads), loads, eligible, previous)
     active = {key for key in Plan(mode, bundles, placed).services()}
     retired = _retire(previous, active, now, spec.experts.scaling.keep_alive_s)
     changed = _placement_of(previous) != {b: tuple(sorted(n)) for b, n in placed.items() if n}
@@ -147,8 +149,21 @@ def plan(spec: MoESpec, loads: Loads, nodes: Sequence[NodeInfo], previous: Plan 
                 _max_layer_cv(bundles, placed, loads))
 
 
-def _replicas(bundles: Sequence[Bundle]) -> dict[str, int]:
-    return {b.name: 1 for b in bundles}
+def _replicas(spec: MoESpec, bundles: Sequence[Bundle], loads: Loads) -> dict[str, int]:
+    """Replicas per bundle: the scaler over each layer's bundles, a bundle being the unit a replica
+    loads (with one expert per bundle, as for Mixtral-sized experts, this is the scaler per expert).
+    The layer memory cap counts each bundle at the size of the layer's largest (conservative)."""
+    by_layer: dict[int, list[Bundle]] = {}
+    for bundle in bundles:
+        by_layer.setdefault(bundle.experts[0][0], []).append(bundle)  # a bundle holds one layer's experts
+    scaling = spec.experts.scaling
+    counts: dict[str, int] = {}
+    for layer_bundles in by_layer.values():
+        largest = max(len(b.experts) for b in layer_bundles) * spec.layout.expert_bytes
+        [row] = scale([[loads.of(b) for b in layer_bundles]], largest, scaling.cv_threshold,
+                      scaling.layer_memory_cap, scaling.max_replicas_per_expert)
+        counts.update((b.name, r) for b, r in zip(layer_bundles, row))
+    return counts
 
 
 def _check_fits(spec: MoESpec, bundles: Sequence[Bundle], eligible: Sequence[NodeInfo]) -> None:
@@ -206,8 +221,9 @@ def _place(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str, int]
                 raise PlanError("InsufficientCapacity",
                                 f"{sum(replicas.values())} expert replicas of {gpus} {GPU} do not fit the "
                                 f"{sum(n.gpus for n in eligible)} GPUs of {len(eligible)} eligible nodes (warm "
-                                "replicas included): add GPU nodes, raise spec.experts.bundleBytes or shorten "
-                                "spec.experts.scaling.keepAlive")
+                                "replicas included): add GPU nodes, raise spec.experts.bundleBytes, shorten "
+                                "spec.experts.scaling.keepAlive, or scale out less (spec.experts.scaling."
+                                "maxReplicasPerExpert, layerMemoryCap, a higher cvThreshold)")
             _, is_cold, _, node = min(candidates)
             if is_cold:
                 free[node] -= gpus

@@ -20,10 +20,10 @@ from typing import Any, Iterable, Mapping
 from kubemoe.bundles import Bundle
 from google.protobuf import json_format
 
-from kubemoe.frontend.routing_table import CONFIGMAP_KEY, LOCAL, table_for_bundles
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.plan import GPU, GPU_COUNT_LABEL, Plan, Retired, ServiceKey
 from kubemoe.operator.spec import API_VERSION, KIND, MoEDeployment, MoESpec
+from kubemoe.routing_table import CONFIGMAP_KEY, LOCAL, table_for_bundles
 
 Object = dict[str, Any]
 

@@ -12,7 +12,7 @@ from kubemoe.bundles import bundles_by_count
 from kubemoe.frontend.app import Frontend, FrontendConfig
 from kubemoe.frontend.grpc_api import create_grpc_server
 from kubemoe.frontend.http_api import start_http_server
-from kubemoe.frontend.routing_table import LOCAL, table_for_bundles
+from kubemoe.routing_table import LOCAL, table_for_bundles
 
 
 def _route_all(frontend: Frontend, address: str = LOCAL) -> None:

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from kubemoe.bundles import bundles_by_count
 from kubemoe.frontend.app import Frontend, FrontendConfig
-from kubemoe.frontend.routing_table import LOCAL, table_for_bundles
+from kubemoe.routing_table import LOCAL, table_for_bundles
 from kubemoe.frontend.sampling import SamplingParams
 from kubemoe.verify import rel_err
 

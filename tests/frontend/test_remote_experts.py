@@ -14,7 +14,7 @@ from kubemoe.expert_fn.server import build_server
 from kubemoe.frontend.app import Frontend, FrontendConfig
 from kubemoe.frontend.embedded import embedded_bundles, expert_processes
 from kubemoe.frontend.loop_thread import LoopThread
-from kubemoe.frontend.routing_table import LOCAL, table_for_bundles
+from kubemoe.routing_table import LOCAL, table_for_bundles
 from kubemoe.frontend.sampling import SamplingParams
 
 from .test_correctness import ARCHS, PROMPTS, generate_all, reference_greedy

@@ -4,6 +4,8 @@ from kubemoe.operator.plan import Loads, NodeInfo, PlanError, Retired, eligible_
 from kubemoe.operator.spec import MoESpec
 
 NOW = 1_000_000.0
+# One replica per bundle: for tests about moving and retiring services, not about scaling them out.
+NO_SCALING = {"scaling": {"maxReplicasPerExpert": 1}}
 
 
 def spec_of(f, **overrides) -> MoESpec:
@@ -26,7 +28,7 @@ def test_same_inputs_same_plan_and_version(f):
 
 
 def test_loads_move_bundles_off_the_busy_node_and_keep_the_old_service_warm(f):
-    spec, nodes = spec_of(f), f.gpu_nodes(2)
+    spec, nodes = spec_of(f, experts=NO_SCALING), f.gpu_nodes(2)
     first = plan(spec, Loads(), nodes, None, NOW)
     hot = {(0, 0): 100.0, (0, 1): 100.0}
     second = plan(spec, Loads(hot, 10.0, 1), nodes, first, NOW + 30)
@@ -38,7 +40,7 @@ def test_loads_move_bundles_off_the_busy_node_and_keep_the_old_service_warm(f):
 
 
 def test_retired_service_expires_after_keep_alive_and_is_reused_before(f):
-    spec, nodes = spec_of(f, experts={"scaling": {"keepAlive": "60s"}}), f.gpu_nodes(2)
+    spec, nodes = spec_of(f, experts={"scaling": {"keepAlive": "60s", "maxReplicasPerExpert": 1}}), f.gpu_nodes(2)
     first = plan(spec, Loads(), nodes, None, NOW)
     second = plan(spec, Loads({(0, 0): 100.0, (0, 1): 100.0}), nodes, first, NOW)
     assert second.retired
@@ -88,3 +90,22 @@ def test_node_from_api_object():
     info = NodeInfo.from_node(node)
     assert (info.gpus, info.gpu_memory_bytes, info.schedulable) == (8, 81559 * 2**20, True)
     assert not NodeInfo.from_node({**node, "spec": {"unschedulable": True}}).schedulable
+
+
+def test_a_hot_bundle_gets_more_replicas_on_different_nodes(f):
+    spec, nodes = spec_of(f), f.gpu_nodes(2)
+    p = plan(spec, Loads({(0, 0): 300.0, (0, 1): 300.0, (0, 2): 100.0, (0, 3): 100.0}, 10.0, 1), nodes, None, NOW)
+    # Layer 0's bundles carry 600 and 200 tokens/s: [300, 300, 200] has CV 0.18 <= 0.2.
+    assert {b: len(n) for b, n in p.nodes.items()} == {"l0-e0-1": 2, "l0-e2-3": 1, "l1-e0-1": 1, "l1-e2-3": 1}
+    assert set(p.nodes["l0-e0-1"]) == {"node-0", "node-1"} and p.cv == 0.1768
+
+
+def test_scaling_obeys_the_spec_caps(f):
+    skewed = Loads({(0, 0): 1000.0, (0, 2): 1.0}, 10.0, 1)
+    capped = plan(spec_of(f, experts={"scaling": {"maxReplicasPerExpert": 3}}), skewed, f.gpu_nodes(2), None, NOW)
+    assert len(capped.nodes["l0-e0-1"]) == 3
+    # 128 MiB experts, two a bundle: a 1 GiB layer cap holds 4 bundle replicas, 2 of them the layer's own.
+    memory = plan(spec_of(f, experts={"scaling": {"layerMemoryCap": "1Gi"}}), skewed, f.gpu_nodes(2), None, NOW)
+    assert len(memory.nodes["l0-e0-1"]) == 3 and len(memory.nodes["l0-e2-3"]) == 1
+    loose = plan(spec_of(f, experts={"scaling": {"cvThreshold": 5.0}}), skewed, f.gpu_nodes(2), None, NOW)
+    assert loose.replicas == 4

@@ -1,10 +1,10 @@
 import json
 
-from kubemoe.frontend.routing_table import build_route_map, parse_table
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.plan import Loads, plan
 from kubemoe.operator.render import (FINGERPRINT_ANNOTATION, RETIRED_ANNOTATION, child_name, observe, render)
 from kubemoe.operator.spec import MoEDeployment
+from kubemoe.routing_table import build_route_map, parse_table
 
 NOW = 1_000_000.0
 CONFIG = OperatorConfig()
@@ -97,10 +97,11 @@ def test_knative_runtime_annotations_affinity_and_address(f):
 
 
 def test_retired_service_renders_unchanged_template_and_leaves_the_routing_table(f):
-    deployment, first, objects = rendered(f)
+    one_replica = {"scaling": {"maxReplicasPerExpert": 1}}  # moved, not scaled out
+    deployment, first, objects = rendered(f, experts=one_replica)
     previous = observe(deployment.spec, "distributed", objects)
     assert previous.nodes == first.nodes and previous.version == first.version
-    _, second, again = rendered(f, loads=Loads({(0, 0): 50.0, (0, 1): 50.0}), previous=previous)
+    _, second, again = rendered(f, loads=Loads({(0, 0): 50.0, (0, 1): 50.0}), previous=previous, experts=one_replica)
     assert second.retired
     retired = [o for o in again if RETIRED_ANNOTATION in o["metadata"]["annotations"] and o["kind"] == "Deployment"]
     assert len(retired) == len(second.retired)
@@ -139,3 +140,13 @@ def test_object_store_checkpoint_is_copied_by_an_init_container(f):
 def test_long_names_are_cut_with_a_hash_and_stay_unique():
     a, b = child_name("x" * 60, "bundle-a"), child_name("x" * 60, "bundle-b")
     assert len(a) == 63 and len(b) == 63 and a != b
+
+
+def test_the_operator_never_imports_the_data_plane():
+    # The routing table is a contract (kubemoe.routing_table), not a frontend module the operator reaches into.
+    import subprocess
+    import sys
+    code = ("import sys, kubemoe.operator.reconcile, kubemoe.operator.loads, kubemoe.operator.render; "
+            "print(sorted(m for m in sys.modules if m.startswith('kubemoe.frontend')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

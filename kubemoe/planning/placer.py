@@ -1,0 +1,154 @@
+"""The Expert Placer (MoEless Algorithm 2): every replica onto a GPU, within each GPU's memory.
+
+Replicas go most-loaded first. A replica reuses a warm replica of the same expert (one kept from
+an earlier placement, `warm_previous`) when that GPU still has the memory: a warm start costs no
+weight loading. Otherwise it joins the shortest queue: the GPU with the least load in the
+replica's layer (per unit of capacity), because layers run one after another and a GPU's queue
+in a layer holds only that layer's replicas; the GPU's load over all layers breaks ties, so the
+hot replicas of different layers spread too. Two replicas of one expert never share a GPU while
+another GPU has room (they would only queue behind each other). A replica that fits nowhere is
+returned in `unplaced`, never dropped. `warm_slack` bounds what a warm start may cost in balance: a
+warm GPU is taken unless its queue in the layer exceeds the shortest queue by more than warm_slack x
+the replica's load (inf, the default, always reuses, as MoEless does; 0 reuses only where the warm
+GPU is as good as any). Shapes: L = MoE layers, E = experts, G = GPUs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+ExpertKey = tuple[int, int]        # (layer index, expert): layer indexes the [L] rows
+ReplicaKey = tuple[int, int, int]  # (layer index, expert, replica number)
+
+
+@dataclass(frozen=True)
+class GPU:
+    id: str
+    node: str
+    memory_bytes: int      # what expert replicas may use on it
+    capacity: float = 1.0  # relative speed: a GPU of capacity 2 takes twice the load for the same queue
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each replica runs, and what that puts on each GPU."""
+
+    gpu_of: Mapping[ReplicaKey, str]            # replica -> GPU id
+    replica_load: Mapping[ReplicaKey, float]    # its share of the expert's load
+    gpu_load: Mapping[str, float]               # GPU id -> load summed over every layer
+    gpu_memory: Mapping[str, int]               # GPU id -> bytes its replicas use
+    unplaced: tuple[ReplicaKey, ...] = ()       # replicas no GPU had memory for
+    warm_reused: int = 0
+
+    def locations(self) -> dict[ExpertKey, tuple[str, ...]]:
+        """(layer, expert) -> the GPUs holding a replica: the `warm_previous` of the next placement."""
+        found: dict[ExpertKey, list[str]] = {}
+        for (layer, expert, _), gpu in sorted(self.gpu_of.items()):
+            found.setdefault((layer, expert), []).append(gpu)
+        return {key: tuple(gpus) for key, gpus in found.items()}
+
+    def gpus_used(self) -> int:
+        return len(set(self.gpu_of.values()))
+
+
+def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], gpus: Sequence[GPU],
+          expert_bytes: int, warm_previous: Mapping[ExpertKey, Sequence[str]] | None = None,
+          warm_slack: float = math.inf) -> Placement:
+    """replicas [L][E] and loads [L][E] -> a Placement over `gpus`."""
+    if len(replicas) != len(loads) or any(len(r) != len(x) for r, x in zip(replicas, loads)):
+        raise ValueError("replicas and loads must have the same [L][E] shape")
+    if expert_bytes <= 0:
+        raise ValueError(f"expert_bytes must be positive, got {expert_bytes}")
+    if not warm_slack >= 0:
+        raise ValueError(f"warm_slack must be >= 0 (inf: always reuse warm replicas), got {warm_slack}")
+    if len({g.id for g in gpus}) != len(gpus):
+        raise ValueError("GPU ids must be unique")
+    by_id = {g.id: g for g in gpus}
+    warm = {key: [g for g in ids if g in by_id] for key, ids in (warm_previous or {}).items()}
+    free = {g.id: g.memory_bytes for g in gpus}
+    total = {g.id: 0.0 for g in gpus}
+    gpu_of: dict[ReplicaKey, str] = {}
+    replica_load: dict[ReplicaKey, float] = {}
+    unplaced: list[ReplicaKey] = []
+    reused = 0
+    for layer, (counts, row) in enumerate(zip(replicas, loads)):
+        # Most-loaded replica first; equal loads by expert, so the result is deterministic.
+        order = sorted(((row[e] / counts[e], e, i) for e in range(len(row)) for i in range(counts[e])),
+                       key=lambda x: (-x[0], x[1], x[2]))
+        queue = _LayerQueue(gpus, total, free, expert_bytes)
+        hosts: dict[int, set[str]] = {}
+        for load, expert, index in order:
+            key = (layer, expert, index)
+            taken = hosts.setdefault(expert, set())
+            gpu = next((g for g in sorted(warm.get((layer, expert), ()), key=queue.rank)
+                        if g not in taken and free[g] >= expert_bytes), None)
+            cold = queue.shortest(taken)
+            if gpu is not None and (warm_slack == math.inf or cold is None
+                                    or queue.queue(gpu) - queue.queue(cold) <= warm_slack * load):
+                warm[(layer, expert)].remove(gpu)  # one warm replica serves one new replica
+                reused += 1
+            else:
+                gpu = cold
+            if gpu is None:
+                unplaced.append(key)
+                continue
+            free[gpu] -= expert_bytes
+            total[gpu] += load
+            queue.add(gpu, load)
+            taken.add(gpu)
+            gpu_of[key], replica_load[key] = gpu, load
+    used = {g.id: g.memory_bytes - free[g.id] for g in gpus}
+    return Placement(gpu_of, replica_load, total, used, tuple(unplaced), reused)
+
+
+@dataclass
+class _LayerQueue:
+    """GPUs ordered by (layer load / capacity, total load / capacity, most free memory, id): a lazy
+    min-heap, O(log G) a replica. Free memory spreads replicas that carry no load at all."""
+
+    gpus: Sequence[GPU]
+    total: Mapping[str, float]
+    free: Mapping[str, int]
+    expert_bytes: int
+    layer: dict[str, float] = field(default_factory=dict)
+    heap: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.capacity = {g.id: g.capacity for g in self.gpus}
+        self.heap = [self.rank(g.id) for g in self.gpus if self.free[g.id] >= self.expert_bytes]
+        heapq.heapify(self.heap)
+
+    def rank(self, gpu: str) -> tuple[float, float, int, str]:
+        capacity = self.capacity[gpu]
+        return (self.layer.get(gpu, 0.0) / capacity, self.total[gpu] / capacity, -self.free[gpu], gpu)
+
+    def queue(self, gpu: str) -> float:
+        return self.layer.get(gpu, 0.0) / self.capacity[gpu]
+
+    def add(self, gpu: str, load: float) -> None:
+        self.layer[gpu] = self.layer.get(gpu, 0.0) + load
+        if self.free[gpu] >= self.expert_bytes:
+            heapq.heappush(self.heap, self.rank(gpu))  # the old entry goes stale
+
+    def shortest(self, avoid: set[str]) -> str | None:
+        """The least-loaded GPU with room, avoiding `avoid` (this expert's GPUs) unless nothing else has room."""
+        skipped, found = [], None
+        while self.heap:
+            entry = self.heap[0]
+            gpu = entry[-1]
+            if entry != self.rank(gpu) or self.free[gpu] < self.expert_bytes:
+                heapq.heappop(self.heap)  # stale, or full for good (memory only shrinks while placing)
+                continue
+            if gpu in avoid:
+                skipped.append(heapq.heappop(self.heap))
+                continue
+            found = gpu
+            break
+        for entry in skipped:
+            heapq.heappush(self.heap, entry)
+        if found is None and skipped:
+            found = min(skipped)[-1]  # every GPU with room already holds this expert: share one
+        return found

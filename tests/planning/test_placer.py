@@ -1,0 +1,82 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kubemoe.planning.placer import GPU, place
+
+MIB = 2**20
+
+
+def gpus(count, experts_each=100, node_size=8):
+    return [GPU(f"g{i}", f"n{i // node_size}", experts_each * MIB) for i in range(count)]
+
+
+def test_hand_worked_placement():
+    p = place([[2, 1]], [[4.0, 1.0]], gpus(2), MIB)
+    assert {p.gpu_of[(0, 0, 0)], p.gpu_of[(0, 0, 1)]} == {"g0", "g1"}  # one expert's replicas apart
+    assert p.gpu_of[(0, 1, 0)] == "g0" and p.gpu_load == {"g0": 3.0, "g1": 2.0}
+    assert p.gpu_memory == {"g0": 2 * MIB, "g1": MIB} and p.unplaced == ()
+
+
+def test_warm_replicas_are_reused():
+    p = place([[2, 1]], [[4.0, 1.0]], gpus(2), MIB, warm_previous={(0, 1): ("g1",)})
+    assert p.gpu_of[(0, 1, 0)] == "g1" and p.warm_reused == 1
+    again = place([[2, 1]], [[4.0, 1.0]], gpus(3), MIB, warm_previous=p.locations())
+    assert again.locations() == p.locations() and again.warm_reused == 3
+
+
+def test_warm_slack_bounds_what_a_warm_start_may_cost():
+    # Expert 0 (load 4) is warm on g0 only; expert 1 (load 4) too: always reusing stacks both on g0.
+    warm = {(0, 0): ("g0",), (0, 1): ("g0",)}
+    always = place([[1, 1]], [[4.0, 4.0]], gpus(2), MIB, warm)
+    assert set(always.gpu_of.values()) == {"g0"} and always.warm_reused == 2
+    bounded = place([[1, 1]], [[4.0, 4.0]], gpus(2), MIB, warm, warm_slack=0.5)
+    assert set(bounded.gpu_of.values()) == {"g0", "g1"} and bounded.warm_reused == 1
+
+
+def test_what_does_not_fit_is_reported_least_loaded_last():
+    p = place([[2, 1]], [[4.0, 1.0]], gpus(2, experts_each=1), MIB)
+    assert p.unplaced == ((0, 1, 0),) and set(p.gpu_memory.values()) == {MIB}
+
+
+def test_a_faster_gpu_takes_more_load():
+    fast = [GPU("big", "n0", 100 * MIB, capacity=3.0), GPU("small", "n0", 100 * MIB)]
+    p = place([[1, 1, 1, 1]], [[1.0, 1.0, 1.0, 1.0]], fast, MIB)
+    assert sum(g == "big" for g in p.gpu_of.values()) == 3
+
+
+shapes = st.tuples(st.integers(1, 3), st.integers(1, 8)).flatmap(lambda s: st.tuples(
+    st.lists(st.lists(st.integers(1, 4), min_size=s[1], max_size=s[1]), min_size=s[0], max_size=s[0]),
+    st.lists(st.lists(st.floats(0, 100), min_size=s[1], max_size=s[1]), min_size=s[0], max_size=s[0])))
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=shapes, gpu_count=st.integers(1, 6), experts_each=st.integers(1, 8),
+       warm_seed=st.lists(st.integers(0, 5), max_size=20))
+def test_placer_never_exceeds_memory_and_loses_nothing(shape, gpu_count, experts_each, warm_seed):
+    replicas, loads = shape
+    pool = gpus(gpu_count, experts_each)
+    warm = {}
+    for i, g in enumerate(warm_seed):
+        layer, expert = i % len(replicas), (i * 7) % len(replicas[0])
+        warm.setdefault((layer, expert), []).append(f"g{g}")  # some name GPUs that no longer exist
+    p = place(replicas, loads, pool, MIB, warm)
+    used = {g.id: 0 for g in pool}
+    for gpu in p.gpu_of.values():
+        used[gpu] += MIB
+    assert used == dict(p.gpu_memory) and all(used[g.id] <= g.memory_bytes for g in pool)
+    wanted = {(l, e, i) for l, row in enumerate(replicas) for e, c in enumerate(row) for i in range(c)}
+    assert set(p.gpu_of) | set(p.unplaced) == wanted and not set(p.gpu_of) & set(p.unplaced)
+    if p.unplaced:  # only when memory ran out
+        assert sum(used.values()) > (sum(g.memory_bytes for g in pool) - MIB)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=shapes, gpu_count=st.integers(4, 8), warm_gpus=st.lists(st.integers(0, 7), min_size=1, max_size=3))
+def test_with_room_warm_replicas_are_reused_and_replicas_of_an_expert_spread(shape, gpu_count, warm_gpus):
+    replicas, loads = shape
+    pool = gpus(gpu_count)
+    warm_ids = tuple(dict.fromkeys(f"g{g % gpu_count}" for g in warm_gpus))
+    p = place(replicas, loads, pool, MIB, {(0, 0): warm_ids})
+    on = [p.gpu_of[(0, 0, i)] for i in range(replicas[0][0])]
+    assert len(set(on)) == len(on)  # never two replicas of one expert on one GPU while others have room
+    assert len(set(on) & set(warm_ids)) == min(len(on), len(warm_ids)) == p.warm_reused
