@@ -23,12 +23,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 @dataclass(frozen=True)
 class Goal:
     value: float
-    goal: str  # "<= 1.0" or ">= 2.0"
+    goal: str  # "<= 1.0", ">= 2.0", "< 0.2" or "> 0"
 
     @property
     def met(self) -> bool:
         op, bound = self.goal.split()
-        return self.value <= float(bound) if op == "<=" else self.value >= float(bound)
+        return {"<=": float.__le__, ">=": float.__ge__, "<": float.__lt__, ">": float.__gt__}[op](float(self.value), float(bound))
 
     def as_dict(self) -> dict:
         return {"value": round(self.value, 4), "goal": self.goal, "met": self.met}

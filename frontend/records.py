@@ -200,6 +200,10 @@ class RoutingRecords:
         """The column of MoE layer `layer` in hidden/experts/weights."""
         return self.shape.moe_layers.index(layer)
 
+    def expert_counts(self) -> torch.Tensor:  # -> [L, E] int64: tokens each expert of each MoE layer got
+        e = self.shape.num_experts
+        return torch.stack([torch.bincount(self.experts[:, i].reshape(-1), minlength=e) for i in range(self.experts.shape[1])])
+
     def select(self, mask: torch.Tensor) -> "RoutingRecords":
         return RoutingRecords(self.shape, self.model, self.hidden[mask], self.experts[mask], self.weights[mask],
                               self.request[mask], self.position[mask])
