@@ -44,6 +44,7 @@ class FrontendConfig:
     load_window_seconds: float = 30.0
     streaming: bool = True
     call_timeout: float = 30.0
+    split_min_tokens: int = 64  # smallest part of an expert's tokens sent to a replica of its own (dispatch.py)
     shm_dir: Path | None = None  # see DispatchConfig
     busy_poll_us: float = SHARED_CORES_BUSY_POLL_US  # see DispatchConfig
     predictor: str = "router"  # "router" (the next layers' routers), "none", or a file from `kubemoe predictor train`
@@ -72,7 +73,7 @@ class Frontend:
         self.dispatcher = Dispatcher(
             self.adapter, self.checkpoint,
             DispatchConfig(config.model_id, config.streaming, config.call_timeout, shm_dir=config.shm_dir,
-                           busy_poll_us=config.busy_poll_us),
+                           busy_poll_us=config.busy_poll_us, split_min_tokens=config.split_min_tokens),
             self.loads, self.dtype, self.device, self.metrics)
         self.predictor_problem: str | None = None
         self.online_predictor = self._start_predictor()
@@ -111,6 +112,7 @@ class Frontend:
         online = OnlinePredictor(predictor, self.loads, self.metrics,
                                  RefreshConfig() if self.config.predictor_refresh else None, self.device)
         self.dispatcher.observers.append(online)
+        self.dispatcher.predictions = online  # how many replicas a hot expert's tokens are split across
         log.info("load predictor: %s, %d MoE layers ahead, %d parameters", predictor.kind, predictor.distance,
                  predictor.parameters_count())
         return online

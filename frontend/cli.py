@@ -29,6 +29,9 @@ _SERVING_OPTIONS = (  # what both commands serve with, in --help order
                       "predictions (/readyz says why)."),
     click.option("--prediction-distance", type=click.IntRange(1), default=1, show_default=True,
                  help="Predict MoE layer l+d's loads at layer l (MoEless's d)."),
+    click.option("--split-min-tokens", type=click.IntRange(1), default=64, show_default=True,
+                 help="Split a hot expert's tokens of one step across its bundle's replicas in parts of at least "
+                      "this many tokens (below the FFN's knee a part costs a whole weight read)."),
     click.option("--record-routing", type=click.Path(file_okay=False, path_type=Path), default=None,
                  help="Write routing records (hidden states entering each MoE layer and the experts chosen) "
                       "into this folder, for `kubemoe predictor train`. Off by default."),
@@ -66,8 +69,8 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's).")
 def frontend_command(checkpoint, routing_table, routing_configmap, host, port, grpc_port, max_batch, micro_batches,
-                     shm_dir, predictor, prediction_distance, record_routing, record_max_mb, busy_poll_us, model, name,
-                     device, dtype):
+                     shm_dir, predictor, prediction_distance, split_min_tokens, record_routing, record_max_mb,
+                     busy_poll_us, model, name, device, dtype):
     """Serve a model: attention and routing here, routed experts per the routing table."""
     from kubemoe.frontend.app import FrontendConfig
 
@@ -78,7 +81,7 @@ def frontend_command(checkpoint, routing_table, routing_configmap, host, port, g
     config = FrontendConfig(checkpoint=checkpoint, model=model, name=name, routing_table=routing_table,
                             routing_configmap=routing_configmap, dtype=dtype, device=device, max_batch=max_batch,
                             micro_batches=micro_batches, shm_dir=shm_dir, busy_poll_us=busy_poll_us,
-                            **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
+                            split_min_tokens=split_min_tokens, **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
     _serve(config, host, port, grpc_port, _banner)
 
 
@@ -94,7 +97,7 @@ def _prediction_fields(predictor, prediction_distance, record_routing, record_ma
 @click.option("--experts", default=2, show_default=True, help="Local expert-function processes.")
 @serving_options
 def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, micro_batches, shm_dir, predictor,
-                  prediction_distance, record_routing, record_max_mb, busy_poll_us):
+                  prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us):
     """Run everything locally: a frontend and expert functions over gRPC on loopback.
 
     With no arguments it generates (or reuses) a tiny checkpoint in ~/.cache/kubemoe."""
@@ -113,7 +116,7 @@ def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, m
         table.write_text(to_json(table_for_bundles(model, bundles, experts.addresses)))
         config = FrontendConfig(checkpoint=checkpoint, routing_table=table, max_batch=max_batch,
                                 micro_batches=micro_batches, shm_dir=shm_dir, busy_poll_us=busy_poll_us,
-                                **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
+                                split_min_tokens=split_min_tokens, **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
         _serve(config, host, port, grpc_port,
                lambda fe, h, g: _banner(fe, h, g, f", experts in {len(bundles)} local processes"))
     click.echo("stopped", err=True)

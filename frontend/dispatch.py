@@ -1,11 +1,15 @@
 """The dispatcher: runs a layer's routed experts wherever the routing table says they live.
 
-Per MoE layer it groups the batch's tokens by expert, sends one request per bundle (all bundles of
-the layer at once), computes in-process bundles on the calling thread while remote calls are in
-flight, and adds the outputs back with the routing weights. Among a bundle's replicas it picks the
-one with the fewest in-flight tokens (join-the-shortest-queue); a replica that fails or times out
-is put aside for a moment and the call is retried on another, so a dead replica loses no request
-while another one lives. Shapes: T = tokens, H = hidden size, K = experts per token.
+Per MoE layer it groups the batch's tokens by expert, sends each bundle's tokens to its replicas
+(all bundles of the layer at once), computes in-process bundles on the calling thread while remote
+calls are in flight, and adds the outputs back with the routing weights. A hot expert's tokens are
+split across several of its bundle's warm replicas in the same step (`kubemoe.planning.split`): how
+many from the tokens predicted for this layer d layers earlier (the online predictor's; without one,
+this step's tokens), each part at least `split_min_tokens`, and which by join-the-shortest-queue on
+in-flight tokens. Lossless: every token goes to exactly one replica of the expert its router chose,
+and the parts' outputs are put back in order. A replica that fails or times out is put aside for a
+moment and its part is retried on another, so a dead replica loses no request while another one
+lives. Shapes: T = tokens, H = hidden size, K = experts per token, N = a bundle call's rows.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, Sequence
 
 import grpc
 import torch
@@ -27,8 +32,9 @@ from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.frontend.loads import LoadRecorder
 from kubemoe.frontend.loop_thread import LoopThread
-from kubemoe.routing_table import LOCAL, BundleRoute, RouteMap
 from kubemoe.moe import combine, expert_inputs, group_tokens
+from kubemoe.planning.split import split
+from kubemoe.routing_table import LOCAL, BundleRoute, RouteMap
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,42 @@ class DispatchConfig:
     busy_poll_us: float = SHARED_CORES_BUSY_POLL_US  # the I/O loop polls this long before sleeping (busy_poll.py)
     max_attempts: int = 4
     cooldown: float = 2.0  # seconds a failed replica is avoided while others are healthy
+    # The smallest part of an expert's tokens worth a replica of its own: below the FFN's knee a part
+    # costs a whole weight read (a Mixtral expert on the H200 takes 0.13 ms from 1 to 64 tokens).
+    split_min_tokens: int = 64
+
+
+class Predictions(Protocol):
+    def predicted_counts(self, layer: int) -> Sequence[int] | None:
+        """This forward pass's predicted tokens per expert of `layer` (made d layers earlier), or None."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [row, row + count) of a bundle call's input: one part of one expert's tokens."""
+
+    expert: int
+    row: int
+    count: int
+
+
+def split_bundle_call(experts: Sequence[int], counts: Sequence[int], inflight: Sequence[int],
+                      predicted: Sequence[int] | None, min_tokens: int) -> dict[int, list[Piece]]:
+    """A bundle call's experts (their rows consecutive, in this order) -> replica index -> its pieces.
+
+    Each expert is split on its own (`kubemoe.planning.split`); the tokens given to a replica count
+    as in flight on it when the next expert is split, so one step's parts spread over the replicas.
+    """
+    load = list(inflight)
+    parts: dict[int, list[Piece]] = {}
+    row = 0
+    for expert, count in zip(experts, counts):
+        guess = None if predicted is None or expert >= len(predicted) else predicted[expert]
+        for part in split(count, load, guess, min_tokens):
+            parts.setdefault(part.replica, []).append(Piece(expert, row + part.start, part.count))
+            load[part.replica] += part.count
+        row += count
+    return parts
 
 
 @dataclass
@@ -89,6 +131,8 @@ class Dispatcher:
         # See each layer's router input and choice before its experts run: the load predictor and
         # the routing recorder. One that fails is dropped (logged): serving goes on without it.
         self.observers: list = []
+        # Where a layer's predicted loads come from for the per-step split (the online predictor).
+        self.predictions: Predictions | None = None
 
     # -- routing table --------------------------------------------------------------------------
 
@@ -152,7 +196,8 @@ class Dispatcher:
             call.groups.append(g)
             call.inputs.append(expert_inputs(hidden, top_k_weights, g, weight_on_input))
         request_id = f"{uuid.uuid4().hex[:8]}-{next(self._ids)}"
-        remote = {name: self.io.submit(self._call(c.route, layer, c, torch.cat(c.inputs), request_id))
+        predicted = self._predicted(layer)
+        remote = {name: self._submit(c, layer, request_id, predicted)
                   for name, c in calls.items() if LOCAL not in c.route.addresses}
         out = torch.zeros_like(hidden)
         for name, call in calls.items():  # in-process bundles run here while remote calls are in flight
@@ -160,23 +205,55 @@ class Dispatcher:
                 for g, x in zip(call.groups, call.inputs):
                     y = expert_ffn(x, self._local[(layer, g.expert)], self.adapter.act)
                     combine(out, top_k_weights, g, y, weight_on_input)
-        for name, future in remote.items():
+        for name, parts in remote.items():
             call = calls[name]
-            for g, y in zip(call.groups, future.result().split(call.counts)):
+            pieces = sorted((p.row, y) for rows, future in parts for p, y in zip(rows, future.result().split(
+                [p.count for p in rows])))
+            joined = pieces[0][1] if len(pieces) == 1 else torch.cat([y for _, y in pieces])  # [N, H], call order
+            for g, y in zip(call.groups, joined.split(call.counts)):
                 combine(out, top_k_weights, g, y, weight_on_input)
         return out
 
-    async def _call(self, route: BundleRoute, layer: int, call: _BundleCall, x: torch.Tensor, request_id: str):
+    def _predicted(self, layer: int) -> Sequence[int] | None:
+        if self.predictions is None:
+            return None
+        try:
+            return self.predictions.predicted_counts(layer)
+        except Exception:  # noqa: BLE001 - a prediction is a hint: the step's own token counts do without it
+            log.exception("predicted loads of layer %d unavailable; splitting by this step's tokens", layer)
+            return None
+
+    def _submit(self, call: _BundleCall, layer: int, request_id: str, predicted: Sequence[int] | None) -> list:
+        """The bundle call as one call per chosen replica -> [(its pieces, future of its output [rows, H])]."""
+        x = torch.cat(call.inputs)  # [N, H]
+        now = time.monotonic()
+        # Replicas that just failed get no part while others are healthy (a retry may still reach them).
+        addresses = [a for a in call.route.addresses if self._replicas[a].failed_until <= now] or call.route.addresses
+        parts = split_bundle_call(call.experts, call.counts, [self._replicas[a].inflight_tokens for a in addresses],
+                                  predicted, self.config.split_min_tokens)
+        submitted = []
+        for index, (replica, pieces) in enumerate(sorted(parts.items())):
+            rows = x if len(parts) == 1 else torch.cat([x[p.row:p.row + p.count] for p in pieces])
+            # Ids are unique per call in flight on a client: the parts of one layer get their own.
+            part_id = request_id if index == 0 else f"{request_id}.{index}"
+            coroutine = self._call(call.route, layer, [p.expert for p in pieces], [p.count for p in pieces], rows,
+                                   part_id, first=addresses[replica])
+            submitted.append((pieces, self.io.submit(coroutine)))
+        return submitted
+
+    async def _call(self, route: BundleRoute, layer: int, experts: list[int], counts: list[int], x: torch.Tensor,
+                    request_id: str, first: str | None = None):
         replicas = [self._replicas[a] for a in route.addresses]
         tried: set[str] = set()
         errors = []
         for attempt in range(self.config.max_attempts):
-            replica = pick_replica(replicas, tried, time.monotonic())
+            # The split chose the first replica; a retry goes to the shortest queue among the others.
+            replica = self._replicas[first] if attempt == 0 and first else pick_replica(replicas, tried, time.monotonic())
             replica.picks += 1
             replica.inflight_tokens += x.shape[0]
             try:
                 return await self._client(replica.address).forward(
-                    layer, call.experts, call.counts, x, request_id=request_id, timeout=self.config.call_timeout)
+                    layer, experts, counts, x, request_id=request_id, timeout=self.config.call_timeout)
             except grpc.aio.AioRpcError as e:
                 if e.code() in NOT_RETRYABLE:
                     raise DispatchError(f"bundle {route.bundle} at {replica.address} refused layer {layer}: {e.details()}") from e

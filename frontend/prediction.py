@@ -85,6 +85,7 @@ class OnlinePredictor:
         pending = getattr(self._pending, "by_target", None)
         if pending is None or layer == self.predictor.shape.moe_layers[0]:
             pending = self._pending.by_target = {}
+            self._pending.counts = {}
         if layer in pending:
             self._score(layer, *pending.pop(layer), experts)
         if layer in self.predictor.pairs:
@@ -92,10 +93,16 @@ class OnlinePredictor:
                 target, predicted = self.predictor.predict(layer, hidden)
             counts = torch.bincount(predicted.reshape(-1), minlength=self.predictor.shape.num_experts)
             counts = counts.tolist()
+            self._pending.counts[target] = counts
             self.loads.record_predicted(target, layer, counts, predicted.shape[0])
             if self.metrics:
                 self.metrics.record_expert_tokens(target, list(enumerate(counts)), predicted=True)
             pending[target] = (layer, predicted, hidden)
+
+    def predicted_counts(self, layer: int) -> list[int] | None:
+        """This forward pass's predicted tokens per expert of `layer`, made d layers earlier on this
+        thread (the dispatcher splits hot experts by it); None where nothing predicts the layer."""
+        return getattr(self._pending, "counts", {}).get(layer)
 
     def _score(self, target: int, source: int, predicted: torch.Tensor, hidden: torch.Tensor, true: torch.Tensor) -> None:
         got = int(hits(predicted, true))

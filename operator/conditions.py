@@ -21,6 +21,7 @@ TYPES = (READY, FRONTEND_READY, EXPERTS_READY, PLAN_APPLIED)
 # Reasons.
 AS_EXPECTED = "AsExpected"                  # the condition holds
 APPLIED = "Applied"                         # PlanApplied: every object applied
+REPLICAS_UNPLACED = "ReplicasUnplaced"      # PlanApplied True: applied, but scaled-out replicas fit on no node
 PROGRESSING = "Progressing"                 # pods are starting or loading weights
 NOT_NEEDED = "NotNeeded"                    # ExpertsReady in offload mode: the frontend holds the experts
 INVALID_SPEC = "InvalidSpec"                # the spec passed the schema but cannot be served; fix the spec

@@ -289,8 +289,17 @@ def _status_schema() -> Schema:
             "bundles": count("Expert bundles of the model."),
             "nodes": count("Nodes the expert replicas are placed on."),
             "retired": count("Services out of the plan but kept warm until their keep-alive ends."),
-            "cv": number("Largest coefficient of variation of per-replica loads in a layer."),
+            "unplaced": count("Scaled-out replicas no node had room for (PlanApplied says which)."),
+            "cv": number("Largest coefficient of variation of per-replica loads in a layer, as placed."),
+            "cvBefore": number("The same with one replica per bundle: what scaling out improved on."),
             "version": count("Routing-table version; grows with every change of placement."),
+            "layers": {"type": "array", "description": "One entry per MoE layer, in layer order.",
+                       "items": obj("Replicas of one MoE layer and how even their loads are.", {
+                           "layer": count("Index of the layer in the model."),
+                           "replicas": count("Expert-function replicas of the layer's bundles."),
+                           "cvBefore": number("CV of the bundles' loads with one replica each."),
+                           "cvAfter": number("CV of the per-replica loads as placed."),
+                       })},
         }),
         "loads": obj("The last expert loads pulled from the frontends.", {
             "frontends": count("Frontends that answered /loads."),
@@ -310,6 +319,8 @@ def moedeployment_crd() -> dict[str, Any]:
         ("Ready", "string", f'.status.conditions[?(@.type=="{READY}")].status', "Ready condition."),
         ("Replicas", "integer", ".status.plan.replicas", "Expert-function replicas planned."),
         ("Functions", "integer", ".status.plan.functions", "Expert services planned."),
+        ("CV", "number", ".status.plan.cv", "Largest per-layer CV of per-replica loads (spec cvThreshold)."),
+        ("Unplaced", "integer", ".status.plan.unplaced", "Scaled-out replicas that fit on no node."),
         ("Cost", "number", ".status.cost.usdPerHour", "USD per hour at spec.cost.gpuHourPrice."),
         ("Age", "date", ".metadata.creationTimestamp", ""),
     ]

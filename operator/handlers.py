@@ -14,6 +14,7 @@ import logging
 import kopf
 
 from kubemoe.operator.config import OperatorConfig
+from kubemoe.operator.events import events
 from kubemoe.operator.kube import ApiError, Kube
 from kubemoe.operator.loads import FrontendLoads
 from kubemoe.operator.reconcile import Outcome, Reconciler
@@ -74,19 +75,10 @@ def deleted(name, **_) -> None:
 
 
 def report(body, outcome: Outcome, retry_later: bool = True) -> None:
-    """Events for what changed; Kopf errors for what did not work (status already says why)."""
-    changes = outcome.changes
-    if changes.applied or changes.deleted:
-        kopf.event(body, type="Normal", reason="Applied", message=(
-            f"plan version {outcome.plan.version if outcome.plan else '-'}: applied {len(changes.applied)}, "
-            f"deleted {len(changes.deleted)}, unchanged {changes.unchanged}"
-            + (f"; kept warm: {', '.join(changes.retired[:5])}" if changes.retired else "")))
-    if outcome.error is None:
-        return
-    before = next((x for x in (body.get("status") or {}).get("conditions", []) if x.get("type") == "PlanApplied"), {})
-    if (before.get("status"), before.get("reason")) != ("False", outcome.error.reason):  # once, not every tick
-        kopf.event(body, type="Warning", reason=outcome.error.reason, message=outcome.error.message)
-    if not retry_later:  # the timer tries again on its own
+    """Events for what changed and was decided; Kopf errors for what did not work (status says why)."""
+    for event in events(outcome, body.get("status")):
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+    if outcome.error is None or not retry_later:  # the timer tries again on its own
         return
     if outcome.retry:
         raise kopf.TemporaryError(outcome.error.message, delay=max(10.0, CONFIG.loads_interval_s))

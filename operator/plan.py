@@ -1,27 +1,34 @@
-"""Planning: from the spec, the observed expert loads and the nodes to replicas per bundle and their nodes.
+"""Planning: from the spec, the expert loads and the nodes to replicas per bundle and their nodes.
 
-Pure functions, no I/O. Replica counts come from the MoEless Expert Scaler (`kubemoe.planning.scaler`)
-run per layer over the bundles' loads, with the spec's cvThreshold, layerMemoryCap and
-maxReplicasPerExpert; placement is Join-the-Shortest-Queue over eligible GPU nodes by
-aggregated load, heaviest bundle first, preferring a node where the bundle is already warm. A
-(bundle, node) service that leaves the plan is *retired*: kept (pods warm) until spec keepAlive has
-passed since it left, reused if the plan brings it back, then dropped (the operator deletes it).
+Pure functions, no I/O. The operator's unit of replication is a bundle (one function's experts of one
+layer; with Mixtral-sized experts, one expert): the MoEless Expert Scaler (`kubemoe.planning.scaler`)
+gives each bundle its replicas per layer from the loads (predicted where the frontends send them),
+with the spec's cvThreshold, layerMemoryCap and maxReplicasPerExpert, and the Expert Placer
+(`kubemoe.planning.placer`, the one placer) puts each replica on an eligible node: warm services
+first, then join-the-shortest-queue by the layer's load. A replica no node has room for is listed
+in `Plan.unplaced`, which the status and an event report.
+
+*Warm* means one thing here and in the placer: a (bundle, node) service that is running, either in
+the plan or *retired* (out of the plan, kept until spec keepAlive has passed since it left, pods
+warm). Warm services hold their GPUs until then whether reused or not, so the placer counts them
+from the start (`warm_held`); a plan that brings one back reuses it, and one whose keepAlive is over
+is dropped (the operator deletes it).
 
 Notation: L = MoE layers, E = experts per layer, B = bundles, N = eligible nodes.
 """
 
 from __future__ import annotations
 
-import heapq
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from kubemoe.bundles import Bundle
 from kubemoe.operator.spec import MoESpec
-from kubemoe.planning.scaler import scale
+from kubemoe.planning import placer
+from kubemoe.planning.scaler import layer_cv, scale
 
 ServiceKey = tuple[str, str]  # (bundle name, node name): one expert service
+WARM_SLACK = 0.5  # see _place
 GPU = "nvidia.com/gpu"
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB, as GPU feature discovery labels it
@@ -77,6 +84,16 @@ class Retired:
 
 
 @dataclass(frozen=True)
+class LayerSummary:
+    """One MoE layer of a plan: its replicas and how even their loads are, before and after scaling."""
+
+    layer: int
+    replicas: int      # placed replicas of the layer's bundles
+    cv_before: float   # CV of the bundles' loads with one replica each
+    cv_after: float    # CV of the per-replica loads as placed
+
+
+@dataclass(frozen=True)
 class Plan:
     """Replicas per bundle and the node of each replica, plus the retired services kept warm."""
 
@@ -85,7 +102,9 @@ class Plan:
     nodes: Mapping[str, tuple[str, ...]]           # bundle -> node of each of its replicas
     retired: Mapping[ServiceKey, Retired] = field(default_factory=dict)
     version: int = 1                               # routing-table version
-    cv: float = 0.0
+    cv: float = 0.0                                # the largest cv_after of a layer
+    unplaced: Mapping[str, int] = field(default_factory=dict)  # bundle -> scaled-out replicas no node had room for
+    layers: tuple[LayerSummary, ...] = ()          # [L]; empty for a plan read back from the cluster
 
     def services(self) -> dict[ServiceKey, int]:
         """Active (bundle, node) services and their replicas, in a stable order."""
@@ -132,33 +151,34 @@ def resolve_mode(spec: MoESpec, eligible: Sequence[NodeInfo]) -> str:
 
 
 def plan(spec: MoESpec, loads: Loads, nodes: Sequence[NodeInfo], previous: Plan | None, now: float) -> Plan:
-    """The next plan. Raises PlanError when the eligible nodes cannot hold it."""
+    """The next plan. Raises PlanError when the eligible nodes cannot hold one replica of every bundle."""
     eligible = eligible_nodes(spec, nodes)
     mode = resolve_mode(spec, eligible)
     bundles = tuple(spec.bundles())
     previous = previous or Plan(mode, bundles, {}, {}, 0)
-    if mode == "offload":
-        placed: dict[str, tuple[str, ...]] = {}
-    else:
+    keep_alive_s = spec.experts.scaling.keep_alive_s
+    placed: dict[str, tuple[str, ...]] = {}
+    unplaced: dict[str, int] = {}
+    if mode != "offload":
         _check_fits(spec, bundles, eligible)
-        placed = _place(spec, bundles, _replicas(spec, bundles, loads), loads, eligible, previous)
+        warm = {**{k: r.replicas for k, r in _kept(previous, now, keep_alive_s).items()}, **previous.services()}
+        placed, unplaced = _place(spec, bundles, _replicas(spec, bundles, loads), loads, eligible, warm)
     active = {key for key in Plan(mode, bundles, placed).services()}
-    retired = _retire(previous, active, now, spec.experts.scaling.keep_alive_s)
+    retired = {**{k: r for k, r in _kept(previous, now, keep_alive_s).items() if k not in active},
+               **{k: Retired(n, now) for k, n in previous.services().items() if k not in active}}
     changed = _placement_of(previous) != {b: tuple(sorted(n)) for b, n in placed.items() if n}
+    layers = _layer_summaries(bundles, placed, loads) if mode != "offload" else ()
     return Plan(mode, bundles, placed, retired, previous.version + 1 if changed else max(previous.version, 1),
-                _max_layer_cv(bundles, placed, loads))
+                max((x.cv_after for x in layers), default=0.0), unplaced, layers)
 
 
 def _replicas(spec: MoESpec, bundles: Sequence[Bundle], loads: Loads) -> dict[str, int]:
     """Replicas per bundle: the scaler over each layer's bundles, a bundle being the unit a replica
     loads (with one expert per bundle, as for Mixtral-sized experts, this is the scaler per expert).
     The layer memory cap counts each bundle at the size of the layer's largest (conservative)."""
-    by_layer: dict[int, list[Bundle]] = {}
-    for bundle in bundles:
-        by_layer.setdefault(bundle.experts[0][0], []).append(bundle)  # a bundle holds one layer's experts
     scaling = spec.experts.scaling
     counts: dict[str, int] = {}
-    for layer_bundles in by_layer.values():
+    for layer_bundles in _by_layer(bundles).values():
         largest = max(len(b.experts) for b in layer_bundles) * spec.layout.expert_bytes
         [row] = scale([[loads.of(b) for b in layer_bundles]], largest, scaling.cv_threshold,
                       scaling.layer_memory_cap, scaling.max_replicas_per_expert)
@@ -181,83 +201,98 @@ def _check_fits(spec: MoESpec, bundles: Sequence[Bundle], eligible: Sequence[Nod
                         "spec.experts.gpus")
 
 
+def _by_layer(bundles: Sequence[Bundle]) -> dict[int, list[Bundle]]:
+    """MoE layer -> its bundles, in layer order: the placer's [L][B] rows (a bundle holds one layer's experts)."""
+    rows: dict[int, list[Bundle]] = {}
+    for bundle in bundles:
+        rows.setdefault(bundle.experts[0][0], []).append(bundle)
+    return dict(sorted(rows.items()))
+
+
 def _place(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str, int], loads: Loads,
-           eligible: Sequence[NodeInfo], previous: Plan) -> dict[str, tuple[str, ...]]:
-    """JSQ: each replica (heaviest bundle first) goes to the node with the least aggregated load,
-    preferring a node where the bundle is warm, then the node with fewest replicas, then by name.
-    A lazy heap over nodes keeps this O(R log N) for R replicas: 1000 nodes plan in milliseconds."""
-    gpus = spec.experts.gpus
-    # Warm services keep holding their GPUs whether reused or retired: count them before placing.
-    warm: dict[ServiceKey, int] = {**{k: r.replicas for k, r in previous.retired.items()}, **previous.services()}
-    free = {n.name: (n.gpus if gpus else math.inf) for n in eligible}
-    warm_nodes: dict[str, list[str]] = {}
+           eligible: Sequence[NodeInfo], warm: Mapping[ServiceKey, int]
+           ) -> tuple[dict[str, tuple[str, ...]], dict[str, int]]:
+    """The placer over nodes: each node is one of its "GPUs", its memory counted in replica slots.
+
+    Until expert functions share GPUs, a replica takes spec.experts.gpus whole GPUs, so a node has
+    room for gpus // experts.gpus replicas; its queue in a layer is the load of the layer's replicas
+    on it (capacity 1: replicas on one node share its network and host). A warm
+    service is kept unless its node's queue in the layer exceeds the shortest by more than half the
+    replica's load (warm slack 0.5): only then does a cold start elsewhere shorten the longer of the
+    two queues by more than that, so small changes in load never cost a cold start (weights loaded
+    again) and a clearly better node still wins.
+    """
+    per_replica = spec.experts.gpus
+    unbounded = sum(replicas.values()) + sum(warm.values())  # CPU-only experts: nodes never fill up
+    slots = {n.name: n.gpus // per_replica if per_replica else unbounded for n in eligible}
+    gpus = [placer.GPU(name, name, count) for name, count in slots.items()]
+    rows = list(_by_layer(bundles).values())
+    where = {b.name: (i, j) for i, row in enumerate(rows) for j, b in enumerate(row)}
+    warm_previous: dict[placer.ExpertKey, list[str]] = {}
     for (bundle, node), count in warm.items():
-        if node in free:
-            free[node] -= count * gpus
-            warm_nodes.setdefault(bundle, []).append(node)
-    load = {name: 0.0 for name in free}
-    count = {name: 0 for name in free}
-    heap = [(0.0, 0, name) for name in sorted(free)]  # (load, replicas, node); stale entries skipped
+        if bundle in where:
+            warm_previous.setdefault(where[bundle], []).extend([node] * count)
+    placement = placer.place([[replicas[b.name] for b in row] for row in rows],
+                             [[loads.of(b) for b in row] for row in rows], gpus, 1, warm_previous,
+                             warm_slack=WARM_SLACK, warm_held=True)
     placed: dict[str, list[str]] = {}
-
-    def coldest() -> tuple[float, bool, int, str] | None:
-        while heap:
-            entry_load, entry_count, node = heap[0]
-            if (entry_load, entry_count) != (load[node], count[node]) or free[node] < gpus:
-                heapq.heappop(heap)  # outdated, or full for good (free only shrinks while placing)
-                continue
-            return (entry_load, True, entry_count, node)
-        return None
-
-    for bundle in sorted(bundles, key=lambda b: (-loads.of(b), b.name)):
-        per_replica = loads.of(bundle) / replicas[bundle.name]
-        for _ in range(replicas[bundle.name]):
-            candidates = [(load[n], False, count[n], n) for n in warm_nodes.get(bundle.name, ())
-                          if warm[(bundle.name, n)] > 0]
-            cold = coldest()
-            if cold:
-                candidates.append(cold)
-            if not candidates:
-                raise PlanError("InsufficientCapacity",
-                                f"{sum(replicas.values())} expert replicas of {gpus} {GPU} do not fit the "
-                                f"{sum(n.gpus for n in eligible)} GPUs of {len(eligible)} eligible nodes (warm "
-                                "replicas included): add GPU nodes, raise spec.experts.bundleBytes, shorten "
-                                "spec.experts.scaling.keepAlive, or scale out less (spec.experts.scaling."
-                                "maxReplicasPerExpert, layerMemoryCap, a higher cvThreshold)")
-            _, is_cold, _, node = min(candidates)
-            if is_cold:
-                free[node] -= gpus
-            else:
-                warm[(bundle.name, node)] -= 1  # a warm pod taken over: its GPU is already counted
-            load[node] += per_replica
-            count[node] += 1
-            heapq.heappush(heap, (load[node], count[node], node))
-            placed.setdefault(bundle.name, []).append(node)
-    return {name: tuple(sorted(nodes)) for name, nodes in placed.items()}
+    for (i, j, _), node in placement.gpu_of.items():
+        placed.setdefault(rows[i][j].name, []).append(node)
+    unplaced: dict[str, int] = {}
+    for i, j, _ in placement.unplaced:
+        unplaced[rows[i][j].name] = unplaced.get(rows[i][j].name, 0) + 1
+    homeless = [b.name for b in bundles if b.name not in placed]
+    if homeless:
+        raise PlanError("InsufficientCapacity",
+                        f"{len(homeless)} of {len(bundles)} expert bundles (e.g. {homeless[0]}) fit on no node: "
+                        f"{len(bundles)} replicas of {per_replica} {GPU} do not fit the "
+                        f"{sum(n.gpus for n in eligible)} GPUs of {len(eligible)} eligible nodes (warm "
+                        "replicas included): add GPU nodes, raise spec.experts.bundleBytes, or shorten "
+                        "spec.experts.scaling.keepAlive")
+    return {name: tuple(sorted(nodes)) for name, nodes in placed.items()}, unplaced
 
 
-def _retire(previous: Plan, active: set[ServiceKey], now: float, keep_alive_s: float) -> dict[ServiceKey, Retired]:
-    retired = {key: r for key, r in previous.retired.items() if key not in active and now - r.since < keep_alive_s}
-    for key, replicas in previous.services().items():
-        if key not in active:
-            retired[key] = Retired(replicas, now)
-    return retired
+def _kept(previous: Plan, now: float, keep_alive_s: float) -> dict[ServiceKey, Retired]:
+    """Retired services still warm: keepAlive has not passed since they left the plan."""
+    return {key: r for key, r in previous.retired.items() if now - r.since < keep_alive_s}
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """What a new plan changes in the warm pool, for events: each list names services or bundles."""
+
+    scaled_out: Mapping[str, tuple[int, int]]   # bundle -> (replicas before, after), more now
+    scaled_in: Mapping[str, tuple[int, int]]    # bundle -> (before, after), fewer now
+    retired: tuple[ServiceKey, ...]             # left the plan now, kept warm for keepAlive
+    reused: tuple[ServiceKey, ...]              # were retired, back in the plan: a warm start
+    expired: tuple[ServiceKey, ...]             # retired and keepAlive over: to be deleted
+    unplaced: Mapping[str, int]                 # bundle -> scaled-out replicas no node had room for
+
+
+def decisions(previous: Plan, new: Plan) -> Decisions:
+    """previous (as observed in the cluster) -> new: the scaling and warm-pool decisions taken."""
+    before = {b: len(n) for b, n in previous.nodes.items() if n}
+    after = {b: len(n) for b, n in new.nodes.items() if n}
+    active = new.services()
+    return Decisions(
+        scaled_out={b: (before.get(b, 0), n) for b, n in sorted(after.items()) if n > max(before.get(b, 0), 1)},
+        scaled_in={b: (n, after.get(b, 0)) for b, n in sorted(before.items()) if after.get(b, 0) < n},
+        retired=tuple(sorted(k for k in new.retired if k not in previous.retired)),
+        reused=tuple(sorted(k for k in previous.retired if k in active)),
+        expired=tuple(sorted(k for k in previous.retired if k not in active and k not in new.retired)),
+        unplaced=dict(new.unplaced))
 
 
 def _placement_of(p: Plan) -> dict[str, tuple[str, ...]]:
     return {b: tuple(sorted(n)) for b, n in p.nodes.items() if n}
 
 
-def _max_layer_cv(bundles: Sequence[Bundle], placed: Mapping[str, tuple[str, ...]], loads: Loads) -> float:
-    """max over layers of CV(per-replica load): 0 when a layer has no load."""
-    per_layer: dict[int, list[float]] = {}
-    for b in bundles:
-        replicas = len(placed.get(b.name, ()))
-        for _ in range(replicas):
-            per_layer.setdefault(b.experts[0][0], []).append(loads.of(b) / replicas)
-    cvs = []
-    for values in per_layer.values():
-        mean = sum(values) / len(values)
-        if mean > 0:
-            cvs.append(math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) / mean)
-    return round(max(cvs, default=0.0), 4)
+def _layer_summaries(bundles: Sequence[Bundle], placed: Mapping[str, tuple[str, ...]],
+                     loads: Loads) -> tuple[LayerSummary, ...]:
+    summaries = []
+    for layer, row in _by_layer(bundles).items():
+        rates = [loads.of(b) for b in row]
+        counts = [len(placed.get(b.name, ())) for b in row]
+        summaries.append(LayerSummary(layer, sum(counts), round(layer_cv(rates, [1] * len(row)), 4),
+                                      round(layer_cv(rates, counts), 4)))
+    return tuple(summaries)

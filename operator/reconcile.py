@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 from kubemoe.operator import conditions as c
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.kube import ApiError, Kube
-from kubemoe.operator.plan import NO_LOADS, Loads, NodeInfo, Plan, PlanError, plan
+from kubemoe.operator.plan import NO_LOADS, Decisions, Loads, NodeInfo, Plan, PlanError, decisions, plan
 from kubemoe.operator.render import (COMPONENT, EXPERT, FINGERPRINT_ANNOTATION, FRONTEND, KINDS, KNATIVE,
                                      RETIRED_ANNOTATION, ROUTING, observe, render, selector)
 from kubemoe.operator.spec import MoEDeployment, MoESpec, SpecError
@@ -32,8 +32,8 @@ ObjectKey = tuple[str, str, str]  # (apiVersion, kind, name)
 class Changes:
     applied: list[str] = field(default_factory=list)   # kind/name created or changed
     deleted: list[str] = field(default_factory=list)
-    retired: list[str] = field(default_factory=list)   # newly out of the plan, kept warm
     unchanged: int = 0
+    decisions: Decisions | None = None                  # scaling and warm-pool decisions, once applied
 
 
 @dataclass
@@ -43,6 +43,7 @@ class Outcome:
     status: dict[str, Any]
     error: c.Condition | None = None   # PlanApplied False: why nothing (more) was applied
     retry: bool = True                 # the error may clear by itself (capacity, Knative installed later)
+    applied: c.Condition | None = None  # PlanApplied as reported in the status (the error, if any)
 
 
 def key_of(obj: Mapping[str, Any]) -> ObjectKey:
@@ -94,8 +95,6 @@ class Reconciler:
                 with ThreadPoolExecutor(max_workers=self.config.apply_concurrency) as pool:
                     list(pool.map(self.kube.apply, batch))
                 changes.applied += [f"{o['kind']}/{o['metadata']['name']}" for o in batch]
-            changes.retired = [f"{bundle} on {node}" for bundle, node in sorted(new.retired)
-                               if (bundle, node) not in previous.retired]
             rendered = {key_of(o) for o in wanted}
             for key, live in children.items():
                 if key not in rendered:  # left the plan and its keep-alive is over, or no longer rendered
@@ -105,6 +104,7 @@ class Reconciler:
             failed = c.Condition(c.PLAN_APPLIED, False, c.APPLY_FAILED,
                                  f"the API server refused an object ({e.message}); the operator retries")
             return self._finish(body, new, list(children.values()), changes, loads, failed, retry=True)
+        changes.decisions = decisions(previous, new)
         return self._finish(body, new, list(children.values()), changes, loads, None, retry=False,
                             fresh={key_of(o) for o in wanted if f"{o['kind']}/{o['metadata']['name']}" in changes.applied})
 
@@ -142,9 +142,7 @@ class Reconciler:
         meta = body["metadata"]
         generation = int(meta.get("generation", 0))
         live = {key_of(o): o for o in children if key_of(o) not in fresh}
-        applied = error or c.Condition(c.PLAN_APPLIED, True, c.APPLIED,
-                                       f"plan version {new.version}: {new.replicas} expert replicas in "
-                                       f"{len(new.services())} services on {len(new.node_names)} nodes")
+        applied = error or _plan_applied(new)
         parts = [_frontend_ready(live), _experts_ready(new, live), applied]
         status: dict[str, Any] = {
             "observedGeneration": generation,
@@ -154,12 +152,34 @@ class Reconciler:
         }
         if new is not None:
             status["mode"] = new.mode
-            status["plan"] = {"replicas": new.replicas, "functions": len(new.services()), "bundles": len(new.bundles),
-                              "nodes": len(new.node_names), "retired": len(new.retired), "cv": new.cv,
-                              "version": new.version}
+            status["plan"] = _plan_status(new)
             status["cost"] = _cost(MoEDeployment.from_body(body).spec, new, loads)
         self.kube.patch_status(meta["namespace"], meta["name"], status)
-        return Outcome(new, changes, status, error, retry)
+        return Outcome(new, changes, status, error, retry, applied)
+
+
+def _plan_applied(new: Plan) -> c.Condition:
+    summary = (f"plan version {new.version}: {new.replicas} expert replicas in {len(new.services())} services "
+               f"on {len(new.node_names)} nodes")
+    if not new.unplaced:
+        return c.Condition(c.PLAN_APPLIED, True, c.APPLIED, summary)
+    # Applied (every bundle has a replica, the model serves), but the scaler wanted more than fits.
+    shown = ", ".join(f"{b} x{n}" for b, n in list(new.unplaced.items())[:5])
+    more = f" and {len(new.unplaced) - 5} more bundles" if len(new.unplaced) > 5 else ""
+    return c.Condition(c.PLAN_APPLIED, True, c.REPLICAS_UNPLACED,
+                       f"{summary}; {sum(new.unplaced.values())} scaled-out replicas fit on no node ({shown}{more}), "
+                       "so those experts run with fewer replicas than their load asks for: add GPU nodes, shorten "
+                       "spec.experts.scaling.keepAlive, or scale out less (a higher cvThreshold, a lower "
+                       "maxReplicasPerExpert or layerMemoryCap)")
+
+
+def _plan_status(new: Plan) -> dict[str, Any]:
+    """status.plan: totals, plus one short entry per MoE layer (58 of them for DeepSeek-V3: ~3 KB)."""
+    return {"replicas": new.replicas, "functions": len(new.services()), "bundles": len(new.bundles),
+            "nodes": len(new.node_names), "retired": len(new.retired), "unplaced": sum(new.unplaced.values()),
+            "cv": new.cv, "cvBefore": max((x.cv_before for x in new.layers), default=0.0), "version": new.version,
+            "layers": [{"layer": x.layer, "replicas": x.replicas, "cvBefore": x.cv_before, "cvAfter": x.cv_after}
+                       for x in new.layers]}
 
 
 def _apply_order(obj: Object) -> int:

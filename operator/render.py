@@ -127,7 +127,9 @@ def _frontend(deployment: MoEDeployment, plan: Plan, config: OperatorConfig) -> 
     routing = routing_configmap_name(deployment)
     args = ["frontend", "--checkpoint", checkpoint_path(spec), "--routing-configmap",
             f"{deployment.namespace}/{routing}", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
-            "--grpc-port", str(GRPC_PORT), "--model", deployment.name, "--dtype", spec.dtype]
+            "--grpc-port", str(GRPC_PORT), "--model", deployment.name, "--dtype", spec.dtype,
+            # The predictor's d: at layer l the frontend predicts layer l+d's loads for /loads and the split.
+            "--prediction-distance", str(spec.experts.scaling.prediction_distance)]
     env = [{"name": "KUBEMOE_FRONTEND_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": "KUBEMOE_MODE", "value": plan.mode}]
     if plan.mode == "offload" and spec.offload:

@@ -7,10 +7,16 @@ replica's layer (per unit of capacity), because layers run one after another and
 in a layer holds only that layer's replicas; the GPU's load over all layers breaks ties, so the
 hot replicas of different layers spread too. Two replicas of one expert never share a GPU while
 another GPU has room (they would only queue behind each other). A replica that fits nowhere is
-returned in `unplaced`, never dropped. `warm_slack` bounds what a warm start may cost in balance: a
-warm GPU is taken unless its queue in the layer exceeds the shortest queue by more than warm_slack x
-the replica's load (inf, the default, always reuses, as MoEless does; 0 reuses only where the warm
-GPU is as good as any). Shapes: L = MoE layers, E = experts, G = GPUs.
+returned in `unplaced`, never dropped; when memory is short, scale-out replicas (an expert's second
+and later) give way to every expert's first: an expert without a replica would lose its tokens.
+`warm_slack` bounds what a warm start may cost in balance: a warm GPU is taken unless its queue in
+the layer exceeds the shortest queue by more than warm_slack x the replica's load (inf, the default,
+always reuses, as MoEless does; 0 reuses only where the warm GPU is as good as any).
+
+What "warm" costs depends on who keeps it. The simulator's warm replicas are the previous placement,
+released unless reused: reusing one takes its memory again (`warm_held` False). The operator's are
+running services kept for keepAlive whether reused or not (`warm_held` True): they hold their memory
+from the start, and reusing one takes nothing more. Shapes: L = MoE layers, E = experts, G = GPUs.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ class Placement:
     gpu_of: Mapping[ReplicaKey, str]            # replica -> GPU id
     replica_load: Mapping[ReplicaKey, float]    # its share of the expert's load
     gpu_load: Mapping[str, float]               # GPU id -> load summed over every layer
-    gpu_memory: Mapping[str, int]               # GPU id -> bytes its replicas use
+    gpu_memory: Mapping[str, int]               # GPU id -> bytes its replicas use (and held warm ones)
     unplaced: tuple[ReplicaKey, ...] = ()       # replicas no GPU had memory for
     warm_reused: int = 0
 
@@ -56,8 +62,11 @@ class Placement:
 
 def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], gpus: Sequence[GPU],
           expert_bytes: int, warm_previous: Mapping[ExpertKey, Sequence[str]] | None = None,
-          warm_slack: float = math.inf) -> Placement:
-    """replicas [L][E] and loads [L][E] -> a Placement over `gpus`."""
+          warm_slack: float = math.inf, warm_held: bool = False) -> Placement:
+    """replicas [L][E] and loads [L][E] -> a Placement over `gpus`.
+
+    `warm_previous` names a GPU once per warm replica of the expert there (a GPU may hold several).
+    """
     if len(replicas) != len(loads) or any(len(r) != len(x) for r, x in zip(replicas, loads)):
         raise ValueError("replicas and loads must have the same [L][E] shape")
     if expert_bytes <= 0:
@@ -69,6 +78,15 @@ def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], g
     by_id = {g.id: g for g in gpus}
     warm = {key: [g for g in ids if g in by_id] for key, ids in (warm_previous or {}).items()}
     free = {g.id: g.memory_bytes for g in gpus}
+    if warm_held:
+        for ids in warm.values():
+            for g in ids:
+                free[g] -= expert_bytes
+    slots = _Slots(free, expert_bytes)
+    # Experts still without a replica that will need memory of their own: scale-out replicas leave
+    # room for them. A held warm replica needs none (it is always taken when nothing else has room).
+    firsts_waiting = sum(1 for layer, counts in enumerate(replicas) for e, c in enumerate(counts)
+                         if c > 0 and not (warm_held and warm.get((layer, e))))
     total = {g.id: 0.0 for g in gpus}
     gpu_of: dict[ReplicaKey, str] = {}
     replica_load: dict[ReplicaKey, float] = {}
@@ -83,25 +101,49 @@ def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], g
         for load, expert, index in order:
             key = (layer, expert, index)
             taken = hosts.setdefault(expert, set())
-            gpu = next((g for g in sorted(warm.get((layer, expert), ()), key=queue.rank)
-                        if g not in taken and free[g] >= expert_bytes), None)
+            needs_own = index == 0 and not (warm_held and warm.get((layer, expert)))
+            # Warm GPUs not yet holding this expert first; one that does only when nothing else has room.
+            gpu = next((g for g in sorted(warm.get((layer, expert), ()), key=lambda g: (g in taken, queue.rank(g)))
+                        if warm_held or free[g] >= expert_bytes), None)
             cold = queue.shortest(taken)
-            if gpu is not None and (warm_slack == math.inf or cold is None
-                                    or queue.queue(gpu) - queue.queue(cold) <= warm_slack * load):
+            # New memory goes to a replica only if every expert still waiting keeps room for its first.
+            room = needs_own or slots.count - 1 >= firsts_waiting
+            warm_ok = gpu is not None and (warm_held or room)
+            cold_ok = cold is not None and room
+            firsts_waiting -= needs_own
+            if warm_ok and not (cold_ok and (gpu in taken and cold not in taken or warm_slack < math.inf
+                                             and queue.queue(gpu) - queue.queue(cold) > warm_slack * load)):
                 warm[(layer, expert)].remove(gpu)  # one warm replica serves one new replica
                 reused += 1
-            else:
+                if not warm_held:
+                    free[gpu] -= expert_bytes
+            elif cold_ok:
                 gpu = cold
-            if gpu is None:
-                unplaced.append(key)
+                free[gpu] -= expert_bytes
+            else:
+                unplaced.append(key)  # no room, or what is left is some waiting expert's only replica's
                 continue
-            free[gpu] -= expert_bytes
+            slots.update(gpu)
             total[gpu] += load
             queue.add(gpu, load)
             taken.add(gpu)
             gpu_of[key], replica_load[key] = gpu, load
     used = {g.id: g.memory_bytes - free[g.id] for g in gpus}
     return Placement(gpu_of, replica_load, total, used, tuple(unplaced), reused)
+
+
+class _Slots:
+    """How many more replicas the GPUs have memory for, all together, kept current as memory is taken."""
+
+    def __init__(self, free: Mapping[str, int], expert_bytes: int):
+        self.free, self.expert_bytes = free, expert_bytes
+        self.per_gpu = {g: max(f, 0) // expert_bytes for g, f in free.items()}
+        self.count = sum(self.per_gpu.values())
+
+    def update(self, gpu: str) -> None:
+        now = max(self.free[gpu], 0) // self.expert_bytes
+        self.count += now - self.per_gpu[gpu]
+        self.per_gpu[gpu] = now
 
 
 @dataclass

@@ -65,11 +65,12 @@ def test_greedy_generation_over_grpc_matches_transformers(arch, transport, tiny_
     assert ours == reference_greedy(reference, PROMPTS)
 
 
-def test_a_killed_replica_loses_no_request(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("split_min_tokens", [64, 1])  # 1: every step's tokens split over both replicas
+def test_a_killed_replica_loses_no_request(split_min_tokens, tiny_checkpoint, tmp_path):
     """Two replica processes of one bundle; one is SIGKILLed while requests are decoding (tensors in shared memory)."""
     path = tiny_checkpoint("mixtral")
     bundles = embedded_bundles(path, 1)
-    fe = Frontend(FrontendConfig(checkpoint=path, call_timeout=5.0, shm_dir=tmp_path))
+    fe = Frontend(FrontendConfig(checkpoint=path, call_timeout=5.0, shm_dir=tmp_path, split_min_tokens=split_min_tokens))
     fe.engine.eos_ids = set()
     try:
         fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
@@ -104,3 +105,59 @@ def test_a_killed_replica_loses_no_request(tiny_checkpoint, tmp_path):
     assert after_kill == expected
     retries = fe.metrics.registry.get_sample_value
     assert sum(retries("kubemoe_frontend_expert_retries_total", {"bundle": b.name}) or 0 for b in bundles) >= 1
+
+
+class FixedPrediction:
+    """Stands in for the online predictor: every expert of every layer predicted hot."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def predicted_counts(self, layer):
+        return [self.tokens] * 64
+
+
+@pytest.mark.parametrize("prediction", [None, 1000])
+def test_a_hot_experts_tokens_split_across_two_replicas_equal_the_in_process_path(prediction, tiny_checkpoint):
+    """One bundle, two real expert-function replicas: every expert's tokens of one step split over
+    both, and the combined output equal to the in-process experts' within float32 rounding."""
+    path = tiny_checkpoint("mixtral")
+    fe = Frontend(FrontendConfig(checkpoint=path, predictor="none", split_min_tokens=1))
+    bundles = embedded_bundles(path, 1)
+    servers = ExpertServers(path, bundles, replicas=2)
+    try:
+        layer = fe.adapter.moe_layers[0]
+        generator = torch.Generator().manual_seed(0)
+        hidden = torch.randn(48, fe.adapter.hidden_size, generator=generator)  # [T, H]
+        logits = torch.randn(48, fe.adapter.num_experts, generator=generator)
+        weights, index = logits.softmax(-1).topk(2, dim=-1)  # [T, K], [T, K]
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
+        fe.dispatcher.apply_pending()
+        in_process = fe.dispatcher.run_layer(layer, hidden, index, weights)
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, servers.addresses, version=2))
+        fe.dispatcher.apply_pending()
+        fe.dispatcher.predictions = FixedPrediction(prediction) if prediction else None
+        split = fe.dispatcher.run_layer(layer, hidden, index, weights)
+        replicas = fe.dispatcher._replicas
+        assert len(replicas) == 2 and all(r.picks == 1 and r.inflight_tokens == 0 for r in replicas.values())
+    finally:
+        fe.close()
+        servers.stop()
+    torch.testing.assert_close(split, in_process, rtol=1.3e-6, atol=1e-5)
+
+
+def test_split_bundle_call_sends_every_token_to_exactly_one_replica():
+    from kubemoe.frontend.dispatch import split_bundle_call
+
+    experts, counts = [0, 3, 5], [7, 1, 4]
+    parts = split_bundle_call(experts, counts, [0, 2, 0], None, 2)
+    rows = sorted(r for pieces in parts.values() for p in pieces for r in range(p.row, p.row + p.count))
+    assert rows == list(range(12))
+    for pieces in parts.values():  # a piece stays inside its expert's rows
+        for p in pieces:
+            start = sum(counts[:experts.index(p.expert)])
+            assert start <= p.row and p.row + p.count <= start + counts[experts.index(p.expert)]
+    assert {p.expert for pieces in parts.values() for p in pieces if p.count} == {0, 3, 5}
+    # The prediction decides how many replicas: one predicted token keeps expert 0 on one replica.
+    assert len(split_bundle_call([0], [7], [0, 0, 0], [1], 1)) == 1
+    assert len(split_bundle_call([0], [7], [0, 0, 0], [100], 1)) == 3

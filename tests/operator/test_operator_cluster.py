@@ -51,14 +51,15 @@ class LoadServer:
     """Serves a LoadReport on a frontend pod's IP and port 8000: kwok pod IPs are loopback addresses."""
 
     def __init__(self, ip: str, report: dict):
-        body = json.dumps(report).encode()
+        self.report = report  # replace it to change what the next GET sees
+        outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
                 self.send_response(200 if self.path == "/loads" else 404)
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(json.dumps(outer.report).encode())
 
             def log_message(self, *args):
                 pass
@@ -112,31 +113,52 @@ def test_deployment_runtime_end_to_end(cluster, api, operator, namespace, f):
     assert all(c["observedGeneration"] == ready["metadata"]["generation"] and c["reason"] and c["message"]
                for c in status["conditions"])
     table = cluster.kubectl("get", "moed", "tiny", f"--namespace={namespace}").stdout
-    assert table.split()[:7] == ["NAME", "MODE", "READY", "REPLICAS", "FUNCTIONS", "COST", "AGE"]
-    assert table.split()[7:12] == ["tiny", "distributed", "True", "4", "4"]
+    assert table.split()[:9] == ["NAME", "MODE", "READY", "REPLICAS", "FUNCTIONS", "CV", "UNPLACED", "COST", "AGE"]
+    assert table.split()[9:16] == ["tiny", "distributed", "True", "4", "4", "0", "0"]
     events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=tiny").items
     assert any(e.reason == "Applied" for e in events), [(e.reason, e.involved_object.name, e.message) for e in core.list_namespaced_event(namespace).items][:20]
 
-    # Loads from the frontend move a bundle; its old service stays (warm) out of the routing table.
+    # Skewed predicted loads from the frontend (a test server speaking /loads): the hot bundle scales out.
     frontend_pod = f.wait(lambda: [p for p in core.list_namespaced_pod(
         namespace, label_selector="app.kubernetes.io/component=frontend").items if p.status.pod_ip], 30,
         "the frontend pod's IP")[0]
+
+    def report(hot: tuple[int, int]) -> dict:
+        # Observed rates are even; the predicted ones (what the operator plans with) are skewed.
+        return {"model": "tiny", "frontend": frontend_pod.metadata.name, "windowSeconds": 10, "tokens": "1000",
+                "loads": [{"layer": 0, "expert": e, "tokensPerSecond": 100.0,
+                           "predictedTokensPerSecond": 300.0 if e in hot else 100.0} for e in range(4)]}
+
+    def replanned(version):
+        return lambda: int(routing_table(api, namespace, "tiny")["version"]) > int(version)
+
+    def reasons():
+        return {e.reason: e.message for e in core.list_namespaced_event(
+            namespace, field_selector="involvedObject.name=tiny").items}
+
     version = routing_table(api, namespace, "tiny")["version"]
-    report = {"model": "tiny", "frontend": frontend_pod.metadata.name, "windowSeconds": 10, "tokens": "1000",
-              "loads": [{"layer": 0, "expert": 0, "tokensPerSecond": 80.0}, {"layer": 0, "expert": 1, "tokensPerSecond": 80.0}]}
-    server = LoadServer(frontend_pod.status.pod_ip, report)
+    server = LoadServer(frontend_pod.status.pod_ip, report((0, 1)))
     try:
-        f.wait(lambda: int(routing_table(api, namespace, "tiny")["version"]) > int(version), 30,
-               "a new plan after the load change", operator)
+        f.wait(replanned(version), 30, "a new plan after the load change", operator)
+        status = f.wait(lambda: (s := moed(api, namespace, "tiny")["status"])["plan"]["replicas"] == 5 and s,
+                        30, "status with the scaled-out plan", operator)
+        assert status["plan"]["layers"][0] == {"layer": 0, "replicas": 3, "cvBefore": 0.5, "cvAfter": 0.1768}
+        assert status["plan"]["unplaced"] == 0 and status["loads"]["frontends"] == 1
+        f.wait(lambda: "l0-e0-1 1->2" in reasons().get("ScaledOut", ""), 30, "a ScaledOut event", operator)
+        # The load moves to the other bundle: the extra service retires, warm, out of the routing table.
+        version = routing_table(api, namespace, "tiny")["version"]
+        server.report = report((2, 3))
+        f.wait(replanned(version), 30, "a new plan after the load moved", operator)
     finally:
         server.close()
     found = children(api, namespace, "tiny")
     retired = [d for d in found["Deployment"] if RETIRED_ANNOTATION in (d["metadata"]["annotations"] or {})]
-    assert retired, "the moved bundle's old service is kept warm"
+    assert retired, "the scaled-in bundle's extra service is kept warm"
     addresses = {e["address"] for r in routing_table(api, namespace, "tiny")["routes"] for e in r["endpoints"]}
     assert not any(d["metadata"]["name"] in a for d in retired for a in addresses)
+    f.wait(lambda: "Retired" in reasons() and "ScaledIn" in reasons(), 30, "Retired and ScaledIn events", operator)
     status = moed(api, namespace, "tiny")["status"]
-    assert status["loads"]["frontends"] == 1 and status["plan"]["retired"] == len(retired)
+    assert status["plan"]["retired"] == len(retired)
     assert status["cost"]["usdPerMillionTokens"] > 0
 
     # A shorter keep-alive (a spec update) lets the retired services go.

@@ -1,6 +1,7 @@
 import pytest
 
-from kubemoe.operator.plan import Loads, NodeInfo, PlanError, Retired, eligible_nodes, plan, tolerated
+from kubemoe.operator.plan import (Loads, NodeInfo, Plan, PlanError, Retired, decisions, eligible_nodes, plan,
+                                   tolerated)
 from kubemoe.operator.spec import MoESpec
 
 NOW = 1_000_000.0
@@ -27,29 +28,70 @@ def test_same_inputs_same_plan_and_version(f):
     assert again.nodes == first.nodes and again.version == first.version and again.retired == {}
 
 
-def test_loads_move_bundles_off_the_busy_node_and_keep_the_old_service_warm(f):
+def test_a_warm_service_moves_only_when_another_node_is_clearly_better(f):
     spec, nodes = spec_of(f, experts=NO_SCALING), f.gpu_nodes(2)
-    first = plan(spec, Loads(), nodes, None, NOW)
-    hot = {(0, 0): 100.0, (0, 1): 100.0}
-    second = plan(spec, Loads(hot, 10.0, 1), nodes, first, NOW + 30)
-    moved = {b for b in first.nodes if first.nodes[b] != second.nodes[b]}
-    assert moved and second.version == first.version + 1
-    assert set(second.retired) == {(b, first.nodes[b][0]) for b in moved}
-    assert all(r == Retired(1, NOW + 30) for r in second.retired.values())
-    assert second.cv > 0  # layer 0 has one hot bundle
+    # As observe() reads a cluster where both bundles of layer 0 ended up on node-0.
+    stacked = Plan("distributed", spec.bundles(), {"l0-e0-1": ("node-0",), "l0-e2-3": ("node-0",),
+                                                   "l1-e0-1": ("node-1",), "l1-e2-3": ("node-0",)}, {}, 3)
+    hot = Loads({(0, 0): 100.0, (0, 2): 100.0}, 10.0, 1)
+    moved = plan(spec, hot, nodes, stacked, NOW)
+    assert moved.nodes["l0-e0-1"] != moved.nodes["l0-e2-3"] and moved.version == 4
+    [left] = [b for b in ("l0-e0-1", "l0-e2-3") if moved.nodes[b] == ("node-1",)]
+    assert moved.retired == {(left, "node-0"): Retired(1, NOW)} and moved.cv == 0.0
+    # A small imbalance is not worth a cold start: layer 1 stays where it is.
+    assert moved.nodes["l1-e0-1"] == ("node-1",) and moved.nodes["l1-e2-3"] == ("node-0",)
+    slight = plan(spec, Loads({(0, 0): 100.0, (0, 2): 100.0, (1, 0): 30.0}, 10.0, 1), nodes, moved, NOW + 30)
+    assert slight.nodes == moved.nodes and slight.version == moved.version
 
 
-def test_retired_service_expires_after_keep_alive_and_is_reused_before(f):
-    spec, nodes = spec_of(f, experts={"scaling": {"keepAlive": "60s", "maxReplicasPerExpert": 1}}), f.gpu_nodes(2)
-    first = plan(spec, Loads(), nodes, None, NOW)
-    second = plan(spec, Loads({(0, 0): 100.0, (0, 1): 100.0}), nodes, first, NOW)
-    assert second.retired
-    kept = plan(spec, Loads({(0, 0): 100.0, (0, 1): 100.0}), nodes, second, NOW + 59)
-    assert kept.retired == second.retired
-    gone = plan(spec, Loads({(0, 0): 100.0, (0, 1): 100.0}), nodes, second, NOW + 61)
-    assert gone.retired == {}
-    back = plan(spec, Loads(), nodes, second, NOW + 10)  # loads vanish: warm services win
-    assert {(b, n) for b, ns in back.nodes.items() for n in ns} >= set(second.retired)
+def test_warm_pool_scales_out_retires_reuses_and_expires(f):
+    # One expert per bundle, 4 nodes of 8 GPUs; predicted loads skewed to layer 0's expert 0.
+    spec = spec_of(f, experts={"bundleBytes": "128Mi", "scaling": {"keepAlive": "10m", "maxReplicasPerExpert": 4}})
+    nodes = f.gpu_nodes(4)
+    skewed = Loads({(0, 0): 800.0, (0, 1): 100.0, (0, 2): 100.0, (0, 3): 100.0}, 50.0, 1)
+    moved = Loads({(0, 0): 100.0, (0, 1): 100.0, (0, 2): 100.0, (0, 3): 800.0}, 50.0, 1)
+
+    hot = plan(spec, skewed, nodes, None, NOW)
+    assert len(hot.nodes["l0-e0-0"]) == 4 and len(set(hot.nodes["l0-e0-0"])) == 4  # scaled out, spread
+    assert hot.layers[0].cv_before > 1.0 and hot.layers[0].cv_after < 0.32 and hot.layers[1].replicas == 4
+    assert decisions(Plan("distributed", spec.bundles(), {}), hot).scaled_out == {"l0-e0-0": (0, 4)}
+
+    # The load moves to expert 3: expert 0's extra replicas leave the plan and stay warm.
+    after_move = plan(spec, moved, nodes, hot, NOW + 60)
+    assert len(after_move.nodes["l0-e0-0"]) == 1 and len(after_move.nodes["l0-e3-3"]) == 4
+    gone = {("l0-e0-0", n) for n in hot.nodes["l0-e0-0"]} - {("l0-e0-0", n) for n in after_move.nodes["l0-e0-0"]}
+    assert len(gone) == 3 and all(after_move.retired[k] == Retired(1, NOW + 60) for k in gone)
+    change = decisions(hot, after_move)
+    assert change.scaled_in == {"l0-e0-0": (4, 1)} and change.scaled_out == {"l0-e3-3": (1, 4)}
+    assert set(change.retired) >= gone and change.reused == () and change.unplaced == {}
+
+    # It comes back before keepAlive is over: expert 0 takes its warm services again.
+    back = plan(spec, skewed, nodes, after_move, NOW + 300)
+    assert set(back.nodes["l0-e0-0"]) == set(hot.nodes["l0-e0-0"])
+    assert set(decisions(after_move, back).reused) == gone
+
+    # Or it stays away: after keepAlive the retired services are dropped (the operator deletes them).
+    kept = plan(spec, moved, nodes, after_move, NOW + 60 + 599)
+    assert gone <= set(kept.retired)
+    expired = plan(spec, moved, nodes, kept, NOW + 60 + 601)
+    assert not gone & set(expired.retired) and gone <= set(decisions(kept, expired).expired)
+
+
+def test_retired_services_hold_their_gpus_and_extra_replicas_that_fit_nowhere_are_listed(f):
+    spec = spec_of(f, experts={"bundleBytes": "128Mi", "gpus": 4, "scaling": {"maxReplicasPerExpert": 4}})
+    nodes = f.gpu_nodes(2, gpus=8)  # 4 slots in all, 8 bundles: not even one replica each
+    with pytest.raises(PlanError, match="fit on no node") as full:
+        plan(spec, Loads(), nodes, None, NOW)
+    assert full.value.reason == "InsufficientCapacity"
+    nodes = f.gpu_nodes(5, gpus=8)  # 10 slots: every bundle once, two left for scale-out
+    skewed = Loads({(0, 0): 1000.0, (0, 1): 1.0}, 10.0, 1)
+    p = plan(spec, skewed, nodes, None, NOW)
+    assert len(p.nodes) == 8 and p.nodes["l0-e0-0"] and p.unplaced == {"l0-e0-0": 1} and p.replicas == 10
+    assert decisions(Plan("distributed", spec.bundles(), {}), p).unplaced == {"l0-e0-0": 1}
+    # A retired service keeps its slot until keepAlive is over: still no room for the third replica.
+    again = plan(spec, skewed, nodes, Plan("distributed", spec.bundles(), p.nodes,
+                                           {("l1-e3-3", "node-4"): Retired(1, NOW)}, p.version), NOW + 1)
+    assert sum(again.unplaced.values()) >= 1
 
 
 def test_placement_respects_selector_taints_and_gpu_capacity(f):

@@ -48,6 +48,7 @@ def test_frontend_deployment_service_and_rbac(f):
     assert container["args"][:9] == ["frontend", "--checkpoint", "/models/tiny", "--routing-configmap",
                                      "default/tiny-routing", "--host", "0.0.0.0", "--port", "8000"]
     assert container["args"][9:11] == ["--grpc-port", "50051"]
+    assert container["args"][-2:] == ["--prediction-distance", "1"]  # spec.experts.scaling.predictionDistance
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert container["securityContext"]["readOnlyRootFilesystem"] and container["securityContext"]["runAsNonRoot"]
@@ -97,12 +98,13 @@ def test_knative_runtime_annotations_affinity_and_address(f):
 
 
 def test_retired_service_renders_unchanged_template_and_leaves_the_routing_table(f):
-    one_replica = {"scaling": {"maxReplicasPerExpert": 1}}  # moved, not scaled out
-    deployment, first, objects = rendered(f, experts=one_replica)
+    # A hot bundle scaled out over both nodes, then scaled in when its load is gone.
+    deployment, first, objects = rendered(f, loads=Loads({(0, 0): 300.0, (0, 1): 300.0, (0, 2): 100.0}))
+    assert set(first.nodes["l0-e0-1"]) == {"node-0", "node-1"}
     previous = observe(deployment.spec, "distributed", objects)
     assert previous.nodes == first.nodes and previous.version == first.version
-    _, second, again = rendered(f, loads=Loads({(0, 0): 50.0, (0, 1): 50.0}), previous=previous, experts=one_replica)
-    assert second.retired
+    _, second, again = rendered(f, previous=previous)
+    assert len(second.retired) == 1
     retired = [o for o in again if RETIRED_ANNOTATION in o["metadata"]["annotations"] and o["kind"] == "Deployment"]
     assert len(retired) == len(second.retired)
     before = {(o["kind"], o["metadata"]["name"]): o for o in objects}

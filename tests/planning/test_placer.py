@@ -33,9 +33,28 @@ def test_warm_slack_bounds_what_a_warm_start_may_cost():
     assert set(bounded.gpu_of.values()) == {"g0", "g1"} and bounded.warm_reused == 1
 
 
-def test_what_does_not_fit_is_reported_least_loaded_last():
+def test_what_does_not_fit_is_reported_and_scale_out_gives_way_to_every_experts_first_replica():
     p = place([[2, 1]], [[4.0, 1.0]], gpus(2, experts_each=1), MIB)
-    assert p.unplaced == ((0, 1, 0),) and set(p.gpu_memory.values()) == {MIB}
+    assert p.unplaced == ((0, 0, 1),) and set(p.gpu_memory.values()) == {MIB}
+    # Across layers too: layer 0's hot expert does not take the memory layer 1's experts need.
+    p = place([[3, 1], [1, 1]], [[9.0, 1.0], [1.0, 1.0]], gpus(4, experts_each=1), MIB)
+    assert p.unplaced == ((0, 0, 1), (0, 0, 2)) and {(l, e) for l, e, _ in p.gpu_of} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    p = place([[1, 1, 1]], [[3.0, 2.0, 1.0]], gpus(2, experts_each=1), MIB)
+    assert p.unplaced == ((0, 2, 0),)  # too little for every expert: the least loaded waits
+
+
+def test_held_warm_replicas_keep_their_memory_and_are_reused_without_more():
+    # The operator's warm pool: services kept for keepAlive hold their GPU whether reused or not.
+    warm = {(0, 0): ("g0",), (0, 1): ("g1",)}
+    p = place([[1, 0]], [[4.0, 0.0]], gpus(2, experts_each=1), MIB, warm, warm_held=True)
+    assert p.gpu_of == {(0, 0, 0): "g0"} and p.warm_reused == 1 and p.gpu_memory == {"g0": MIB, "g1": MIB}
+    # Expert 1's warm replica still holds g1: expert 0's scale-out replica finds no room.
+    p = place([[2, 0]], [[4.0, 0.0]], gpus(2, experts_each=1), MIB, warm, warm_held=True)
+    assert p.unplaced == ((0, 0, 1),)
+    # Two warm replicas of one expert on one GPU (nothing else had room) both stay where they are.
+    p = place([[2]], [[4.0]], gpus(2, experts_each=2), MIB, {(0, 0): ("g0", "g0"), (0, 1): ("g1", "g1")},
+              warm_held=True)
+    assert sorted(p.gpu_of.values()) == ["g0", "g0"] and p.warm_reused == 2 and p.unplaced == ()
 
 
 def test_a_faster_gpu_takes_more_load():
@@ -80,3 +99,20 @@ def test_with_room_warm_replicas_are_reused_and_replicas_of_an_expert_spread(sha
     on = [p.gpu_of[(0, 0, i)] for i in range(replicas[0][0])]
     assert len(set(on)) == len(on)  # never two replicas of one expert on one GPU while others have room
     assert len(set(on) & set(warm_ids)) == min(len(on), len(warm_ids)) == p.warm_reused
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=shapes, gpu_count=st.integers(1, 6), experts_each=st.integers(1, 8), held=st.booleans(),
+       warm_seed=st.lists(st.integers(0, 5), max_size=6))
+def test_every_expert_keeps_a_replica_while_memory_holds_one_each(shape, gpu_count, experts_each, held, warm_seed):
+    replicas, loads = shape
+    pool = gpus(gpu_count, experts_each)
+    warm = {}
+    for i, g in enumerate(warm_seed):
+        warm.setdefault((i % len(replicas), (i * 3) % len(replicas[0])), []).append(f"g{g}")
+    p = place(replicas, loads, pool, MIB, warm, warm_held=held)
+    experts = {(l, e) for l, row in enumerate(replicas) for e in range(len(row))}
+    held_slots = sum(1 for ids in warm.values() for g in ids if int(g[1:]) < gpu_count) if held else 0
+    if len(experts) <= gpu_count * experts_each - held_slots:
+        assert {(l, e) for l, e, _ in p.gpu_of} == experts
+    assert all(used <= g.memory_bytes or held for g, used in zip(pool, p.gpu_memory.values()))
