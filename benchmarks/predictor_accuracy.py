@@ -81,6 +81,8 @@ def main() -> None:
     parser.add_argument("--fit-tokens", type=int, default=None, help="default: 40k (small), 200k (base)")
     parser.add_argument("--judge-tokens", type=int, default=None, help="default: 20k (small), 100k (base)")
     parser.add_argument("--threshold", type=float, default=0.8)
+    parser.add_argument("--batch", type=int, default=None, help="rows per training step (default: 512 CPU, 2048 GPU)")
+    parser.add_argument("--max-epochs", type=int, default=TrainConfig.max_epochs)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if bool(args.checkpoint) == bool(args.train):
@@ -112,7 +114,8 @@ def main() -> None:
         judge = RoutingRecords.load(tmp / "rec-judge", shape)
         print(f"records: {len(fit)} rows to fit, {len(stop)} to stop on, {len(judge)} to judge", flush=True)
 
-        config = TrainConfig(threshold=args.threshold, device=str(device))
+        config = TrainConfig(threshold=args.threshold, device=str(device),
+                             batch=args.batch or (2048 if device.type == "cuda" else 512), max_epochs=args.max_epochs)
         raw, summary, finetuned_d1 = [], {}, None
         for d in DISTANCES:
             router = LoadPredictor.from_routers(adapter, ckpt, d)

@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--held-out-tokens", type=int, default=None, help="default: 40k (small), 200k (base)")
+    parser.add_argument("--steps", type=int, default=None, help="override the recipe's steps (smoke runs)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the trained checkpoint here")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -70,7 +71,7 @@ def main() -> None:
         if trained.exists():
             shutil.rmtree(trained)
         start = time.perf_counter()
-        report = train_moe(recipe, trained, seed=args.seed, device=device, corpus=corpus)
+        report = train_moe(recipe, trained, seed=args.seed, device=device, steps=args.steps, corpus=corpus)
         wall = time.perf_counter() - start
         train_moe(recipe, tmp / "random", seed=args.seed, device=device, steps=0, progress=False, corpus=corpus)
         skews = {}

@@ -45,6 +45,7 @@ class TrainRecipe:
     weight_decay: float = 0.1
     aux_loss_coef: float = 1e-3  # see the module docstring
     corpus_chars: int = 1_500_000  # of the standard library, whole files
+    tokenizer_chars: int = 4_000_000  # the tokenizer learns its merges from this much of the training text
     dtype: str = "float32"  # of the saved weights
 
 
@@ -59,7 +60,7 @@ RECIPES: dict[str, TrainRecipe] = {
 ),
         TrainRecipe("base", dict(_MIXTRAL_MOE, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
                                  num_key_value_heads=4, max_position_embeddings=2048),
-                    vocab_size=8192, seq_len=256, batch=64, steps=1500, lr=1.5e-3, warmup=100,
+                    vocab_size=8192, seq_len=256, batch=64, steps=1200, lr=1.5e-3, warmup=100,
                     corpus_chars=40_000_000, dtype="bfloat16"),
     ]
 }
@@ -94,6 +95,17 @@ def tokenize(tokenizer, texts: list[str], eos: int) -> torch.Tensor:  # -> [N] i
         ids.extend(encoded)
         ids.append(eos)
     return torch.tensor(ids, dtype=torch.int64)
+
+
+def _prefix(texts: list[str], chars: int) -> list[str]:
+    """Whole texts from the start until `chars` characters (at least one text)."""
+    kept, total = [], 0
+    for text in texts:
+        if kept and total + len(text) > chars:
+            break
+        kept.append(text)
+        total += len(text)
+    return kept
 
 
 def _lr(step: int, recipe: TrainRecipe) -> float:
@@ -136,7 +148,7 @@ def train_moe(recipe: TrainRecipe, out: str | Path, seed: int = 0, device: str |
     corpus = corpus or stdlib_corpus(recipe.corpus_chars)
 
     out.mkdir(parents=True, exist_ok=True)
-    special = save_tokenizer(recipe.vocab_size, out, corpus.train)
+    special = save_tokenizer(recipe.vocab_size, out, _prefix(corpus.train, recipe.tokenizer_chars))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(out)
