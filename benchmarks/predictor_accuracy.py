@@ -9,6 +9,8 @@ part train the predictors, records of the second judge them. Three predictors, t
   router     layer l+d's router applied to layer l's input, unchanged (Mixtral-offloading's reuse)
   finetuned  MoEless: router copies fine-tuned only where below the threshold (80%)
   mlp        ProMoE-style: an MLP per layer trained from scratch until it stops improving
+and, for information, finetuned_all: every layer's router copy fine-tuned until it stops improving
+(threshold 1.0), the most a router copy learns from these records.
 For each, per layer: top-k set accuracy and the load error (total variation distance of predicted
 and true tokens per expert over windows of 64 tokens); parameters and bytes; and the time one
 prediction takes at a source layer while serving (head, routing function, per-expert counts back
@@ -27,6 +29,8 @@ finetuned_minus_mlp_acc_d2 (>= 0).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 import statistics
 import sys
@@ -47,9 +51,10 @@ from kubemoe.frontend.collect import collect_records  # noqa: E402
 from kubemoe.frontend.predictor import LoadPredictor  # noqa: E402
 from kubemoe.frontend.predictor_train import TrainConfig, evaluate, finetune, train_mlp  # noqa: E402
 from kubemoe.frontend.records import ModelShape, RoutingRecords  # noqa: E402
-from kubemoe.train import get_recipe, train_moe  # noqa: E402
+from kubemoe.train import TRAINING_FILE, get_recipe, train_moe  # noqa: E402
 
 DISTANCES = (1, 2, 3, 4)
+KINDS = ("router", "finetuned", "finetuned_all", "mlp")
 TRACE_TOKENS = 16_384
 
 
@@ -91,12 +96,12 @@ def main() -> None:
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        recipe = get_recipe(args.train or "small")
         checkpoint = args.checkpoint
         if args.train:
             checkpoint = tmp / "trained"
-            train_moe(recipe, checkpoint, seed=0, device=device)
-        base = args.train == "base" or (checkpoint and "base" in str(checkpoint))
+            train_moe(get_recipe(args.train), checkpoint, seed=0, device=device)
+        recipe = get_recipe(json.loads((checkpoint / TRAINING_FILE).read_text())["recipe"])
+        base = recipe.name == "base"
         fit_tokens = args.fit_tokens or (200_000 if base else 40_000)
         judge_tokens = args.judge_tokens or (100_000 if base else 20_000)
         held = "\n".join(stdlib_corpus(recipe.corpus_chars).held_out)
@@ -109,7 +114,7 @@ def main() -> None:
         seq_len = min(256, ckpt.config.max_position_embeddings)
         for name, tokens in (("fit", fit_tokens), ("judge", judge_tokens)):
             collect_records(checkpoint, tmp / f"{name}.txt", tmp / f"rec-{name}", max_tokens=tokens, seq_len=seq_len,
-                            batch=16, device=str(device))
+                            batch=16, device=str(device), max_mb=8192)
         fit, stop = RoutingRecords.load(tmp / "rec-fit", shape).split(0.8)
         judge = RoutingRecords.load(tmp / "rec-judge", shape)
         print(f"records: {len(fit)} rows to fit, {len(stop)} to stop on, {len(judge)} to judge", flush=True)
@@ -123,10 +128,14 @@ def main() -> None:
             tuned = finetune(router, fit, stop, config)
             tuned_s = time.perf_counter() - started
             started = time.perf_counter()
+            tuned_all = finetune(router, fit, stop, dataclasses.replace(config, threshold=1.0))
+            tuned_all_s = time.perf_counter() - started
+            started = time.perf_counter()
             mlp = train_mlp(adapter, d, fit, stop, config=config)
             mlp_s = time.perf_counter() - started
             finetuned_d1 = finetuned_d1 or tuned
-            for kind, predictor, seconds in (("router", router, 0.0), ("finetuned", tuned, tuned_s), ("mlp", mlp, mlp_s)):
+            for kind, predictor, seconds in (("router", router, 0.0), ("finetuned", tuned, tuned_s),
+                                             ("finetuned_all", tuned_all, tuned_all_s), ("mlp", mlp, mlp_s)):
                 predictor.to(device)
                 scores = evaluate(predictor, judge, device=str(device))
                 source = next(iter(predictor.pairs))
@@ -137,7 +146,7 @@ def main() -> None:
                        "train_seconds": round(seconds, 2), **timing,
                        "layers": [{"layer": s.target, "source": s.source, "accuracy": round(s.accuracy, 4),
                                    "load_error": round(s.load_error, 4)} for s in scores],
-                       "finetuned_layers": predictor.info.get("layers") if kind == "finetuned" else None}
+                       "finetuned_layers": predictor.info.get("layers") if kind.startswith("finetuned") else None}
                 raw.append(row)
                 summary[(d, kind)] = row
                 predictor.to("cpu")
@@ -148,9 +157,9 @@ def main() -> None:
                       ("mean_load_error", "load err", ".3f"), ("parameters", "params", "d"),
                       ("predict_ms_b1", "ms b1", ".3f"), ("predict_ms_b32", "ms b32", ".3f")])
     for d in DISTANCES:
-        layers = zip(*(summary[(d, k)]["layers"] for k in ("router", "finetuned", "mlp")))
-        print(f"d={d}: " + "  ".join(f"L{r['layer']} {r['accuracy']:.2f}/{f['accuracy']:.2f}/{m['accuracy']:.2f}"
-                                     for r, f, m in layers) + "   (router/finetuned/mlp)")
+        layers = zip(*(summary[(d, k)]["layers"] for k in KINDS))
+        print(f"d={d}: " + "  ".join(f"L{row[0]['layer']} " + "/".join(f"{r['accuracy']:.2f}" for r in row)
+                                     for row in layers) + f"   ({'/'.join(KINDS)})")
     tuned2, reuse2, mlp2 = (summary[(2, k)]["mean_accuracy"] for k in ("finetuned", "router", "mlp"))
     goals = {
         "predict_ms_per_layer": Goal(max(summary[(1, "finetuned")][f"predict_ms_b{b}"] for b in (1, 32)), "< 0.2"),

@@ -77,7 +77,7 @@ def main() -> None:
         skews = {}
         for name, path in (("trained", trained), ("random", tmp / "random")):
             collect_records(path, tmp / "held.txt", tmp / f"rec-{name}", max_tokens=held_tokens, seq_len=recipe.seq_len,
-                            batch=16, device=str(device))
+                            batch=16, device=str(device), max_mb=8192)
             skews[name] = skew(RoutingRecords.load(tmp / f"rec-{name}"))
 
     raw = [{"layer": t["layer"], **{f"trained_{k}": t[k] for k in ("cv", "window_cv", "top_share")},

@@ -11,8 +11,8 @@ predictor share this interface and file format:
   mlp        a small MLP per layer trained from scratch (the ProMoE approach; a baseline)
 
 Heads map hidden [T, H] to logits [T, E] in float32, and the architecture's own routing function
-(`kubemoe.routing.route`) turns those into experts, so a prediction picks experts the way the
-router does. Shapes: T = tokens, H = hidden size, E = experts, K = experts per token.
+(`kubemoe.routing.select_experts`) turns those into experts, so a prediction picks experts the way
+the router does. Shapes: T = tokens, H = hidden size, E = experts, K = experts per token.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from kubemoe.errors import KubemoeError
 from kubemoe.frontend.records import ModelShape
-from kubemoe.routing import RoutingSpec, route
+from kubemoe.routing import RoutingSpec, select_experts
 
 PREDICTOR_FORMAT = "kubemoe.load-predictor/1"
 KINDS = ("router", "finetuned", "mlp")
@@ -109,7 +109,7 @@ class LoadPredictor:
         return self.heads[target](hidden)
 
     def experts_from_logits(self, target: int, logits: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, K]
-        return route(logits, self.routing, self.biases.get(target))[1]
+        return select_experts(logits, self.routing, self.biases.get(target))
 
     @torch.no_grad()
     def predict(self, source: int, hidden: torch.Tensor) -> tuple[int, torch.Tensor]:

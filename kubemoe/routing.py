@@ -62,6 +62,19 @@ def route(
     return weights.gather(1, order), experts.gather(1, order)
 
 
+def select_experts(
+    logits: torch.Tensor,  # [T, E]
+    spec: RoutingSpec,
+    bias: torch.Tensor | None = None,  # [E]
+) -> torch.Tensor:  # [T, K] int64, in no particular order within a token
+    """The experts `route` picks, without their weights: for plain top-k, the top-k of the logits
+    themselves (softmax and sigmoid keep their order), one kernel where `route` takes several.
+    Load predictors need only this, on every layer of every step."""
+    if spec.scoring == "sparsemixer" or spec.n_group > 1 or bias is not None:
+        return route(logits, spec, bias)[1]
+    return logits.topk(spec.top_k, dim=-1).indices
+
+
 def _topk(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None):
     scores = logits.softmax(dim=-1) if spec.scoring == "softmax" else logits.sigmoid()  # [T, E]
     choice = scores if bias is None else scores + bias.float()

@@ -194,5 +194,5 @@ def train_moe(recipe: TrainRecipe, out: str | Path, seed: int = 0, device: str |
                                        "chars": corpus.chars, "train_tokens": len(train_ids),
                                        "held_out_tokens": len(held_ids)},
                          losses, round(held_out, 4))
-    (out / TRAINING_FILE).write_text(json.dumps({"recipe": asdict(recipe), **report.as_dict()}, indent=2) + "\n")
+    (out / TRAINING_FILE).write_text(json.dumps({**report.as_dict(), "settings": asdict(recipe)}, indent=2) + "\n")
     return report

@@ -45,7 +45,7 @@ def test_predicted_loads_and_accuracy_are_what_the_predictor_said_and_how_it_did
     assert predicted == {int(e): int(c) for e, c in zip(*torch.unique(expected, return_counts=True))}
     (layer1,) = report.predictions
     assert (layer1.layer, layer1.source_layer, layer1.tokens, layer1.accuracy) == (1, 0, 40, 1.0)
-    assert torch.equal(true, expected)
+    assert torch.equal(true.sort(-1).values, expected.sort(-1).values)
 
 
 def test_a_layer_below_threshold_is_refreshed_online_and_gets_better(qwen):

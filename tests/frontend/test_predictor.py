@@ -55,7 +55,7 @@ def test_the_router_predictor_is_the_next_layers_router_applied_to_this_layers_h
     target, predicted = predictor.predict(0, hidden)
     weight = ckpt.read(adapter.router_tensors(1).weight, dtype=torch.float32)
     assert target == 1
-    assert torch.equal(predicted, adapter.route(hidden, weight)[1])
+    assert torch.equal(predicted.sort(-1).values, adapter.route(hidden, weight)[1])
     assert predictor.parameters_count() == adapter.num_experts * adapter.hidden_size
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kubemoe.routing import RoutingSpec, route
+from kubemoe.routing import RoutingSpec, route, select_experts
 
 
 def test_softmax_topk_normalised_weights_sum_to_one():
@@ -48,3 +48,15 @@ def test_invalid_specs_are_refused(kwargs, message):
 def test_bias_must_match_spec():
     with pytest.raises(ValueError, match="bias"):
         route(torch.zeros(1, 4), RoutingSpec(1, "sigmoid"), torch.zeros(4))
+
+
+@pytest.mark.parametrize("spec, bias", [
+    (RoutingSpec(2, "softmax", normalize=True), None),
+    (RoutingSpec(4, "sigmoid", normalize=True, n_group=4, topk_group=2, group_score="top2_sum", has_bias=True),
+     torch.linspace(-0.1, 0.1, 16)),
+    (RoutingSpec(1, "sigmoid", weight_on_input=True), None),
+    (RoutingSpec(2, "sparsemixer", jitter_eps=0.01), None),
+])
+def test_select_experts_picks_the_experts_route_picks(spec, bias):
+    logits = torch.randn(64, 16, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(select_experts(logits, spec, bias).sort(-1).values, route(logits, spec, bias)[1])
