@@ -158,3 +158,22 @@ def test_a_llapor_file_round_trips_and_another_models_file_is_refused(trained, t
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(KubemoeError, match="is not an LLaPor file"):
         LLaPor.load(tmp_path / "junk.safetensors", SHAPE)
+
+
+def test_predictor_train_kind_llapor_writes_a_file_and_prints_each_layers_accuracy(tiny_checkpoint, tmp_path):
+    from click.testing import CliRunner
+
+    from kubemoe.adapters import MoEAdapter
+    from kubemoe.checkpoint import Checkpoint
+    from kubemoe.frontend.collect import collect_records
+    from kubemoe.frontend.predictor_cli import command
+
+    checkpoint = tiny_checkpoint("mixtral")  # 2 MoE layers: one source layer, in the middle group
+    (tmp_path / "t.txt").write_text("import os\nprint(os.getcwd())\n" * 40)
+    collect_records(checkpoint, tmp_path / "t.txt", tmp_path / "rec", max_tokens=320, seq_len=32, device="cpu")
+    args = ["train", "--checkpoint", str(checkpoint), "--records", str(tmp_path / "rec"), "--kind", "llapor",
+            "--out", str(tmp_path / "llapor.safetensors")]
+    result = CliRunner().invoke(command, args)
+    assert result.exit_code == 0, result.output
+    assert "layer  1 from  0 (middle): top-2 accuracy" in result.output and "within top-4" in result.output
+    assert LLaPor.load(tmp_path / "llapor.safetensors", ModelShape.of(MoEAdapter(Checkpoint(checkpoint).config)))
