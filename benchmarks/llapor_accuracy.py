@@ -4,9 +4,9 @@ gate-reuse baseline and MoEless's fine-tuned predictor. MEASURED on real (learne
 
 1. The model: `--checkpoint DIR`, or the `--size` recipe of `kubemoe checkpoint train`, trained here
    from seed 0 (small: about a minute on a 2-core CPU; base: a few minutes on one H200).
-2. Records: the standard library's held-out files (the model never trained on them) are cut by
-   document into a train part (the first `--train-share` of the text) and a test part (the rest), and
-   `kubemoe predictor collect` records the routing of each. The train part's last fifth of requests
+2. Records: the standard library's held-out files (the model never trained on them), joined in corpus
+   order, are cut at a line break into a train part (the first `--train-share` of the text) and a test
+   part (the rest), and `kubemoe predictor collect` records the routing of each. The train part's last fifth of requests
    judges epochs (early stopping); every number below is on the test part.
 3. Predictors, all predicting MoE layer l+1 at layer l:
    - reuse:   layer l+1's router applied to the hidden state entering layer l, unchanged
@@ -64,12 +64,13 @@ def held_out_parts(checkpoint: Path, size: str, train_share: float) -> tuple[str
     recipe = json.loads(training.read_text()).get("recipe", size) if training.is_file() else size
     # training.json's "recipe" is the recipe's name (the report's field overwrites the recipe written beside it)
     corpus = stdlib_corpus(recipe["corpus_chars"] if isinstance(recipe, dict) else get_recipe(recipe).corpus_chars)
-    total, cut = sum(map(len, corpus.held_out)), 0
-    for i, text in enumerate(corpus.held_out):  # whole documents on each side
-        cut += len(text)
-        if cut >= train_share * total:
-            return "\n".join(corpus.held_out[:i + 1]), "\n".join(corpus.held_out[i + 1:]), corpus.fingerprint
-    raise SystemExit("the held-out text is a single document: lower --train-share or train on a larger corpus")
+    text = "\n".join(corpus.held_out)
+    # at a line break, not a document boundary: one file can be most of the held-out text (the small
+    # recipe's holds a 147k-character file among 225k), and whole files would leave a sliver to test on
+    cut = text.find("\n", int(train_share * len(text)))
+    if cut < 0 or not text[cut:].strip():
+        raise SystemExit("the held-out text is too short to cut: lower --train-share")
+    return text[:cut], text[cut + 1:], corpus.fingerprint
 
 
 def records_of(checkpoint: Path, text: str, work: Path, name: str, args, shape: ModelShape) -> RoutingRecords:

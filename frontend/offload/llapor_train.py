@@ -234,7 +234,7 @@ def train_llapor(train: RoutingRecords, held: RoutingRecords, config: LLaPorConf
 
 @dataclass(frozen=True)
 class OnlineConfig:
-    window: int = 1024  # tokens per layer whose error is measured
+    window: int = 1024  # tokens per layer whose error is measured; also the least between two fine-tunings
     threshold: float = 0.10  # LayerScope: fine-tune when the windowed error exceeds 10%
     max_steps: int = 20  # per fine-tuning: bounded, so serving never stalls on it
     batch: int = 256
@@ -286,7 +286,9 @@ class OnlineTuner:
 
     def _finetune(self, source: int, rows: LayerRows) -> None:
         head = self.predictor.heads[source]
-        optimizer = self._optimizers.setdefault(source, torch.optim.AdamW(head.net.parameters(), lr=self.config.lr))
+        if source not in self._optimizers:  # kept across fine-tunings: Adam's moments carry on
+            self._optimizers[source] = torch.optim.AdamW(head.net.parameters(), lr=self.config.lr)
+        optimizer = self._optimizers[source]
         target = multi_hot(rows.true_next, self.predictor.shape.num_experts)
         gen = torch.Generator().manual_seed(self.tunes.get(source, 0))
         head.train()
