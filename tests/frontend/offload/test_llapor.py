@@ -58,7 +58,8 @@ def test_three_segments_cut_where_the_level_changes():
 
 def test_layer_groups_come_from_the_data_not_from_layer_indices():
     gen = torch.Generator().manual_seed(1)
-    n, layers = 8000, [distinct_experts(8000, gen)]
+    n = 8000
+    layers = [distinct_experts(n, gen)]
     for predictable in (True, False, False, False, True, True):  # pairs 0..5: 1, then 3 independent, then 2
         layers.append((layers[-1] + 1) % E if predictable else distinct_experts(n, gen))
     groups = find_layer_groups(torch.stack(layers, 1), tuple(range(7)), E)
@@ -77,8 +78,8 @@ def test_pca_whitens_the_principal_axes():
     projected = pca(hidden @ rotation)  # [N, 2]
     assert projected.mean(0).abs().max() < 1e-3
     assert torch.allclose(projected.std(0), torch.ones(2), atol=0.02)
-    assert (pca.basis[0] / pca.basis[0].norm()) @ rotation[0] == pytest.approx(1.0, abs=1e-3) or \
-        (pca.basis[0] / pca.basis[0].norm()) @ rotation[0] == pytest.approx(-1.0, abs=1e-3)
+    first_axis = pca.basis[0] / pca.basis[0].norm()
+    assert abs(float(first_axis @ rotation[0])) == pytest.approx(1.0, abs=1e-3)  # the widest axis, either sign
 
 
 def test_the_hybrid_loss_weights_rare_experts_up_and_easy_answers_down():
