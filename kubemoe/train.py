@@ -96,6 +96,10 @@ def tokenize(tokenizer, texts: list[str], eos: int) -> torch.Tensor:  # -> [N] i
     return torch.tensor(ids, dtype=torch.int64)
 
 
+def _lr(step: int, recipe: TrainRecipe) -> float:
+    return recipe.lr * warmup_cosine(step, recipe.warmup, recipe.steps)
+
+
 def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
     """The learning-rate factor at `step`: linear warm-up over `warmup` steps, then cosine annealing
     from 1 down to `floor` at `total` steps (also LLaPor's schedule, frontend/offload/llapor_train.py)."""
@@ -103,10 +107,6 @@ def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> flo
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def _lr(step: int, recipe: TrainRecipe) -> float:
-    return recipe.lr * warmup_cosine(step, recipe.warmup, recipe.steps)
 
 
 def _windows(stream: torch.Tensor, seq_len: int, batch: int, gen: torch.Generator) -> torch.Tensor:  # [B, S+1]
