@@ -49,9 +49,10 @@ def _records(path: Path, adapter):
 @click.option("--records", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True,
               help="Routing records of this checkpoint (their last fifth of requests judges each epoch).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Predictor file to write.")
-@click.option("--kind", type=click.Choice(["finetuned", "mlp"]), default="finetuned", show_default=True,
+@click.option("--kind", type=click.Choice(["finetuned", "mlp", "llapor"]), default="finetuned", show_default=True,
               help="finetuned: router copies fine-tuned where they fall short (MoEless); mlp: a from-scratch "
-                   "MLP per layer (the ProMoE baseline).")
+                   "MLP per layer (the ProMoE baseline); llapor: LayerScope's next-layer predictor for the "
+                   "offload path (distance 1).")
 @_distance
 @click.option("--threshold", type=click.FloatRange(0, 1), default=0.8, show_default=True,
               help="Layers whose top-k accuracy is below this are fine-tuned, until they pass it or stop improving.")
@@ -61,13 +62,18 @@ def train(checkpoint, records, out, kind, distance, threshold, width, device):
     """Train an expert-load predictor on routing records."""
     from kubemoe.adapters import MoEAdapter
     from kubemoe.checkpoint import Checkpoint
+    from kubemoe.errors import KubemoeError
     from kubemoe.frontend.predictor import LoadPredictor, prediction_pairs
     from kubemoe.frontend.predictor_train import TrainConfig, evaluate, finetune, train_mlp
 
     ckpt = Checkpoint(checkpoint)
     adapter = MoEAdapter(ckpt.config)
     prediction_pairs(adapter.moe_layers, distance)  # a distance past the last layer fails before any work
+    if kind == "llapor" and distance != 1:
+        raise KubemoeError(f"LLaPor predicts the next MoE layer only: use --distance 1, not {distance}")
     fit, held = _records(records, adapter).split(0.8)
+    if kind == "llapor":
+        return _train_llapor(fit, held, out, device)
     config = TrainConfig(threshold=threshold, device=device)
     if kind == "finetuned":
         predictor = finetune(LoadPredictor.from_routers(adapter, ckpt, distance), fit, held, config)
@@ -78,6 +84,18 @@ def train(checkpoint, records, out, kind, distance, threshold, width, device):
         click.echo(f"  layer {score.target:>2} from {score.source:>2}: top-{adapter.top_k} accuracy {score.accuracy:.3f}, "
                    f"load error {score.load_error:.3f}")
     click.echo(f"wrote {kind} predictor ({predictor.parameters_count():,} parameters, distance {distance}) to {out}")
+
+
+def _train_llapor(fit, held, out: Path, device: str) -> None:
+    from kubemoe.frontend.offload.llapor_train import SPARE_CANDIDATES, LLaPorConfig, evaluate_llapor, train_llapor
+
+    predictor = train_llapor(fit, held, LLaPorConfig(device=device))
+    predictor.save(out)
+    k = predictor.shape.top_k
+    for score in evaluate_llapor(predictor, held):
+        click.echo(f"  layer {score.target:>2} from {score.source:>2} ({score.group:<6}): top-{k} accuracy "
+                   f"{score.accuracy:.3f}, true experts within top-{k + SPARE_CANDIDATES} {score.candidate_hit:.3f}")
+    click.echo(f"wrote llapor predictor ({predictor.parameters_count():,} parameters) to {out}")
 
 
 @command.command("evaluate")

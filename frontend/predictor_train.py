@@ -35,9 +35,24 @@ def topk_accuracy(predicted: torch.Tensor, true: torch.Tensor) -> float:  # [T, 
     return float(hits(predicted, true)) / true.numel()
 
 
-def hits(predicted: torch.Tensor, true: torch.Tensor) -> torch.Tensor:  # [T, K], [T, K] -> scalar tensor
+def candidate_hit(candidates: torch.Tensor, true: torch.Tensor) -> float:  # [T, C], [T, K] -> share in [0, 1]
+    """Share of the true experts that are among a prediction's C candidates per token (C >= K: what a
+    prefetcher that loads the C most likely experts finds ready; C = K is top-k accuracy)."""
+    if candidates.shape[0] != true.shape[0]:
+        raise ValueError(f"candidates {tuple(candidates.shape)} and true {tuple(true.shape)} experts differ in tokens")
+    if true.numel() == 0:
+        return float("nan")
+    return float(hits(candidates, true)) / true.numel()
+
+
+def hits(predicted: torch.Tensor, true: torch.Tensor) -> torch.Tensor:  # [T, C], [T, K] -> scalar tensor
     """|predicted ∩ true| summed over tokens (experts within one token's row are distinct)."""
-    return (predicted.unsqueeze(-1) == true.unsqueeze(-2)).any(-1).sum()
+    return row_hits(predicted, true).sum()
+
+
+def row_hits(predicted: torch.Tensor, true: torch.Tensor) -> torch.Tensor:  # [T, C], [T, K] -> [T]
+    """|predicted ∩ true| per token."""
+    return (predicted.unsqueeze(-1) == true.unsqueeze(-2)).any(-1).sum(-1)
 
 
 def load_error(predicted: torch.Tensor, true: torch.Tensor, num_experts: int, window: int = 64) -> float:

@@ -109,10 +109,16 @@ def _prefix(texts: list[str], chars: int) -> list[str]:
 
 
 def _lr(step: int, recipe: TrainRecipe) -> float:
-    if step < recipe.warmup:
-        return recipe.lr * (step + 1) / recipe.warmup
-    progress = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
-    return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return recipe.lr * warmup_cosine(step, recipe.warmup, recipe.steps)
+
+
+def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
+    """The learning-rate factor at `step`: linear warm-up over `warmup` steps, then cosine annealing
+    from 1 down to `floor` at `total` steps (also LLaPor's schedule, frontend/offload/llapor_train.py)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _windows(stream: torch.Tensor, seq_len: int, batch: int, gen: torch.Generator) -> torch.Tensor:  # [B, S+1]
