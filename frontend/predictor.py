@@ -22,15 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from kubemoe.errors import KubemoeError
-from kubemoe.frontend.records import ModelShape
+from kubemoe.frontend.records import ModelShape, layer_state, read_predictor, save_predictor
 from kubemoe.routing import RoutingSpec, select_experts
 
 PREDICTOR_FORMAT = "kubemoe.load-predictor/1"
 KINDS = ("router", "finetuned", "mlp")
+_TRAIN_HINT = "train one on this checkpoint's routing records (`kubemoe predictor train`)"
 
 
 class GateHead(torch.nn.Module):
@@ -133,33 +132,17 @@ class LoadPredictor:
     # -- file ------------------------------------------------------------------------------------
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {f"heads.{t}.{k}": v.detach().cpu().contiguous() for t, h in self.heads.items()
-                   for k, v in h.state_dict().items()}
-        tensors.update({f"biases.{t}": b.cpu().contiguous() for t, b in self.biases.items()})
-        meta = {"format": PREDICTOR_FORMAT, "kind": self.kind, "distance": str(self.distance),
-                "info": json.dumps(self.info), **self.shape.to_metadata()}
-        save_file(tensors, path, metadata=meta)
-        return path
+        meta = {"format": PREDICTOR_FORMAT, "kind": self.kind, "distance": str(self.distance), "info": json.dumps(self.info)}
+        return save_predictor(path, self.heads, "heads", meta, self.shape,
+                              {f"biases.{t}": b for t, b in self.biases.items()})
 
     @classmethod
     def load(cls, path: str | Path, adapter, distance: int | None = None) -> "LoadPredictor":
         """Read a predictor file for the model of `adapter`; raises KubemoeError saying what to do."""
-        path = Path(path)
-        if not path.is_file():
-            raise KubemoeError(f"no predictor file at {path}; train one with `kubemoe predictor train`")
-        try:
-            with safe_open(path, framework="pt") as f:
-                meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad file
-            raise KubemoeError(f"{path} is not a predictor file ({e}); train one with `kubemoe predictor train`") from None
-        if meta.get("format") != PREDICTOR_FORMAT or meta.get("kind") not in KINDS:
-            raise KubemoeError(f"{path} is not a kubemoe load predictor (format {meta.get('format')!r})")
         shape = ModelShape.of(adapter)
-        shape.check(ModelShape.from_metadata(meta, path), f"the predictor {path}",
-                    "train a predictor on this checkpoint's routing records (`kubemoe predictor train`)")
+        meta, tensors = read_predictor(path, PREDICTOR_FORMAT, "predictor", shape, _TRAIN_HINT)
+        if meta.get("kind") not in KINDS:
+            raise KubemoeError(f"{path} holds a load predictor of unknown kind {meta.get('kind')!r}; {_TRAIN_HINT}")
         saved = int(meta["distance"])
         if distance is not None and distance != saved:
             raise KubemoeError(f"the predictor {path} predicts {saved} MoE layers ahead, not {distance}: train one "
@@ -167,7 +150,7 @@ class LoadPredictor:
         info = json.loads(meta.get("info") or "{}")
         heads: dict[int, torch.nn.Module] = {}
         for target in prediction_pairs(shape.moe_layers, saved).values():
-            state = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"heads.{target}.")}
+            state = layer_state(tensors, "heads", target)
             head = GateHead(state["weight"]) if "weight" in state else \
                 MLPHead(shape.hidden_size, shape.num_experts, int(info.get("width", 256)))
             head.load_state_dict(state)

@@ -74,6 +74,43 @@ class ModelShape:
                                f"{self.describe()}: {fix}")
 
 
+def save_predictor(path: str | Path, modules: dict[int, torch.nn.Module], prefix: str, meta: dict[str, str],
+                   shape: ModelShape, extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write per-layer modules (`{prefix}.{layer}.{param}`) and `extra` tensors with the model's shape."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {f"{prefix}.{layer}.{k}": v.detach().cpu().contiguous() for layer, m in modules.items()
+               for k, v in m.state_dict().items()}
+    tensors.update({k: v.detach().cpu().contiguous() for k, v in (extra or {}).items()})
+    save_file(tensors, path, metadata={**meta, **shape.to_metadata()})
+    return path
+
+
+def read_predictor(path: str | Path, file_format: str, what: str, expect: ModelShape,
+                   hint: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a predictor file of `file_format` made for a model of shape `expect`;
+    anything else raises KubemoeError ending in `hint` (what to do)."""
+    path = Path(path)
+    if not path.is_file():
+        raise KubemoeError(f"no {what} file at {path}; {hint}")
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad file
+        raise KubemoeError(f"{path} is not a {what} file ({e}); {hint}") from None
+    if meta.get("format") != file_format:
+        raise KubemoeError(f"{path} is not a {what} file (format {meta.get('format')!r}); {hint}")
+    expect.check(ModelShape.from_metadata(meta, path), f"the {what} {path}", hint)
+    return meta, tensors
+
+
+def layer_state(tensors: dict[str, torch.Tensor], prefix: str, layer: int) -> dict[str, torch.Tensor]:
+    """The state dict of layer `layer`'s module in a file `save_predictor` wrote."""
+    head = f"{prefix}.{layer}."
+    return {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}
+
+
 @dataclass(frozen=True)
 class ForwardRows:
     """Whose rows one forward pass computes: sequence i has `lengths[i]` rows from `positions[i]` on."""

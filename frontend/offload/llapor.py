@@ -22,12 +22,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from kubemoe.errors import KubemoeError
 from kubemoe.frontend.predictor import prediction_pairs
-from kubemoe.frontend.records import ModelShape
+from kubemoe.frontend.records import ModelShape, layer_state, read_predictor, save_predictor
 
 LLAPOR_FORMAT = "kubemoe.llapor/1"
 _TRAIN_HINT = "train one on this checkpoint's routing records (`kubemoe predictor train --kind llapor`)"
@@ -158,33 +156,16 @@ class LLaPor:
     # -- file ------------------------------------------------------------------------------------
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {f"layers.{s}.{k}": v.detach().cpu().contiguous() for s, h in self.heads.items()
-                   for k, v in h.state_dict().items()}
         meta = {"format": LLAPOR_FORMAT, "archs": json.dumps({str(s): asdict(a) for s, a in self.archs.items()}),
-                "info": json.dumps(self.info), **self.shape.to_metadata()}
-        save_file(tensors, path, metadata=meta)
-        return path
+                "info": json.dumps(self.info)}
+        return save_predictor(path, self.heads, "layers", meta, self.shape)
 
     @classmethod
     def load(cls, path: str | Path, expect: ModelShape) -> "LLaPor":
         """Read an LLaPor file for a model of shape `expect`; raises KubemoeError saying what to do."""
-        path = Path(path)
-        if not path.is_file():
-            raise KubemoeError(f"no LLaPor file at {path}; {_TRAIN_HINT}")
-        try:
-            with safe_open(path, framework="pt") as f:
-                meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad file
-            raise KubemoeError(f"{path} is not an LLaPor file ({e}); {_TRAIN_HINT}") from None
-        if meta.get("format") != LLAPOR_FORMAT:
-            raise KubemoeError(f"{path} is not an LLaPor predictor (format {meta.get('format')!r}); {_TRAIN_HINT}")
-        expect.check(ModelShape.from_metadata(meta, path), f"the LLaPor predictor {path}", _TRAIN_HINT)
+        meta, tensors = read_predictor(path, LLAPOR_FORMAT, "LLaPor", expect, _TRAIN_HINT)
         archs = {int(s): LayerArch(**a) for s, a in json.loads(meta["archs"]).items()}
         predictor = cls.build(expect, archs, json.loads(meta.get("info") or "{}"))
         for source, head in predictor.heads.items():
-            prefix = f"layers.{source}."
-            head.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+            head.load_state_dict(layer_state(tensors, "layers", source))
         return predictor

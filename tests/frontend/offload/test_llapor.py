@@ -157,7 +157,7 @@ def test_a_llapor_file_round_trips_and_another_models_file_is_refused(trained, t
     with pytest.raises(KubemoeError, match="no LLaPor file"):
         LLaPor.load(tmp_path / "missing.safetensors", SHAPE)
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(KubemoeError, match="is not an LLaPor file"):
+    with pytest.raises(KubemoeError, match="is not a LLaPor file"):
         LLaPor.load(tmp_path / "junk.safetensors", SHAPE)
 
 
