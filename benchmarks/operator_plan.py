@@ -105,14 +105,17 @@ def run(node_count: int) -> dict:
         row["api_calls_idle_tick"] = dict(kube.calls)
         row["idle_tick_applied"] = len(idle.changes.applied)
 
-        # A load change: bundles move to balance nodes, the old services are kept warm.
+        # A load change: hot bundles scale out, services that leave the plan are kept warm.
         kube.calls.clear()
         t0 = time.monotonic()
         body = kube.get(API_VERSION, KIND, "default", "deepseek-v3")
         changed = reconciler.reconcile(body, skewed_loads(spec, 1))
         row["load_change_converge_s"] = time.monotonic() - t0
         row["load_change_applied"] = len(changed.changes.applied)
-        row["load_change_retired"] = len(changed.changes.retired)
+        decided = changed.changes.decisions
+        row["load_change_retired"] = len(decided.retired) if decided else 0
+        row["load_change_scaled_out"] = len(decided.scaled_out) if decided else 0
+        row["load_change_unplaced"] = sum(decided.unplaced.values()) if decided else 0
         row["api_calls_load_change"] = dict(kube.calls)
         row["status_plan"] = changed.status.get("plan")
     print(f"    plan {row['plan_ms_median']:.1f} ms, create->applied {row['converge_s']:.1f} s "
