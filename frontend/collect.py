@@ -60,7 +60,7 @@ def collect_records(checkpoint: Path, text_file: Path, out: Path, max_tokens: in
                     break
         frontend.recorder.close()
         r = frontend.recorder
-        return CollectReport(len(r._request_numbers), r.rows_written, r.shards, r.written_bytes / 2**20,
+        return CollectReport(r.requests_seen, r.rows_written, r.shards, r.written_bytes / 2**20,
                              time.perf_counter() - start)
     finally:
         frontend.close()

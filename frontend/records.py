@@ -153,6 +153,10 @@ class RoutingRecorder:
         self.full = False
         self._request_numbers: dict[str, int] = {}
 
+    @property
+    def requests_seen(self) -> int:
+        return len(self._request_numbers)
+
     # -- what the engine and the dispatcher call -------------------------------------------------
 
     def start_forward(self, rows: ForwardRows | None) -> None:
