@@ -4,7 +4,7 @@
 # for the tests, .whl-test (pytest and the test suite's imports; `pip download --python-version 3.12
 # --only-binary=:all: -d .whl-test pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf
 # prometheus-client aiohttp click pyyaml tqdm openai`). Results go into $OUT.
-# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|predictor|gpu-tests|probe|profile|goal-ab [ARGS]
+# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|predictor|llapor|gpu-tests|probe|profile|goal-ab [ARGS]
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -50,6 +50,8 @@ case "${1:-all}" in
     # predictors on its routing; the checkpoint stays on the machine (/tmp/moe-base), only results come back
     python3 benchmarks/train_moe.py --size base --device cuda --keep /tmp/moe-base --out "$OUT"
     python3 benchmarks/predictor_accuracy.py --checkpoint /tmp/moe-base --device cuda --out "$OUT" "${@:2}" ;;
+  llapor)  # issue 15 item 2: LLaPor against gate reuse and MoEless on the base MoE's routing (retrained from seed 0)
+    python3 benchmarks/llapor_accuracy.py --size base --device cuda --out "$OUT" "${@:2}" ;;
   frontend) python3 benchmarks/frontend_decode.py --device cuda --preset mixtral-4l --layers 2 --steps 30 --warmup 5 --out "$OUT" "${@:2}" ;;
-  *) echo "usage: $0 expert_fn|frontend|predictor|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
+  *) echo "usage: $0 expert_fn|frontend|predictor|llapor|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
 esac
