@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--experts", type=int, default=2, help="expert-function processes for the gRPC mode")
+    parser.add_argument("--predictor", default="router", help="the frontends' --predictor (router, none, a file)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -143,7 +144,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-        fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device))
+        fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, predictor=args.predictor))
         bundles = bundles_by_count(fe.adapter.moe_layers, fe.adapter.num_experts, args.experts)
         local_rows = run_kubemoe(fe, table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}),
                                  batches, args.steps, args.warmup, device, vocab)
@@ -156,7 +157,7 @@ def main() -> None:
             grpc_rows = run_kubemoe(fe, remote_table, batches, args.steps, args.warmup, device, vocab)
             tbo_rows = run_kubemoe(fe, remote_table, batches, args.steps, args.warmup, device, vocab, micro=2)
             fe.close()
-            fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, shm_dir=shm_dir))
+            fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, shm_dir=shm_dir, predictor=args.predictor))
             shm_rows = run_kubemoe(fe, remote_table, batches, args.steps, args.warmup, device, vocab)
             if not all(client.shared_memory for client in fe.dispatcher._clients.values()):
                 raise RuntimeError(f"the expert functions did not attach segments in {shm_dir}")
@@ -183,6 +184,7 @@ def main() -> None:
     if b32 and device.type == "cuda":
         goals["grpc_vs_monolithic_b32_h200"] = Goal(b32["grpc_vs_monolithic"], ">= 0.8")
     path = write_results("frontend", device, rows, goals, out=Path(args.out), checkpoint=checkpoint,
+                         predictor=args.predictor,
                          method=f"median decode step of {args.steps} after {args.warmup} warm-up steps, "
                                 f"prompt {PROMPT_LEN} tokens, greedy, {args.experts} expert-function processes")
     print(f"wrote {path}")
