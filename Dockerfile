@@ -31,7 +31,7 @@ COPY --from=wheel /wheels /wheels
 # The operator imports kubemoe.operator, kubemoe.bundles, kubemoe.proto and the routing-table module:
 # install the wheel without its serving dependencies (torch, transformers) and add what those need.
 RUN pip install --no-cache-dir --no-deps /wheels/*.whl \
- && pip install --no-cache-dir "kopf>=1.37" "kubernetes>=30" "click>=8.1" "protobuf>=7.35.1,<8" "pyyaml>=6" \
+ && pip install --no-cache-dir "kopf>=1.37" "kubernetes>=37" "click>=8.1" "protobuf>=7.35.1,<8" "pyyaml>=6" \
  && rm -rf /wheels
 USER 65532:65532
 ENV HOME=/tmp PYTHONUNBUFFERED=1
@@ -52,7 +52,7 @@ FROM python:${PYTHON_VERSION}-slim AS serving-cpu
 RUN groupadd --gid 65532 kubemoe && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /tmp kubemoe
 ENV HOME=/tmp PYTHONUNBUFFERED=1
 COPY --from=wheel /wheels /wheels
-RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch \
+RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu "torch>=2.4" \
  && pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
 
 # The frontend and the expert function are the same install; the target fixes the default command

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from kubemoe import busy_poll
+from kubemoe import busy_poll, ports
 from kubemoe.devices import DTYPE_CHOICES
 from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_DIR
 
@@ -31,12 +31,13 @@ def busy_poll_option(waits_for: str, default: float = busy_poll.DEFAULT_BUSY_POL
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True,
               help="Safetensors checkpoint folder.")
 @click.option("--bundle", default="*", show_default=True, help="Experts to serve: LAYER:EXPERTS[;...], e.g. '1:0-3;3:*'.")
-@click.option("--port", type=int, default=8080, show_default=True, help="gRPC port (0: any free port).")
+@click.option("--port", type=int, default=ports.EXPERT_GRPC, show_default=True, help="gRPC port (0: any free port).")
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option("--model", default=None, help="Model id requests must name [default: the checkpoint folder's name].")
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when there is one), cpu, cuda, cuda:N.")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None, help="Weight dtype [default: the checkpoint's].")
-@click.option("--metrics-port", type=int, default=9090, show_default=True, help="Prometheus /metrics port; -1: none.")
+@click.option("--metrics-port", type=int, default=ports.EXPERT_METRICS, show_default=True,
+              help="Prometheus /metrics port; -1: none. Never one of Knative's reserved ports (kubemoe/ports.py).")
 @click.option("--batch-wait-ms", type=float, default=0.5, show_default=True,
               help="Longest wait for more requests to merge into one expert call, under concurrency only.")
 @click.option("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, show_default=True,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from kubemoe import ports
 from kubemoe.adapters import MoEAdapter
 from kubemoe.bundles import ExpertKey, format_bundle_spec, parse_bundle_spec
 from kubemoe.checkpoint import Checkpoint, default_model_id
@@ -24,8 +25,8 @@ class ExpertFnConfig:
     device: torch.device
     dtype: torch.dtype  # weights and compute; requests in another dtype are converted
     host: str = "0.0.0.0"
-    port: int = 8080
-    metrics_port: int | None = 9090  # None: no HTTP metrics endpoint
+    port: int = ports.EXPERT_GRPC
+    metrics_port: int | None = ports.EXPERT_METRICS  # None: no HTTP metrics endpoint
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # How long a micro-batch waits for more requests, and only under concurrency (see batcher.py).
     batch_wait_ms: float = 0.5

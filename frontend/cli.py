@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from kubemoe import ports
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.expert_fn.cli import busy_poll_option, shm_dir_option
 
@@ -16,8 +17,8 @@ checkpoint_option = click.option("--checkpoint", type=click.Path(exists=True, fi
                                  help="Checkpoint folder (safetensors, config.json, tokenizer).")
 _SERVING_OPTIONS = (  # what both commands serve with, in --help order
     click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on."),
-    click.option("--port", default=8000, show_default=True, help="HTTP port (OpenAI-compatible API)."),
-    click.option("--grpc-port", default=50051, show_default=True, help="gRPC port (Generate)."),
+    click.option("--port", default=ports.FRONTEND_HTTP, show_default=True, help="HTTP port (OpenAI-compatible API)."),
+    click.option("--grpc-port", default=ports.FRONTEND_GRPC, show_default=True, help="gRPC port (Generate)."),
     click.option("--max-batch", default=32, show_default=True, help="Sequences decoded together."),
     click.option("--micro-batches", type=click.IntRange(1, 2), default=1, show_default=True,
                  help="2 decodes two half-batches on two threads so one's attention overlaps the other's remote "

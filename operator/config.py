@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Mapping
 
+from kubemoe import ports
+
 FIELD_MANAGER = "kubemoe-operator"
 PREFIX = "KUBEMOE_OPERATOR_"
 
@@ -18,7 +20,7 @@ class OperatorConfig:
     s3_fetch_image: str = "docker.io/amazon/aws-cli:2.17.0"             # runs `aws s3 sync`
     gs_fetch_image: str = "gcr.io/google.com/cloudsdktool/google-cloud-cli:stable"  # runs `gcloud storage rsync`
     loads_interval_s: float = 30.0     # how often the timer pulls /loads and re-plans
-    loads_port: int = 8000             # the frontend's HTTP port, where /loads is served
+    loads_port: int = ports.FRONTEND_HTTP  # the frontend's HTTP port, where /loads is served
     loads_timeout_s: float = 2.0       # per frontend; a frontend that does not answer is left out
     field_manager: str = FIELD_MANAGER
     apply_concurrency: int = 8         # objects applied at once (the API server, not the operator, is the limit)

@@ -17,8 +17,9 @@ from typing import Any
 import yaml
 
 from kubemoe.operator.conditions import READY
-from kubemoe.operator.spec import (API_VERSION, DEFAULTS, DTYPES, DURATION_PATTERN, GROUP, KIND, MODES, PLURAL,
-                                   PREDICTORS, RUNTIMES, VERSION)
+from kubemoe.operator.spec import (API_VERSION, DEFAULTS, DTYPES, DURATION_PATTERN, GROUP, KIND,
+                                   KNATIVE_KEEP_ALIVE_MESSAGE, KNATIVE_MAX_KEEP_ALIVE, MODES, PLURAL, PREDICTORS,
+                                   RUNTIMES, VERSION)
 
 REPO = Path(__file__).resolve().parents[1]
 # The same bytes in both places: the chart reads its copy with .Files.Get (templates/crds.yaml).
@@ -187,7 +188,8 @@ def _spec_schema() -> Schema:
                                       "hidden state of layer l).", default_key="experts.scaling.predictionDistance",
                                       minimum=1, maximum=8),
         "keepAlive": duration("How long a replica that left the plan stays warm (pods kept, Knative "
-                              "scale-down-delay) before it is deleted; a plan that brings it back reuses it.",
+                              "scale-down-delay) before it is deleted; a plan that brings it back reuses it. At most "
+                              f"{KNATIVE_MAX_KEEP_ALIVE} with runtime knative (Knative's cap on scale-down-delay).",
                               default_key="experts.scaling.keepAlive", field="spec.experts.scaling.keepAlive"),
         "maxReplicasPerExpert": integer("Upper bound of replicas of one expert bundle (also Knative max-scale).",
                                         default_key="experts.scaling.maxReplicasPerExpert", minimum=1, maximum=1024,
@@ -221,6 +223,10 @@ def _spec_schema() -> Schema:
     }, default={}, rules=(
         _rule("self.runtime == 'knative' || !has(self.knative)",
               "spec.experts.knative is only used with runtime knative: remove it or set runtime: knative"),
+        # A keepAlive that is no duration fails its own rule (with its own message); CEL's duration() is Go's.
+        _rule(f"self.runtime != 'knative' || !has(self.scaling) || !has(self.scaling.keepAlive) || "
+              f"!self.scaling.keepAlive.matches('{DURATION_PATTERN}') || "
+              f"duration(self.scaling.keepAlive) <= duration('{KNATIVE_MAX_KEEP_ALIVE}')", KNATIVE_KEEP_ALIVE_MESSAGE),
     ))
 
     offload = obj("The offload path (LayerScope) for single-GPU nodes: the frontend holds every expert.", {

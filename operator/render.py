@@ -17,6 +17,7 @@ import hashlib
 import json
 from typing import Any, Iterable, Mapping
 
+from kubemoe import ports
 from kubemoe.bundles import Bundle
 from google.protobuf import json_format
 
@@ -40,7 +41,8 @@ FINGERPRINT_ANNOTATION = "kubemoe.io/fingerprint"
 MANAGER = "kubemoe-operator"
 FRONTEND, EXPERT, ROUTING = "frontend", "expert", "routing"
 
-HTTP_PORT, GRPC_PORT, EXPERT_PORT = 8000, 50051, 8080
+HTTP_PORT, GRPC_PORT, EXPERT_PORT, METRICS_PORT = (ports.FRONTEND_HTTP, ports.FRONTEND_GRPC, ports.EXPERT_GRPC,
+                                                  ports.EXPERT_METRICS)
 KNATIVE_PORT = 80  # a Knative Service's cluster-local address listens on 80 and forwards to the h2c port
 MODEL_MOUNT = "/models"
 KNATIVE = ("serving.knative.dev/v1", "Service")
@@ -217,7 +219,8 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, node: str, replicas: int,
     container = {
         "name": "expert-fn", "image": spec.experts.image or config.expert_image,
         "args": ["expert-fn", "--checkpoint", checkpoint_path(spec), "--bundle", bundle.spec(),
-                 "--port", str(EXPERT_PORT), "--model", deployment.name, "--dtype", spec.dtype],
+                 "--port", str(EXPERT_PORT), "--metrics-port", str(METRICS_PORT), "--model", deployment.name,
+                 "--dtype", spec.dtype],
         "ports": [{"name": "h2c", "containerPort": EXPERT_PORT}],
         "resources": _resources(spec.experts.resources, spec.experts.gpus),
     }

@@ -48,6 +48,13 @@ DEFAULTS: dict[str, Any] = {
 DURATION_PATTERN = r"^([0-9]+([.][0-9]+)?(ns|us|ms|s|m|h))+$"
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
+# Knative rejects a scale-down-delay above 1h, and keepAlive is rendered as that annotation: with runtime
+# knative a longer keepAlive is refused (by the CRD's CEL rule and by the parser, with this message).
+KNATIVE_MAX_KEEP_ALIVE = "1h"
+KNATIVE_KEEP_ALIVE_MESSAGE = (f"spec.experts.scaling.keepAlive is at most {KNATIVE_MAX_KEEP_ALIVE} with runtime knative "
+                              "(Knative caps the scale-down-delay it is rendered as at 1h): write 1h or less, or set "
+                              "spec.experts.runtime: deployment, which keeps replicas warm for any keepAlive")
+
 
 class SpecError(ValueError):
     """A spec the operator cannot serve; the message names the field and what to write instead."""
@@ -208,6 +215,9 @@ class MoESpec:
         )
         if parsed_experts.runtime not in RUNTIMES:
             raise SpecError(f"spec.experts.runtime {parsed_experts.runtime!r}: choose knative or deployment")
+        if parsed_experts.runtime == "knative" and parsed_experts.scaling.keep_alive_s > parse_duration(
+                KNATIVE_MAX_KEEP_ALIVE, "KNATIVE_MAX_KEEP_ALIVE"):
+            raise SpecError(KNATIVE_KEEP_ALIVE_MESSAGE)
         offload = None
         if spec.get("offload"):
             raw = spec["offload"]

@@ -155,3 +155,54 @@ def test_every_image_installs_kubemoe_on_a_python_it_supports(f):
             while base_of[root] in base_of:  # FROM another stage: look at that one's base
                 root = base_of[root]
             assert base_of[root] == "python:${PYTHON_VERSION}-slim", f"stage {stage} installs kubemoe on {base_of[root]}"
+
+
+def _pyproject(f) -> dict:
+    import tomllib
+    return tomllib.loads((f.repo / "pyproject.toml").read_text())["project"]
+
+
+def _dockerfile_requirements(f) -> dict[str, list[str]]:
+    """Stage -> the requirements its `pip install` lines name (not wheels, paths or flags)."""
+    dockerfile = (f.repo / "Dockerfile").read_text().replace("\\\n", " ")
+    out = {}
+    for part in dockerfile.split("\nFROM ")[1:]:
+        stage = re.match(r"\S+ AS (\S+)", part).group(1)
+        words = [w.strip('"') for cmd in re.findall(r"pip install ([^&\n]+)", part) for w in cmd.split()]
+        out[stage] = [w for w in words if not w.startswith(("-", "/", "https://")) and "download.pytorch" not in w]
+    return out
+
+
+def test_dockerfile_installs_the_versions_pyproject_requires(f):
+    from packaging.requirements import Requirement
+
+    required = {Requirement(r).name: Requirement(r).specifier for r in _pyproject(f)["dependencies"]}
+    stages = _dockerfile_requirements(f)
+    assert stages["operator"] and stages["serving-cpu"] == ["torch>=2.4"]
+    for stage, requirements in stages.items():
+        for text in requirements:
+            requirement = Requirement(text)
+            assert requirement.name in required, f"{stage} installs {text}, which pyproject.toml does not require"
+            assert requirement.specifier == required[requirement.name], (
+                f"stage {stage} installs {text}; pyproject.toml requires {requirement.name}{required[requirement.name]}")
+
+
+def test_chart_image_tags_match_the_dockerfile_and_the_package_version(f):
+    from kubemoe.operator.config import OperatorConfig
+
+    version = _pyproject(f)["version"]
+    chart = yaml.safe_load((f.chart / "Chart.yaml").read_text())
+    assert chart["appVersion"] == version  # the operator image's default tag
+    values = yaml.safe_load((f.chart / "values.yaml").read_text())
+    operator = values["operator"]["image"]
+    assert operator["tag"] in ("", version)
+    chart_images = {"operator": f"{operator['repository']}:{operator['tag'] or chart['appVersion']}",
+                    "frontend": values["images"]["frontend"], "expert-fn": values["images"]["expertFn"]}
+    # The Dockerfile's header says how each target is built and tagged.
+    built = dict(re.findall(r"^#\s+docker build --target (\S+)\s+-t (\S+) \.", (f.repo / "Dockerfile").read_text(), re.M))
+    for target, image in chart_images.items():
+        assert built[target] == image, f"Dockerfile tags target {target} {built[target]}; the chart uses {image}"
+        if f"{target}-cpu" in built:
+            assert built[f"{target}-cpu"] == f"{image}-cpu"
+    defaults = OperatorConfig()
+    assert (defaults.frontend_image, defaults.expert_image) == (chart_images["frontend"], chart_images["expert-fn"])

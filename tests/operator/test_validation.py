@@ -65,6 +65,8 @@ BAD_SPECS = [
     ("progress-deadline-not-duration", "spec.experts.knative.progressDeadline", "soon",
      "progressDeadline must be a duration"),
     ("tolerations-not-list", "spec.experts.placement.tolerations", {"key": "x"}, "must be of type array"),
+    ("knative-keepalive-over-1h", "spec.experts", {"runtime": "knative", "scaling": {"keepAlive": "1h30m"}},
+     "spec.experts.scaling.keepAlive is at most 1h with runtime knative"),
 ]
 
 
@@ -83,6 +85,14 @@ def test_the_valid_body_is_accepted(api, chart, namespace, valid_body):
     objects = client.CustomObjectsApi(api)
     created = objects.create_namespaced_custom_object(namespace=namespace, body=valid_body, **MOED)
     assert created["spec"]["experts"]["scaling"]["keepAlive"] == "10m"  # defaults applied by the server
+
+
+@pytest.mark.parametrize("keep_alive, runtime", [("1h", "knative"), ("3600s", "knative"), ("24h", "deployment")])
+def test_keepalive_up_to_knatives_cap_or_any_with_deployments_is_accepted(api, chart, namespace, valid_body,
+                                                                           keep_alive, runtime):
+    body = _set(valid_body, "spec.experts", {"runtime": runtime, "scaling": {"keepAlive": keep_alive}})
+    body["metadata"] = {"name": f"keep-{runtime}-{keep_alive}".lower()}
+    client.CustomObjectsApi(api).create_namespaced_custom_object(namespace=namespace, body=body, **MOED)
 
 
 @pytest.mark.parametrize("case, path, value, message", BAD_SPECS, ids=[c[0] for c in BAD_SPECS])
