@@ -15,13 +15,14 @@ lives. Shapes: T = tokens, H = hidden size, K = experts per token, N = a bundle 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import grpc
 import torch
@@ -196,7 +197,8 @@ class Dispatcher:
             call.groups.append(g)
             call.inputs.append(expert_inputs(hidden, top_k_weights, g, weight_on_input))
         request_id = f"{uuid.uuid4().hex[:8]}-{next(self._ids)}"
-        predicted = self._predicted(layer)
+        # Read only where a bundle has several replicas to split across: reading it waits for the GPU.
+        predicted = functools.cache(lambda: self._predicted(layer))
         remote = {name: self._submit(c, layer, request_id, predicted)
                   for name, c in calls.items() if LOCAL not in c.route.addresses}
         out = torch.zeros_like(hidden)
@@ -223,14 +225,15 @@ class Dispatcher:
             log.exception("predicted loads of layer %d unavailable; splitting by this step's tokens", layer)
             return None
 
-    def _submit(self, call: _BundleCall, layer: int, request_id: str, predicted: Sequence[int] | None) -> list:
+    def _submit(self, call: _BundleCall, layer: int, request_id: str,
+                predicted: Callable[[], Sequence[int] | None]) -> list:
         """The bundle call as one call per chosen replica -> [(its pieces, future of its output [rows, H])]."""
         x = torch.cat(call.inputs)  # [N, H]
         now = time.monotonic()
         # Replicas that just failed get no part while others are healthy (a retry may still reach them).
         addresses = [a for a in call.route.addresses if self._replicas[a].failed_until <= now] or call.route.addresses
         parts = split_bundle_call(call.experts, call.counts, [self._replicas[a].inflight_tokens for a in addresses],
-                                  predicted, self.config.split_min_tokens)
+                                  predicted() if len(addresses) > 1 else None, self.config.split_min_tokens)
         submitted = []
         for index, (replica, pieces) in enumerate(sorted(parts.items())):
             rows = x if len(parts) == 1 else torch.cat([x[p.row:p.row + p.count] for p in pieces])

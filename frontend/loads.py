@@ -29,6 +29,7 @@ class LoadRecorder:
         self._tokens = 0
         self._last: pb.LoadReport | None = None
         self.predictor, self.prediction_distance = "", 0  # what predicts, set by the frontend
+        self.before_report = None  # callable run before each report: the predictor flushes its tallies
 
     def record(self, layer: int, expert_counts: list[tuple[int, int]]) -> None:
         with self._lock:
@@ -63,6 +64,8 @@ class LoadRecorder:
             self._tokens += count
 
     def report(self) -> pb.LoadReport:
+        if self.before_report:
+            self.before_report()
         with self._lock:
             self._roll()
             if self._last is not None:

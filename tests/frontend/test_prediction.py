@@ -34,12 +34,12 @@ def test_predicted_loads_and_accuracy_are_what_the_predictor_said_and_how_it_did
     ckpt, adapter = qwen
     loads = LoadRecorder("m", "f", window_seconds=60)
     predictor = LoadPredictor.from_routers(adapter, ckpt, 1)
-    online = OnlinePredictor(predictor, loads, refresh=None)
+    online = OnlinePredictor(predictor, loads, refresh=None, flush_every=1000)
     hidden = torch.randn(40, adapter.hidden_size)
     weight = ckpt.read(adapter.router_tensors(1).weight, dtype=torch.float32)
     expected = adapter.route(hidden, weight)[1]  # the router predictor's answer
     true = _forward(online, adapter, hidden, weight)  # layer 1 routes exactly as predicted
-    report = loads.report()
+    report = loads.report()  # flushes the predictor's tallies first
     assert report.predictor == "router" and report.prediction_distance == 1
     predicted = {l.expert: l.predicted_tokens for l in report.loads if l.layer == 1 and l.predicted_tokens}
     assert predicted == {int(e): int(c) for e, c in zip(*torch.unique(expected, return_counts=True))}
@@ -52,7 +52,7 @@ def test_a_layer_below_threshold_is_refreshed_online_and_gets_better(qwen):
     ckpt, adapter = qwen
     loads = LoadRecorder("m", "f", window_seconds=60)
     config = RefreshConfig(threshold=0.8, window_tokens=256, buffer_rows=512, steps=200, lr=1e-2, max_refreshes=3)
-    online = OnlinePredictor(LoadPredictor.from_routers(adapter, ckpt, 1), loads, refresh=config)
+    online = OnlinePredictor(LoadPredictor.from_routers(adapter, ckpt, 1), loads, refresh=config, flush_every=1)
     planted = torch.randn(adapter.num_experts, adapter.hidden_size, generator=torch.Generator().manual_seed(3))
     gen = torch.Generator().manual_seed(4)
     before = online.predictor.heads[1].weight.detach().clone()
