@@ -91,7 +91,7 @@ class OnlinePredictor:
         self.loads, self.metrics, self.refresh, self.flush_every = loads, metrics, refresh, flush_every
         loads.predictor, loads.prediction_distance = predictor.kind, predictor.distance
         loads.before_report = self.flush  # /loads is always current
-        self._pending = threading.local()  # per forward pass: {target: (predicted [T, K], hidden [T, H])}, counts
+        self._pending = threading.local()  # per forward pass: {target: (predicted [T, K], hidden [T, H])}
         self._layers = {t: _Layer(s, predictor.shape.num_experts, torch.device(device))
                         for t, s in predictor.targets.items()}
         self._lock = threading.Lock()  # tallies (micro-batches run passes on two threads) and head swaps
@@ -102,17 +102,19 @@ class OnlinePredictor:
         pending = getattr(self._pending, "by_target", None)
         if pending is None or layer == self.predictor.shape.moe_layers[0]:
             pending = self._pending.by_target = {}
-            self._pending.counts = {}
+            self._pending.predicted = {}
         if layer in pending:
             self._score(layer, *pending.pop(layer), experts)
         if layer in self.predictor.pairs:
             with self._lock:  # a refresh may be swapping this layer's head
                 target, predicted = self.predictor.predict(layer, hidden)
-                counts = torch.bincount(predicted.reshape(-1), minlength=self.predictor.shape.num_experts)
+                flat = predicted.reshape(-1)
                 state = self._layers[target]
-                state.counts += counts
+                # index_add_, not bincount: bincount sizes its output from the largest id, which a CUDA
+                # tensor can only tell the host by waiting for the GPU
+                state.counts.index_add_(0, flat, torch.ones_like(flat))
                 state.tokens += predicted.shape[0]
-            self._pending.counts[target] = counts
+            self._pending.predicted[target] = predicted
             pending[target] = (predicted, hidden)
         if layer == self.predictor.shape.moe_layers[-1]:
             with self._lock:
@@ -125,8 +127,10 @@ class OnlinePredictor:
         """This forward pass's predicted tokens per expert of `layer`, made d layers earlier on this
         thread (the dispatcher splits hot experts by it); None where nothing predicts the layer.
         Reading it waits for the GPU: the dispatcher asks only where a bundle has several replicas."""
-        counts = getattr(self._pending, "counts", {}).get(layer)
-        return None if counts is None else counts.tolist()
+        predicted = getattr(self._pending, "predicted", {}).get(layer)
+        if predicted is None:
+            return None
+        return torch.bincount(predicted.reshape(-1), minlength=self.predictor.shape.num_experts).tolist()
 
     def _score(self, target: int, predicted: torch.Tensor, hidden: torch.Tensor, true: torch.Tensor) -> None:
         state = self._layers[target]
