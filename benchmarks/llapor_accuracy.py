@@ -51,7 +51,8 @@ from kubemoe.frontend.offload.llapor_train import (  # noqa: E402
 )
 from kubemoe.frontend.predictor import LoadPredictor  # noqa: E402
 from kubemoe.frontend.predictor_train import TrainConfig, candidate_hit, finetune, topk_accuracy  # noqa: E402
-from kubemoe.frontend.records import ModelShape, RoutingRecords  # noqa: E402
+from kubemoe.frontend.model_shape import ModelShape  # noqa: E402
+from kubemoe.frontend.records import RoutingRecords  # noqa: E402
 from kubemoe.train import TRAINING_FILE, get_recipe, train_moe  # noqa: E402
 
 GOAL_HIT = ">= 0.94"

@@ -50,7 +50,8 @@ from kubemoe.corpus import stdlib_corpus  # noqa: E402
 from kubemoe.frontend.collect import collect_records  # noqa: E402
 from kubemoe.frontend.predictor import LoadPredictor  # noqa: E402
 from kubemoe.frontend.predictor_train import TrainConfig, evaluate, finetune, train_mlp  # noqa: E402
-from kubemoe.frontend.records import ModelShape, RoutingRecords  # noqa: E402
+from kubemoe.frontend.model_shape import ModelShape  # noqa: E402
+from kubemoe.frontend.records import RoutingRecords  # noqa: E402
 from kubemoe.train import TRAINING_FILE, get_recipe, train_moe  # noqa: E402
 
 DISTANCES = (1, 2, 3, 4)

@@ -18,7 +18,8 @@ from kubemoe.frontend.loads import LoadRecorder
 from kubemoe.frontend.metrics import FrontendMetrics
 from kubemoe.frontend.prediction import OnlinePredictor, RefreshConfig
 from kubemoe.frontend.predictor import LoadPredictor
-from kubemoe.frontend.records import ModelShape, RoutingRecorder
+from kubemoe.frontend.model_shape import ModelShape
+from kubemoe.frontend.records import RoutingRecorder
 from kubemoe.frontend.routing_table import watch_configmap, watch_file
 from kubemoe.routing_table import RoutingTableError, build_route_map
 from kubemoe.frontend.scheduler import SchedulerConfig

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from kubemoe.errors import KubemoeError
-from kubemoe.frontend.records import ModelShape, layer_state, read_predictor, save_predictor
+from kubemoe.frontend.model_shape import ModelShape, layer_state, read_predictor, save_predictor
 from kubemoe.routing import RoutingSpec, select_experts
 
 PREDICTOR_FORMAT = "kubemoe.load-predictor/1"

@@ -39,7 +39,8 @@ def collect(checkpoint, text_file, out, max_tokens, seq_len, batch, max_mb, devi
 
 
 def _records(path: Path, adapter):
-    from kubemoe.frontend.records import ModelShape, RoutingRecords
+    from kubemoe.frontend.model_shape import ModelShape
+    from kubemoe.frontend.records import RoutingRecords
 
     return RoutingRecords.load(path, ModelShape.of(adapter))
 

@@ -25,7 +25,7 @@ import torch
 
 from kubemoe.errors import KubemoeError
 from kubemoe.frontend.predictor import prediction_pairs
-from kubemoe.frontend.records import ModelShape, layer_state, read_predictor, save_predictor
+from kubemoe.frontend.model_shape import ModelShape, layer_state, read_predictor, save_predictor
 
 LLAPOR_FORMAT = "kubemoe.llapor/1"
 _TRAIN_HINT = "train one on this checkpoint's routing records (`kubemoe predictor train --kind llapor`)"

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kubemoe.frontend.offload.layer_groups import LayerGroups, find_layer_groups
-from kubemoe.frontend.offload.llapor import LayerArch, LayerHead, LLaPor
+from kubemoe.frontend.offload.llapor import LayerArch, LLaPor
 from kubemoe.frontend.predictor_train import candidate_hit, row_hits, topk_accuracy
 from kubemoe.frontend.records import RoutingRecords
 from kubemoe.train import warmup_cosine

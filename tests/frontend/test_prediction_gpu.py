@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kubemoe.frontend.predictor import LoadPredictor
-from kubemoe.frontend.records import ModelShape, RoutingRecords
+from kubemoe.frontend.model_shape import ModelShape
+from kubemoe.frontend.records import RoutingRecords
 from kubemoe.frontend.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu

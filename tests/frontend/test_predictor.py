@@ -11,7 +11,8 @@ from kubemoe.checkpoint import Checkpoint
 from kubemoe.errors import KubemoeError
 from kubemoe.frontend.predictor import LoadPredictor, prediction_pairs
 from kubemoe.frontend.predictor_train import TrainConfig, evaluate, finetune, load_error, topk_accuracy, train_mlp
-from kubemoe.frontend.records import ModelShape, RoutingRecords
+from kubemoe.frontend.model_shape import ModelShape
+from kubemoe.frontend.records import RoutingRecords
 from kubemoe.routing import route
 
 

@@ -11,7 +11,8 @@ from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
 from kubemoe.errors import KubemoeError
 from kubemoe.frontend.collect import collect_records
-from kubemoe.frontend.records import ForwardRows, ModelShape, RoutingRecorder, RoutingRecords
+from kubemoe.frontend.model_shape import ModelShape
+from kubemoe.frontend.records import ForwardRows, RoutingRecorder, RoutingRecords
 from kubemoe.frontend.sampling import SamplingParams
 
 SHAPE = ModelShape("mixtral", (0, 1), 8, 2, 4)

@@ -13,7 +13,8 @@ from kubemoe.frontend.offload.llapor_train import (
     GroupConfig, LLaPorConfig, LossConfig, OnlineConfig, OnlineTuner, evaluate_llapor, hybrid_loss,
     inverse_frequency, layer_rows, train_llapor,
 )
-from kubemoe.frontend.records import ModelShape, RoutingRecords
+from kubemoe.frontend.model_shape import ModelShape
+from kubemoe.frontend.records import RoutingRecords
 
 E, K, H = 16, 2, 32
 SHAPE = ModelShape("mixtral", (0, 1, 2, 3), E, K, H)  # three source layers: input, middle, output
