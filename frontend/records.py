@@ -112,9 +112,10 @@ class RoutingRecorder:
     def _add(self, done: _Pass) -> None:
         tokens = done.hidden[0].shape[0]
         rows = {"hidden": torch.stack(done.hidden, 1), "experts": torch.stack(done.experts, 1),
-                "weights": torch.stack(done.weights, 1), **self._row_ids(done.rows, tokens)}
-        size = sum(t.nbytes for t in rows.values())
-        with self._lock:
+                "weights": torch.stack(done.weights, 1)}
+        with self._lock:  # micro-batches finish passes on two threads: request numbers are taken in turn
+            rows.update(self._row_ids(done.rows, tokens))
+            size = sum(t.nbytes for t in rows.values())
             if self.written_bytes + self._buffered + size > self.max_bytes:
                 self.full = True
                 self._flush()
