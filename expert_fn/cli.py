@@ -47,11 +47,17 @@ def busy_poll_option(waits_for: str, default: float = busy_poll.DEFAULT_BUSY_POL
 @click.option("--cuda-graph-tokens", type=click.IntRange(min=0), default=None,
               help="On a GPU, run an expert's calls of up to this many tokens as CUDA graphs (one launch instead "
                    "of five; captured as experts load); 0: always eager [default: 256, graphs.py's].")
+@click.option("--data-port", type=int, default=0, show_default=True,
+              help="TCP port for lanes from frontends that share no --shm-dir folder with this function (their "
+                   "tensors then skip gRPC; kubemoe/expert_fn/frames.py); 0: any free port, -1: none.")
+@click.option("--data-host", default=None,
+              help="Address frontends connect lanes to, e.g. the pod's IP [default: the one they dialled].")
 @shm_dir_option("frontends")
 @busy_poll_option("the next request")
 def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | None, device: str, dtype: str | None,
             metrics_port: int, batch_wait_ms: float, max_message_bytes: int, grace_seconds: float,
-            cuda_graph_tokens: int | None, shm_dir: Path | None, busy_poll_us: float) -> None:
+            cuda_graph_tokens: int | None, data_port: int, data_host: str | None, shm_dir: Path | None,
+            busy_poll_us: float) -> None:
     """Serve a bundle of experts over gRPC until SIGTERM."""
     from kubemoe.expert_fn.config import ExpertFnConfig
     from kubemoe.expert_fn.server import serve
@@ -60,6 +66,7 @@ def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | No
         checkpoint, bundle, model=model, device=device, dtype=dtype, host=host, port=port,
         metrics_port=None if metrics_port < 0 else metrics_port, batch_wait_ms=batch_wait_ms,
         max_message_bytes=max_message_bytes, grace_seconds=grace_seconds, shm_dir=shm_dir,
+        data_port=None if data_port < 0 else data_port, data_host=data_host or None,
         **({} if cuda_graph_tokens is None else {"cuda_graph_tokens": cuda_graph_tokens}),
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -29,7 +29,9 @@ import grpc
 import torch
 
 from kubemoe import wire
-from kubemoe.expert_fn.lane import LANE_METADATA_KEY, ClientLane, LaneClosed
+from kubemoe.expert_fn.frames import TCP_LANE_METADATA_KEY, TCP_METADATA_KEY, lane_address, new_offer, tensor_region
+from kubemoe.expert_fn.frames import connect as connect_tcp
+from kubemoe.expert_fn.lane import LANE_METADATA_KEY, ClientLane, LaneClosed, each
 from kubemoe.expert_fn.shm import ATTACHED, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError
 from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_SEGMENT_BYTES, grpc_options
 from kubemoe.proto import kubemoe_pb2 as pb
@@ -43,16 +45,30 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 class _Stream:
-    """One open ForwardStream: its calls in flight and, when the server attached one, its segment."""
+    """One open ForwardStream: its calls in flight and, when the server attached one, its segment
+    (shared memory) or the arena its TCP lane mirrors (frames.py)."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, segment: Segment | None):
-        self.call, self.segment = call, segment
-        self.allocator = Allocator(HEADER_BYTES, segment.size) if segment is not None else None
+    def __init__(self, call: grpc.aio.StreamStreamCall):
+        self.call = call
+        self.segment: Segment | None = None
+        self.allocator: Allocator | None = None
+        self.transport = "inline"  # how its tensors travel: inline, shm or tcp
         self.lane: ClientLane | None = None  # carries the calls whose tensors are in the segment
         self.write_lock = asyncio.Lock()  # one writer at a time
         self.pending: dict[str, asyncio.Future] = {}  # request_id -> its caller's future
         self.regions: dict[str, int] = {}  # request_id -> offset of its region, until the reply is read
         self.reader: asyncio.Task | None = None
+
+    def use(self, segment: Segment, transport: str) -> None:
+        self.segment, self.transport = segment, transport
+        self.allocator = Allocator(HEADER_BYTES, segment.size)
+
+    def region_of_reply(self, response: pb.ForwardResponse) -> tuple[int, int]:
+        """Where a TCP lane reply's tensor goes: the region its request was sent in, nowhere else."""
+        offset, nbytes = tensor_region(response, self.segment.size)
+        if nbytes and (self.regions.get(response.request_id) != offset or offset + nbytes > self.allocator.end(offset)):
+            raise ValueError(f"request {response.request_id!r} was not sent in a region of {nbytes} bytes at {offset}")
+        return offset, nbytes
 
     def deliver(self, response: pb.ForwardResponse) -> None:
         """A reply, from the stream or the lane, to its caller; a late one (the caller timed out) frees its region."""
@@ -66,6 +82,8 @@ class _Stream:
         """Copy `hidden` into a free region and name it in `msg`; False when none is large enough."""
         if self.allocator is None or hidden.dtype not in wire.TO_WIRE:
             return False
+        if self.transport == "tcp" and hidden.device.type == "cuda" and not self.segment.tried_pinning:
+            self.segment.pin()  # replies land in it, then go to the GPU by DMA
         offset = self.allocator.alloc(hidden.nbytes)
         if offset is None:
             return False
@@ -113,9 +131,9 @@ def _free_soon(loop: asyncio.AbstractEventLoop, allocator: Allocator, offset: in
 class ExpertClient:
     def __init__(self, address: str, *, model: str, streaming: bool = True,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, shm_dir: str | Path | None = None,
-                 shm_bytes: int = DEFAULT_SHM_SEGMENT_BYTES):
+                 shm_bytes: int = DEFAULT_SHM_SEGMENT_BYTES, tcp: bool = True):
         self.address, self.model, self.streaming = address, model, streaming
-        self.shm_dir, self.shm_bytes = shm_dir, shm_bytes
+        self.shm_dir, self.shm_bytes, self.tcp = shm_dir, shm_bytes, tcp
         self._options = grpc_options(max_message_bytes)
         self._channel: grpc.aio.Channel | None = None  # made on first use, inside the event loop
         self._stream: _Stream | None = None
@@ -126,7 +144,12 @@ class ExpertClient:
     @property
     def shared_memory(self) -> bool:
         """Whether the open stream moves tensors through shared memory."""
-        return self._stream is not None and self._stream.segment is not None
+        return self.transport == "shm"
+
+    @property
+    def transport(self) -> str | None:
+        """How the open stream's tensors travel: inline, shm (shared memory) or tcp (a TCP lane); None: no stream."""
+        return None if self._stream is None else self._stream.transport
 
     @property
     def _stub(self) -> pb_grpc.ExpertServiceStub:
@@ -214,9 +237,15 @@ class ExpertClient:
 
     async def _new_stream(self, timeout: float | None) -> _Stream:
         segment = self._offer_segment()
-        call = self._stub.ForwardStream(metadata=((METADATA_KEY, segment.offer),) if segment else None)
+        arena, tcp_offer, token = None, None, b""
+        if self.tcp:
+            with contextlib.suppress(SharedMemoryError):  # no memory for it: tensors travel inline
+                arena = Segment.private(HEADER_BYTES + self.shm_bytes)
+                tcp_offer, token = new_offer(arena)
+        offers = ([(METADATA_KEY, segment.offer)] if segment else []) + ([(TCP_METADATA_KEY, tcp_offer)] if arena else [])
+        call = self._stub.ForwardStream(metadata=tuple(offers) or None)
         metadata = {}
-        if segment is not None:
+        if offers:
             try:  # the server answers in its initial metadata, before any reply
                 metadata = dict(await asyncio.wait_for(call.initial_metadata(), timeout) or ())
             except TimeoutError:
@@ -224,19 +253,33 @@ class ExpertClient:
                 raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"{self.address} did not open a stream within {timeout}s") from None
             finally:
-                segment.unlink()  # attached or not, nobody needs the name any more
-            if metadata.get(METADATA_KEY) != ATTACHED:
-                self._tell_inline(metadata.get(METADATA_KEY) or "the server did not answer the offer")
-                segment = None
-        stream = _Stream(call, segment)
+                if segment is not None:
+                    segment.unlink()  # attached or not, nobody needs the name any more
+        stream = _Stream(call)
         stream.reader = asyncio.get_running_loop().create_task(self._read_replies(stream))
-        if segment is not None and LANE_METADATA_KEY in metadata:
+        lane_timeout = timeout or LANE_CONNECT_SECONDS
+        if segment is not None and metadata.get(METADATA_KEY) == ATTACHED:
+            stream.use(segment, "shm")
+            if LANE_METADATA_KEY in metadata:
+                try:
+                    stream.lane = await ClientLane.connect(
+                        self.shm_dir, metadata[LANE_METADATA_KEY], segment.offer, on_response=stream.deliver,
+                        on_closed=lambda why: self._lane_closed(stream, why), timeout=lane_timeout)
+                except SharedMemoryError as e:
+                    log.info("calls to %s go over the gRPC stream, not a lane: %s", self.address, e)
+        elif arena is not None and TCP_LANE_METADATA_KEY in metadata:
             try:
-                stream.lane = await ClientLane.connect(
-                    self.shm_dir, metadata[LANE_METADATA_KEY], segment.offer, on_response=stream.deliver,
-                    on_closed=lambda why: self._lane_closed(stream, why), timeout=timeout or LANE_CONNECT_SECONDS)
+                host, port = lane_address(metadata[TCP_LANE_METADATA_KEY], self.address)
+                stream.use(arena, "tcp")  # before the lane reads: its replies' regions are the stream's
+                stream.lane = ClientLane.serving(await connect_tcp(
+                    host, port, token, arena, stream.region_of_reply,
+                    on_responses=lambda responses: each(responses, stream.deliver),
+                    on_closed=lambda why: self._lane_closed(stream, why), timeout=lane_timeout))
             except SharedMemoryError as e:
-                log.info("calls to %s go over the gRPC stream, not a lane: %s", self.address, e)
+                stream.segment, stream.allocator, stream.transport = None, None, "inline"
+                self._tell_inline(str(e))
+        elif segment is not None or arena is not None:
+            self._tell_inline(metadata.get(METADATA_KEY) or "the server offered no shared memory and no TCP lane")
         return stream
 
     def _lane_closed(self, stream: _Stream, why: LaneClosed) -> None:

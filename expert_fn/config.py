@@ -36,6 +36,10 @@ class ExpertFnConfig:
     grace_seconds: float = 25.0  # below Knative's default 30 s terminationGracePeriod
     # A tmpfs folder shared with same-node frontends (see shm.py); None: tensors always travel inline.
     shm_dir: Path | None = None
+    # Where frontends without that folder connect a TCP lane (frames.py): a port (0: any free one) and
+    # the address to advertise (a pod's IP; None: the host the frontend dialled). None: no TCP lanes.
+    data_port: int | None = None
+    data_host: str | None = None
     arch: str = field(default="", compare=False)
 
     @property

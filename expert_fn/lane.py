@@ -13,7 +13,8 @@ and accepts exactly one connection: from its own user (SO_PEERCRED) whose first 
 stream's offer. The file is gone once the client connected (or after ACCEPT_SECONDS), like the
 segment's. Each packet then holds one serialized ForwardRequest or ForwardResponse.
 
-Both sides run the lane on their event loop with add_reader; nothing here blocks.
+Both sides run the lane on their event loop with add_reader; nothing here blocks. Between nodes the
+same lane runs over TCP, its tensors' bytes in the frames (frames.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import secrets
 import socket
 import struct
 from pathlib import Path
-from typing import Awaitable, Callable, Coroutine
+from typing import Awaitable, Callable, Coroutine, Protocol, TypeVar
 
 from google.protobuf.message import DecodeError
 
@@ -43,17 +44,24 @@ log = logging.getLogger(__name__)
 
 
 class LaneClosed(ConnectionError):
-    """The other side closed the lane, or sent what is not a packet of the protocol."""
+    """The lane ended: the other side closed it, or went away."""
+
+
+class LaneViolation(LaneClosed):
+    """The other side sent what is not a message of the protocol: the lane ends, and the server logs why."""
+
+
+Message = TypeVar("Message", pb.ForwardRequest, pb.ForwardResponse)
 
 
 class _Packets:
-    """A connected SOCK_SEQPACKET socket read from the event loop: the packets there when it turns
-    readable go to `on_packets` together, and the end of the connection (or an oversized packet) to
-    `on_closed`, once."""
+    """A connected SOCK_SEQPACKET socket read from the event loop, one `message_type` message per packet:
+    the messages there when it turns readable go to `on_messages` together, and the end of the
+    connection (or a packet that is not a message) to `on_closed`, once."""
 
-    def __init__(self, sock: socket.socket, on_packets: Callable[[list[bytes]], None],
-                 on_closed: Callable[[LaneClosed], None]):
-        self.sock, self._on_packets, self._on_closed = sock, on_packets, on_closed
+    def __init__(self, sock: socket.socket, message_type: type[Message],
+                 on_messages: Callable[[list[Message]], None], on_closed: Callable[[LaneClosed], None]):
+        self.sock, self._type, self._on_messages, self._on_closed = sock, message_type, on_messages, on_closed
         self._loop = asyncio.get_running_loop()
         self._reading = False
         self.closed = False
@@ -68,8 +76,11 @@ class _Packets:
             self._loop.remove_reader(self.sock)
             self._reading = False
 
+    def _parse(self, data: bytes) -> Message:
+        return self._type.FromString(data)
+
     def _readable(self) -> None:
-        packets, closed = [], None
+        messages, closed = [], None
         while True:  # drain what is there: one wake-up for all of it
             try:
                 data, _, flags, _ = self.sock.recvmsg(MAX_PACKET_BYTES)
@@ -82,32 +93,36 @@ class _Packets:
                 closed = LaneClosed("the other side closed the lane")
                 break
             if flags & socket.MSG_TRUNC:
-                closed = LaneClosed(f"a packet over {MAX_PACKET_BYTES} bytes")
+                closed = LaneViolation(f"a packet over {MAX_PACKET_BYTES} bytes")
                 break
-            packets.append(data)
-        if packets:
-            self._on_packets(packets)
+            try:
+                messages.append(self._parse(data))
+            except DecodeError:
+                closed = LaneViolation(f"a packet that is not a {self._type.__name__}")
+                break
+        if messages:
+            self._on_messages(messages)
         if closed is not None:
             self.close(closed)
 
-    def try_send(self, data: bytes) -> bool:
-        """Send one packet if the socket's buffer has room for it (False: not now). Raises LaneClosed
+    def try_send(self, message: Message) -> bool:
+        """Send one message if the socket's buffer has room for it (False: not now). Raises LaneClosed
         when the lane is gone. A buffer holds hundreds of packets: this is rarely False."""
         if self.closed:
             raise LaneClosed("the lane is closed")
         try:
-            self.sock.send(data)
+            self.sock.send(message.SerializeToString())
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as e:
             raise LaneClosed(f"lane broke: {e.strerror}") from None
         return True
 
-    async def send(self, data: bytes) -> None:
-        """One packet, once the buffer has room. Raises LaneClosed when the lane is gone."""
-        if not self.try_send(data):
+    async def send(self, message: Message) -> None:
+        """One message, once the buffer has room. Raises LaneClosed when the lane is gone."""
+        if not self.try_send(message):
             try:
-                await self._loop.sock_sendall(self.sock, data)
+                await self._loop.sock_sendall(self.sock, message.SerializeToString())
             except OSError as e:
                 raise LaneClosed(f"lane broke: {e.strerror}") from None
 
@@ -119,6 +134,18 @@ class _Packets:
         self.sock.close()
         if why is not None:
             self._on_closed(why)
+
+
+class Carrier(Protocol[Message]):
+    """What moves a lane's messages: _Packets here, frames.Frames over TCP."""
+
+    closed: bool
+
+    def start_reading(self) -> None: ...
+    def stop_reading(self) -> None: ...
+    def try_send(self, message: Message) -> bool: ...
+    async def send(self, message: Message) -> None: ...
+    def close(self, why: LaneClosed | None = None) -> None: ...
 
 
 @contextlib.contextmanager
@@ -158,40 +185,61 @@ def _peer_uid(sock: socket.socket) -> int:
 class ServerLane:
     """The server's end of one stream's lane: requests in, responses out in whatever order they finish.
 
-    A request that came alone (the only packet of the only file the loop woke for) is answered by
+    A request that came alone (the only message of the only file the loop woke for) is answered by
     `answer_now` in the reader's callback: no task, no loop turn, where each costs tens of
     microseconds on a cold core. Others, and one that answer_now declines (requests are pending
     that it should join), are answered by `answer` in a task that `spawn` starts (among the stream's):
     requests read together start together and can share a round (batcher.py).
+
+    The lane serves once its carrier is connected: `over_unix` accepts it on a socket file of its
+    own; frames.py's `over_tcp` takes it from the server's data port.
     """
 
-    def __init__(self, folder: Path, offer: str, answer: Callable[[pb.ForwardRequest], Awaitable[pb.ForwardResponse]],
+    def __init__(self, name: str, answer: Callable[[pb.ForwardRequest], Awaitable[pb.ForwardResponse]],
                  spawn: Callable[[Coroutine], None], *,
                  answer_now: Callable[[pb.ForwardRequest], pb.ForwardResponse | None]):
-        self._listener, self._path = _listen(folder)
-        self.name = self._path.name
-        self._offer, self._answer, self._answer_now, self._spawn = offer, answer, answer_now, spawn
-        self._packets: _Packets | None = None
+        self.name, self._answer, self._answer_now, self._spawn = name, answer, answer_now, spawn
+        self._carrier: Carrier | None = None
         self._loop = asyncio.get_running_loop()
-        self._accepting = self._loop.create_task(self._accept())
+        self._connecting: asyncio.Task | None = None
+        self._on_close: list[Callable[[], None]] = []
 
-    async def _accept(self) -> None:
-        loop = asyncio.get_running_loop()
+    @classmethod
+    def over_unix(cls, folder: Path, offer: str, answer: Callable[[pb.ForwardRequest], Awaitable[pb.ForwardResponse]],
+                  spawn: Callable[[Coroutine], None], *,
+                  answer_now: Callable[[pb.ForwardRequest], pb.ForwardResponse | None]) -> "ServerLane":
+        """A lane on a fresh socket file in `folder` (its name is `.name`), for the client that sends `offer`."""
+        listener, path = _listen(folder)
+        lane = cls(path.name, answer, spawn, answer_now=answer_now)
+        lane.connect_with(lane._accept_unix(listener, path, offer))
+        return lane
+
+    def connect_with(self, connecting: Coroutine) -> None:
+        """Run `connecting` until the client is there: it calls serve(), or returns without (no client came
+        or it failed the handshake: the stream goes on without a lane). close() cancels it."""
+        self._connecting = self._loop.create_task(connecting)
+
+    def serve(self, carrier: Carrier) -> None:
+        self._carrier = carrier
+        carrier.start_reading()
+
+    async def _accept_unix(self, listener: socket.socket, path: Path, offer: str) -> None:
+        loop = self._loop
         try:
-            conn, _ = await asyncio.wait_for(loop.sock_accept(self._listener), ACCEPT_SECONDS)
+            conn, _ = await asyncio.wait_for(loop.sock_accept(listener), ACCEPT_SECONDS)
         except TimeoutError:
             log.info("no client connected to lane %s within %.0fs; its stream goes on without it", self.name,
                      ACCEPT_SECONDS)
             return
         finally:
-            self._listener.close()
-            self._path.unlink(missing_ok=True)
+            listener.close()
+            path.unlink(missing_ok=True)
         conn.setblocking(False)
         try:
-            offer = (await asyncio.wait_for(loop.sock_recv(conn, 1024), ACCEPT_SECONDS)).decode("ascii", "replace")
+            sent = (await asyncio.wait_for(loop.sock_recv(conn, 1024), ACCEPT_SECONDS)).decode("ascii", "replace")
             if _peer_uid(conn) != os.geteuid():
                 answer = f"{REFUSED}: the client runs as another user"
-            elif offer != self._offer:
+            elif sent != offer:
                 answer = f"{REFUSED}: the first packet is not this stream's offer"
             else:
                 answer = ATTACHED
@@ -204,20 +252,18 @@ class ServerLane:
             log.warning("lane %s: %s", self.name, answer)
             conn.close()
             return
-        self._packets = _Packets(conn, self._requests, lambda why: log.debug("lane %s: %s", self.name, why))
-        self._packets.start_reading()
+        self.serve(_Packets(conn, pb.ForwardRequest, self.take, self.ended))
 
-    def _requests(self, packets: list[bytes]) -> None:
-        requests = []
-        for data in packets:
-            try:
-                requests.append(pb.ForwardRequest.FromString(data))
-            except DecodeError:
-                # Nothing to answer to (no request id): the client's calls on this lane fail as UNAVAILABLE.
-                log.warning("lane %s: a packet that is not a ForwardRequest; closing the lane", self.name)
-                self._packets.close()
-                break
-        if len(packets) == 1 == len(requests) and busy_poll.only_event(self._loop):
+    def ended(self, why: LaneClosed) -> None:
+        """The carrier's end: a protocol violation is worth a warning, a client leaving is not."""
+        if isinstance(why, LaneViolation):
+            log.warning("lane %s: %s; closing the lane (its client's calls on it fail as UNAVAILABLE)", self.name, why)
+        else:
+            log.debug("lane %s: %s", self.name, why)
+
+    def take(self, requests: list[pb.ForwardRequest]) -> None:
+        """The requests the carrier read in one wake-up: answered alone now, or together in tasks."""
+        if len(requests) == 1 and busy_poll.only_event(self._loop):
             response = self._answer_now(requests[0])
             if response is not None:
                 return self._send(response)
@@ -228,32 +274,39 @@ class ServerLane:
         self._send(await self._answer(request))
 
     def _send(self, response: pb.ForwardResponse) -> None:
-        data = response.SerializeToString()
         with contextlib.suppress(LaneClosed):  # the client left: nobody waits for this reply
-            if not self._packets.try_send(data):
-                self._spawn(self._send_later(data))
+            if not self._carrier.try_send(response):
+                self._spawn(self._send_later(response))
 
-    async def _send_later(self, data: bytes) -> None:
+    async def _send_later(self, response: pb.ForwardResponse) -> None:
         with contextlib.suppress(LaneClosed):
-            await self._packets.send(data)
+            await self._carrier.send(response)
 
     def stop_reading(self) -> None:
         """Take no more requests (the server is stopping); those already spawned are still answered."""
-        if self._packets is not None:
-            self._packets.stop_reading()
+        if self._carrier is not None:
+            self._carrier.stop_reading()
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Run `callback` when the lane closes (e.g. unpin memory only its carrier used)."""
+        self._on_close.append(callback)
 
     def close(self) -> None:
-        self._accepting.cancel()
-        if self._packets is not None:
-            self._packets.close()
+        if self._connecting is not None:
+            self._connecting.cancel()
+        if self._carrier is not None:
+            self._carrier.close()
+        callbacks, self._on_close = self._on_close, []
+        for callback in callbacks:
+            callback()
 
 
 class ClientLane:
     """The client's end: `send` a request; each response goes to `on_response`, the lane's end to
     `on_closed` (after which the stream it belongs to is useless too)."""
 
-    def __init__(self, packets: _Packets):
-        self._packets = packets
+    def __init__(self, carrier: Carrier):
+        self._carrier = carrier
 
     @classmethod
     async def connect(cls, folder: Path, name: str, offer: str, *, on_response: Callable[[pb.ForwardResponse], None],
@@ -275,31 +328,30 @@ class ClientLane:
         if answer != ATTACHED:
             sock.close()
             raise SharedMemoryError(f"lane {name}: {answer or 'closed during the handshake'}")
+        return cls.serving(_Packets(sock, pb.ForwardResponse, lambda responses: each(responses, on_response),
+                                    on_closed))
 
-        def on_packets(datas: list[bytes]) -> None:
-            for data in datas:
-                try:
-                    response = pb.ForwardResponse.FromString(data)
-                except DecodeError:
-                    packets.close(LaneClosed("the server sent a packet that is not a ForwardResponse"))
-                    return
-                on_response(response)
-
-        packets = _Packets(sock, on_packets, on_closed)
-        packets.start_reading()
-        return cls(packets)
+    @classmethod
+    def serving(cls, carrier: Carrier) -> "ClientLane":
+        carrier.start_reading()
+        return cls(carrier)
 
     @property
     def closed(self) -> bool:
-        return self._packets.closed
+        return self._carrier.closed
 
     async def send(self, request: pb.ForwardRequest) -> bool:
-        """Send `request`; False when it is too large for a packet (send it on the stream)."""
-        data = request.SerializeToString()
-        if len(data) > MAX_PACKET_BYTES:
+        """Send `request`; False when it is too large for the lane (send it on the stream)."""
+        if request.ByteSize() > MAX_PACKET_BYTES:
             return False
-        await self._packets.send(data)
+        await self._carrier.send(request)
         return True
 
     def close(self) -> None:
-        self._packets.close()
+        self._carrier.close()
+
+
+def each(responses: list[pb.ForwardResponse], on_response: Callable[[pb.ForwardResponse], None]) -> None:
+    """A carrier's responses to a client's one-at-a-time callback."""
+    for response in responses:
+        on_response(response)

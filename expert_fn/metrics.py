@@ -38,6 +38,9 @@ class ExpertFnMetrics:
                           buckets=(0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
         self._shm = make(Counter, "shared_memory_streams",
                          "ForwardStreams that offered a shared-memory segment, by outcome", ("result",))
+        self._tcp = make(Counter, "tcp_lane_streams",
+                         "ForwardStreams that offered a TCP lane where no shared memory attached, by outcome",
+                         ("result",))
         self._per_key: dict[ExpertKey, tuple] = {}  # labelled children, looked up once per expert
         # labels() costs ~6 us a call: resolve the bundle-only children once.
         self._rounds, self._compute, self._queue, self._load = (
@@ -61,6 +64,9 @@ class ExpertFnMetrics:
 
     def shared_memory(self, attached: bool) -> None:
         self._shm.labels(self.bundle, "attached" if attached else "refused").inc()
+
+    def tcp_lane(self, opened: bool) -> None:
+        self._tcp.labels(self.bundle, "opened" if opened else "refused").inc()
 
     def loaded(self, seconds: float, held_bytes: int, held_experts: int) -> None:
         self._load.observe(seconds)

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert_fn.config import ExpertFnConfig
+from kubemoe.expert_fn.frames import DataPort
 from kubemoe.expert_fn.metrics import ExpertFnMetrics
 from kubemoe.expert_fn.servicer import SERVICE_NAME, ExpertServicer
 from kubemoe.expert_fn.store import ExpertStore
@@ -46,6 +47,8 @@ class ExpertFunction:
         await asyncio.sleep(0)  # server.stop has begun: new calls are refused from here on
         self.servicer.end_streams()
         await stopping
+        if self.servicer.data_port is not None:
+            self.servicer.data_port.close()
         await self.servicer.batcher.close()
 
 
@@ -75,6 +78,9 @@ async def build_server(
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}: the address is taken or not local")
+    if config.data_port is not None:
+        servicer.data_port = DataPort(config.host, config.data_port, config.data_host)
+        servicer.data_port.start()
     await servicer.report_health()  # NOT_SERVING until the bundle is in
     if preload:
         servicer.start_loading()
@@ -94,8 +100,9 @@ async def serve(config: ExpertFnConfig) -> None:
     if config.metrics_port is not None:
         metrics.serve_http(config.metrics_port, config.host)
     await built.server.start()
-    log.info("expert function for %s bundle %s on port %d (%s, %s)", config.model, config.bundle_spec, built.port,
-             config.device, str(config.dtype).removeprefix("torch."))
+    log.info("expert function for %s bundle %s on port %d (%s, %s)%s", config.model, config.bundle_spec, built.port,
+             config.device, str(config.dtype).removeprefix("torch."),
+             f"; TCP lanes on port {built.servicer.data_port.port}" if built.servicer.data_port else "")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -14,6 +14,7 @@ those regions, and the stream's lane (lane.py) carries them.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from typing import Callable, Coroutine, Iterable
@@ -25,6 +26,7 @@ from grpc_health.v1.health import aio as health_aio
 from kubemoe import wire
 from kubemoe.expert_fn.batcher import Job, MicroBatcher, run_round
 from kubemoe.expert_fn.config import ExpertFnConfig
+from kubemoe.expert_fn.frames import TCP_LANE_METADATA_KEY, TCP_METADATA_KEY, DataPort, parse_offer, serve_lane
 from kubemoe.expert_fn.errors import ExpertFnError, invalid, not_found
 from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.metrics import ExpertFnMetrics
@@ -50,6 +52,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             if config.device.type == "cuda" and config.cuda_graph_tokens > 0 else None
         self._forwards_in_progress = 0
         self._ending = asyncio.Event()  # set when the server stops: open streams end (see end_streams)
+        self.data_port: DataPort | None = None  # where TCP lanes connect (frames.py); None: no TCP lanes
+        self._tcp_lanes = itertools.count()
 
     # -- Forward ------------------------------------------------------------------------------
 
@@ -199,33 +203,59 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     async def _attach(self, context: grpc.aio.ServicerContext,
                       spawn: Callable[[Coroutine], None]) -> tuple[Segment | None, ServerLane | None]:
-        """Map the shared-memory segment the client offered, if any, and open its lane (lane.py);
-        tell the client the outcome either way."""
-        offer = dict(context.invocation_metadata() or ()).get(METADATA_KEY)
-        if offer is None:
+        """Map the shared-memory segment the client offered, if any, and open its lane (lane.py); where
+        none attached, open the TCP lane it offered when this server has a data port (frames.py).
+        Tell the client the outcome either way. The segment returned is the one the stream's own
+        requests may name (a TCP lane's arena is its lane's alone)."""
+        offered = dict(context.invocation_metadata() or ())
+        offer, tcp_offer = offered.get(METADATA_KEY), offered.get(TCP_METADATA_KEY)
+        if offer is None and tcp_offer is None:
             return None, None
-        segment = lane = None
-        try:
-            if self.config.shm_dir is None:
-                raise SharedMemoryError("this expert function runs without --shm-dir")
-            segment = Segment.attach(self.config.shm_dir, offer, max_bytes=4 * self.config.max_message_bytes)
-            if self.config.device.type == "cuda":
-                await asyncio.to_thread(segment.pin)  # else its copies to the GPU go through a bounce buffer
-            answer = ATTACHED
-        except SharedMemoryError as e:
-            answer = f"{REFUSED}: {e}"
-            log.info("inline tensors for a client on %s: %s", context.peer(), e)
-        self.metrics.shared_memory(answer == ATTACHED)
-        metadata = [(METADATA_KEY, answer.encode("ascii", "replace").decode())]
+        metadata, segment, lane = [], None, None
+        if offer is not None:
+            try:
+                if self.config.shm_dir is None:
+                    raise SharedMemoryError("this expert function runs without --shm-dir")
+                segment = Segment.attach(self.config.shm_dir, offer, max_bytes=4 * self.config.max_message_bytes)
+                if self.config.device.type == "cuda":
+                    await asyncio.to_thread(segment.pin)  # else its copies to the GPU go through a bounce buffer
+                answer = ATTACHED
+            except SharedMemoryError as e:
+                answer = f"{REFUSED}: {e}"
+                log.info("no shared memory with a client on %s: %s", context.peer(), e)
+            self.metrics.shared_memory(answer == ATTACHED)
+            metadata.append((METADATA_KEY, answer.encode("ascii", "replace").decode()))
         if segment is not None:
             try:
-                lane = ServerLane(self.config.shm_dir, offer, lambda request: self._answer(request, segment), spawn,
-                                  answer_now=lambda request: self.answer_now(request, segment))
+                lane = ServerLane.over_unix(self.config.shm_dir, offer, lambda request: self._answer(request, segment),
+                                            spawn, answer_now=lambda request: self.answer_now(request, segment))
                 metadata.append((LANE_METADATA_KEY, lane.name))
             except SharedMemoryError as e:  # the stream still carries the calls
                 log.warning("%s", e)
+        elif tcp_offer is not None and self.data_port is not None:
+            lane = await self._tcp_lane(tcp_offer, spawn)
+            if lane is not None:
+                metadata.append((TCP_LANE_METADATA_KEY, self.data_port.address))
         await context.send_initial_metadata(metadata)
         return segment, lane
+
+    async def _tcp_lane(self, offer: str, spawn: Callable[[Coroutine], None]) -> ServerLane | None:
+        try:
+            size, token = parse_offer(offer, max_bytes=4 * self.config.max_message_bytes)
+            waiter = self.data_port.expect(token)
+        except SharedMemoryError as e:
+            log.info("no TCP lane for a client: %s", e)
+            self.metrics.tcp_lane(False)
+            return None
+        arena = Segment.private(size)
+        if self.config.device.type == "cuda":
+            await asyncio.to_thread(arena.pin)  # tensors land in it, then go to the GPU by DMA
+        lane = ServerLane(f"tcp-{next(self._tcp_lanes)}", lambda request: self._answer(request, arena), spawn,
+                          answer_now=lambda request: self.answer_now(request, arena))
+        lane.on_close(arena.unpin)  # no round is running then: rounds run on this loop
+        lane.connect_with(serve_lane(lane, waiter, arena))
+        self.metrics.tcp_lane(True)
+        return lane
 
     # -- weights ------------------------------------------------------------------------------
 

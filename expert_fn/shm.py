@@ -56,7 +56,7 @@ class SharedMemoryError(Exception):
 class Segment:
     """One mapped file: `view()` gives tensors over its regions, without copies."""
 
-    def __init__(self, path: Path, buffer: mmap.mmap, nonce: bytes):
+    def __init__(self, path: Path | None, buffer: mmap.mmap, nonce: bytes):
         self.path, self.nonce, self.size, self.buffer = path, nonce, len(buffer), buffer
         # Its views (numpy arrays over `buffer`, and this one) keep the mapping alive: it is unmapped
         # when the last one goes. This one also gives the mapping's address.
@@ -90,6 +90,17 @@ class Segment:
         return cls(path, buffer, nonce)
 
     @classmethod
+    def private(cls, size: int) -> "Segment":
+        """Anonymous memory of this process laid out as a segment (data from HEADER_BYTES on, `size`
+        bytes in all): the arena a TCP lane reads tensors into (frames.py). Pages come as written."""
+        if not HEADER_BYTES < size:
+            raise SharedMemoryError(f"an arena needs more than {HEADER_BYTES} bytes, got {size}")
+        try:
+            return cls(None, mmap.mmap(-1, size), b"")
+        except OSError as e:
+            raise SharedMemoryError(f"cannot map a {size}-byte arena: {e.strerror}") from None
+
+    @classmethod
     def attach(cls, folder: str | Path, offer: str, *, max_bytes: int) -> "Segment":
         """Map the segment a client offered; raises SharedMemoryError saying why it may not be used."""
         name, _, nonce_hex = offer.partition(":")
@@ -121,7 +132,8 @@ class Segment:
 
     def unlink(self) -> None:
         """Remove the file; both mappings stay valid (the client does this once the server attached)."""
-        self.path.unlink(missing_ok=True)
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
 
     def view(self, offset: int, dtype: torch.dtype, shape: list[int], *,
              on_release: Callable[[], None] | None = None) -> torch.Tensor:
@@ -163,6 +175,10 @@ class Segment:
                 with contextlib.suppress(RuntimeError):
                     torch.zeros(1, device="cuda")
         return self._pinned
+
+    @property
+    def tried_pinning(self) -> bool:
+        return self._pinned is not None
 
     @property
     def pinned(self) -> bool:
@@ -227,6 +243,10 @@ class Allocator:
             start = self._free.pop(i - 1)[0]
             i -= 1
         self._free.insert(i, (start, end))
+
+    def end(self, offset: int) -> int:
+        """Where the region allocated at `offset` ends (`offset` itself when none is)."""
+        return self._used.get(offset, offset)
 
     @property
     def in_use(self) -> int:

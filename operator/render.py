@@ -220,7 +220,9 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, node: str, replicas: int,
         "name": "expert-fn", "image": spec.experts.image or config.expert_image,
         "args": ["expert-fn", "--checkpoint", checkpoint_path(spec), "--bundle", bundle.spec(),
                  "--port", str(EXPERT_PORT), "--metrics-port", str(METRICS_PORT), "--model", deployment.name,
-                 "--dtype", spec.dtype],
+                 "--dtype", spec.dtype, "--data-port", str(ports.EXPERT_DATA), "--data-host", "$(POD_IP)"],
+        # Frontends on other nodes connect TCP lanes straight to this pod (expert_fn/frames.py).
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "h2c", "containerPort": EXPERT_PORT}],
         "resources": _resources(spec.experts.resources, spec.experts.gpus),
     }

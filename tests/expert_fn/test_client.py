@@ -58,7 +58,7 @@ async def scripted(first_stream: str):
 
 async def test_a_broken_stream_fails_pending_calls_unavailable_and_the_next_call_reopens():
     server, address, servicer = await scripted("ends")
-    client = ExpertClient(address, model="m")
+    client = ExpertClient(address, model="m", tcp=False)  # a scripted server answers no offers
     x = torch.randn(2, H)
     with pytest.raises(grpc.aio.AioRpcError) as broken:
         await client.forward(0, [0], [2], x)
@@ -71,7 +71,7 @@ async def test_a_broken_stream_fails_pending_calls_unavailable_and_the_next_call
 
 async def test_a_call_times_out_with_deadline_exceeded_and_the_stream_survives():
     server, address, servicer = await scripted("silent")
-    client = ExpertClient(address, model="m")
+    client = ExpertClient(address, model="m", tcp=False)  # a scripted server answers no offers
     with pytest.raises(grpc.aio.AioRpcError) as late:
         await client.forward(0, [0], [1], torch.randn(1, H), timeout=0.2)
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

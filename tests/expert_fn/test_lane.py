@@ -144,7 +144,7 @@ async def test_a_packet_the_server_cannot_read_closes_that_lane_only(shm_server,
         replies = Replies()
         lane = await ClientLane.connect(tmp_path, name, segment.offer, on_response=replies.on_response,
                                         on_closed=replies.on_closed, timeout=10)
-        lane._packets.sock.send(packet)
+        lane._carrier.sock.send(packet)
         await asyncio.wait_for(replies.closed, 10)  # the server closed this lane ...
         assert lane.closed
     segment.unlink()

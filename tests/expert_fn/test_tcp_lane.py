@@ -1,0 +1,263 @@
+"""The TCP lane: calls between pods and nodes with their tensors' bytes in frames, its handshake, bad frames."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import socket
+import struct
+
+import grpc
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kubemoe import wire
+from kubemoe.expert_fn.frames import (MAX_MESSAGE_BYTES, TCP_LANE_METADATA_KEY, TCP_METADATA_KEY, lane_address,
+                                      new_offer)
+from kubemoe.expert_fn.frames import connect as connect_tcp
+from kubemoe.expert_fn.lane import ClientLane
+from kubemoe.expert_fn.shm import HEADER_BYTES, METADATA_KEY, Segment, SharedMemoryError
+from kubemoe.proto import kubemoe_pb2 as pb
+from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
+
+ARCH = "mixtral"  # tiny: MoE layers 0 and 1, 8 experts, hidden 128, float32
+H = 128
+
+
+@pytest.fixture
+async def tcp_server(tiny_checkpoint, serve):
+    """A server with a data port and no shared folder: what a frontend on another node meets."""
+    async with serve(tiny_checkpoint(ARCH), data_port=0) as running:
+        yield running
+
+
+async def offered_stream(server, arena: Segment):
+    """(call, channel, token, (host, port)) for a ForwardStream that offered a TCP lane over `arena`."""
+    channel = grpc.aio.insecure_channel(server.address)
+    offer, token = new_offer(arena)
+    call = pb_grpc.ExpertServiceStub(channel).ForwardStream(metadata=((TCP_METADATA_KEY, offer),))
+    metadata = dict(await call.initial_metadata())
+    return call, channel, token, lane_address(metadata[TCP_LANE_METADATA_KEY], server.address)
+
+
+class Replies:
+    def __init__(self):
+        self.waiting: dict[str, asyncio.Future] = {}
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def expect(self, request_id: str) -> asyncio.Future:
+        future = self.waiting[request_id] = asyncio.get_running_loop().create_future()
+        return future
+
+    def on_responses(self, responses) -> None:
+        for response in responses:
+            self.waiting.pop(response.request_id).set_result(response)
+
+    def on_closed(self, why) -> None:
+        if not self.closed.done():
+            self.closed.set_result(why)
+
+
+async def raw_lane(server, arena: Segment):
+    """A TCP lane driven by hand: (lane, replies, call, channel)."""
+    call, channel, token, (host, port) = await offered_stream(server, arena)
+    replies = Replies()
+    frames = await connect_tcp(host, port, token, arena, lambda m: (m.hidden.shared.offset, m.hidden.ByteSize() and
+                                                                   _nbytes(m.hidden)), on_responses=replies.on_responses,
+                               on_closed=replies.on_closed, timeout=10)
+    return ClientLane.serving(frames), replies, call, channel
+
+
+def _nbytes(t: pb.Tensor) -> int:
+    n = wire.FROM_WIRE[t.dtype].itemsize
+    for d in t.shape:
+        n *= d
+    return n
+
+
+async def test_calls_between_processes_without_a_shared_folder_take_the_tcp_lane(tcp_server):
+    x = torch.randn(300, H)  # 150 KiB: more than a frame's staging read, so the payload is read in place
+    counts = [100, 120, 80]
+    want = await tcp_server.client(streaming=False).forward(1, [2, 5, 7], counts, x)
+    client = tcp_server.client()
+    got = await asyncio.gather(*(client.forward(1, [2, 5, 7], counts, x) for _ in range(5)),
+                               client.forward(0, [1], [3], x[:3]))
+    assert client.transport == "tcp" and not client._stream.lane.closed
+    assert all(torch.allclose(g, want, rtol=1e-6, atol=1e-7) for g in got[:5])
+    assert got[5].shape == (3, H)
+    assert client._stream.allocator.in_use == 6  # each reply is a view of its region: no copy
+    del got
+    for _ in range(100):  # gather's futures let go of the replies within a few loop turns
+        gc.collect()
+        await asyncio.sleep(0.01)
+        if client._stream.allocator.in_use == 0:
+            break
+    assert client._stream.allocator.in_use == 0  # every region is free once its reply's views are gone
+    assert tcp_server.metrics.value("tcp_lane_streams_total", result="opened") == 1
+    await client.close()
+
+
+async def test_shared_memory_wins_where_both_sides_see_the_folder_and_no_data_port_means_inline(
+        tiny_checkpoint, serve, tmp_path):
+    async with serve(tiny_checkpoint(ARCH), data_port=0, shm_dir=tmp_path) as server:
+        client = server.client(shm_dir=tmp_path)
+        await client.forward(1, [2], [2], torch.randn(2, H))
+        assert client.transport == "shm"
+        await client.close()
+    async with serve(tiny_checkpoint(ARCH)) as server:  # no data port: tensors travel inline, as before
+        client = server.client()
+        x = torch.randn(2, H)
+        assert torch.allclose(await client.forward(1, [2], [2], x),
+                              await server.client(streaming=False).forward(1, [2], [2], x))
+        assert client.transport == "inline"
+        await client.close()
+
+
+async def test_a_refused_request_on_the_tcp_lane_gets_its_status_and_the_lane_keeps_serving(tcp_server):
+    client = tcp_server.client()
+    x = torch.randn(3, H)
+    assert (await client.forward(1, [2], [3], x)).shape == (3, H)
+    stream = client._stream
+    for call, words in ((client.forward(7, [2], [3], x), "not an MoE layer"),
+                        (client.forward(1, [2], [2], x), "counts sum to 2")):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in refused.value.details()
+    assert client._stream is stream and not stream.lane.closed and stream.allocator.in_use == 0
+    assert (await client.forward(1, [2], [3], x)).shape == (3, H)
+    await client.close()
+
+
+async def test_a_connection_without_the_streams_token_is_dropped_and_a_token_serves_once(tcp_server, caplog):
+    arena = Segment.private(HEADER_BYTES + (1 << 16))
+    call, channel, token, (host, port) = await offered_stream(tcp_server, arena)
+    with caplog.at_level(logging.WARNING):
+        for first in (b"0" * 32, b"not a token at all, but long enough"):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(first)
+            try:  # the server hangs up without a word (a reset, when it left bytes unread)
+                assert await asyncio.wait_for(reader.read(64), 20) == b""
+            except ConnectionResetError:
+                pass
+            writer.close()
+    assert "presented no pending stream's token" in caplog.text and token.decode() not in caplog.text
+    frames = await connect_tcp(host, port, token, arena, lambda m: (0, 0), on_responses=lambda r: None,
+                               on_closed=lambda why: None, timeout=10)  # the stream's own token still works ...
+    frames.close()
+    with pytest.raises(SharedMemoryError, match="refused"):  # ... once
+        await connect_tcp(host, port, token, arena, lambda m: (0, 0), on_responses=lambda r: None,
+                          on_closed=lambda why: None, timeout=10)
+    call.cancel()
+    await channel.close()
+
+
+def _frame(message: bytes, payload: bytes = b"", announce: int | None = None) -> bytes:
+    return struct.pack("<II", len(message), len(payload) if announce is None else announce) + message + payload
+
+
+def _request(server, rid: str, tokens: int) -> pb.ForwardRequest:
+    req = pb.ForwardRequest(model=server.config.model, request_id=rid, layer=1, experts=[3], counts=[tokens])
+    wire.describe_shared(req.hidden, torch.float32, [tokens, H], HEADER_BYTES)
+    return req
+
+
+@pytest.mark.parametrize("case", ["too-long-message", "payload-longer-than-tensor", "not-protobuf",
+                                  "region-outside-arena", "stops-mid-frame"])
+async def test_a_frame_that_breaks_the_protocol_closes_that_lane_only(tcp_server, case, caplog):
+    arena = Segment.private(HEADER_BYTES + (1 << 16))
+    lane, replies, call, channel = await raw_lane(tcp_server, arena)
+    good = _request(tcp_server, "r", 2).SerializeToString()
+    far = _request(tcp_server, "r", 2)
+    far.hidden.shared.offset = 1 << 30
+    data = {
+        "too-long-message": struct.pack("<II", MAX_MESSAGE_BYTES + 1, 0),
+        "payload-longer-than-tensor": _frame(good, b"\0" * (2 * H * 4 + 8)),
+        "not-protobuf": _frame(b"\xff" * 40),
+        "region-outside-arena": _frame(far.SerializeToString(), b"\0" * (2 * H * 4)),
+        "stops-mid-frame": _frame(good, b"\0" * 100, announce=2 * H * 4),
+    }[case]
+    with caplog.at_level(logging.WARNING):
+        lane._carrier.sock.send(data)
+        if case == "stops-mid-frame":
+            lane._carrier.sock.shutdown(socket.SHUT_WR)
+        await asyncio.wait_for(replies.closed, 10)  # the server closed this lane ...
+    assert "closing the lane" in caplog.text
+    call.cancel()
+    await channel.close()
+    client = tcp_server.client()  # ... and serves everyone else as before
+    assert (await client.forward(1, [6], [2], torch.randn(2, H))).shape == (2, H)
+    assert client.transport == "tcp"
+    await client.close()
+
+
+async def test_a_reply_naming_another_region_than_its_request_closes_the_client_lane(tcp_server):
+    """The client writes a reply's bytes only into the region its request was sent in."""
+    client = tcp_server.client()
+    await client.forward(1, [2], [2], torch.randn(2, H))
+    stream = client._stream
+    reply = pb.ForwardResponse(request_id="nobody-sent-this")
+    wire.describe_shared(reply.hidden, torch.float32, [2, H], HEADER_BYTES)
+    with pytest.raises(ValueError, match="was not sent in a region"):
+        stream.region_of_reply(reply)
+    await client.close()
+
+
+def test_property_tcp_lane_requests_with_any_fields_are_each_answered_and_the_lane_keeps_serving(tiny_checkpoint,
+                                                                                                serve):
+    """400 requests with well-placed tensors but random layers, experts, counts and shapes, 20 at a
+    time on one lane: each gets a response with its id (a result, or an error saying what is wrong)."""
+    arena_bytes = HEADER_BYTES + (1 << 18)
+    fields = st.fixed_dictionaries({
+        "tokens": st.integers(0, 40), "width": st.sampled_from([H, H - 1, 1]),
+        "layer": st.integers(-1, 3), "experts": st.lists(st.integers(-1, 9), max_size=3),
+        "counts": st.lists(st.integers(-1, 50), max_size=3),
+    })
+    outcomes: dict[str, int] = {}
+    with asyncio.Runner() as runner:
+        context = serve(tiny_checkpoint(ARCH), data_port=0)
+        server = runner.run(context.__aenter__())
+        arena = Segment.private(arena_bytes)
+        lane, replies, call, channel = runner.run(raw_lane(server, arena))
+        ids = iter(range(10 ** 6))
+
+        async def send(f, slot: int) -> None:
+            req = pb.ForwardRequest(model=server.config.model, request_id=str(next(ids)), layer=f["layer"],
+                                    experts=f["experts"], counts=f["counts"])
+            wire.describe_shared(req.hidden, torch.float32, [f["tokens"], f["width"]], HEADER_BYTES + slot * 8192)
+            answered = replies.expect(req.request_id)
+            await lane.send(req)
+            response = await asyncio.wait_for(answered, 10)
+            kind = "error" if response.HasField("error") else "OK"
+            if kind == "error":
+                assert len(response.error.message) > 20, response.error.message
+            outcomes[kind] = outcomes.get(kind, 0) + 1
+
+        @settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+        @given(st.lists(fields, min_size=20, max_size=20))
+        def batches(batch):
+            async def send_all():
+                await asyncio.gather(*(send(f, i) for i, f in enumerate(batch)))
+            runner.run(send_all())
+
+        try:
+            batches()
+            assert not lane.closed
+        finally:
+            lane.close()
+            call.cancel()
+            runner.run(channel.close())
+            runner.run(context.__aexit__(None, None, None))
+    assert sum(outcomes.values()) == 400 and outcomes.get("error", 0) > 100, outcomes
+
+
+def test_lane_addresses_default_to_the_dialled_host():
+    assert lane_address("9096", "10.0.0.7:8080") == ("10.0.0.7", 9096)
+    assert lane_address("10.1.2.3:9096", "svc.ns:8080") == ("10.1.2.3", 9096)
+    assert lane_address("9096", "dns:///expert.ns.svc:80") == ("expert.ns.svc", 9096)
+    assert lane_address("[fd00::1]:9096", "x:1") == ("fd00::1", 9096)
+    with pytest.raises(SharedMemoryError):
+        lane_address("not-a-port", "x:1")
+    assert METADATA_KEY != TCP_METADATA_KEY
