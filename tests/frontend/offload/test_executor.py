@@ -1,0 +1,156 @@
+"""The offload executor on the CPU stand-in device: every policy computes what the experts compute in
+process, slots are fixed, what ran where adds up, and bad budgets are refused with the minimum."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kubemoe.errors import KubemoeError
+from kubemoe.expert import ExpertWeights
+from kubemoe.frontend.offload.config import POLICIES, OffloadConfig
+from kubemoe.frontend.offload.costs import CostLine, ExpertCosts, OffloadProfile
+from kubemoe.frontend.offload.hot_table import TokenCounter
+from kubemoe.frontend.offload.lookahead import NoLookahead, Replayed
+from kubemoe.frontend.offload.runtime import build_executor
+from kubemoe.moe import LocalExperts
+
+LAYERS, E, K, H, I = (0, 1, 2), 8, 2, 32, 16
+EXPERT_BYTES = 3 * H * I * 4
+
+
+def weights(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {(l, e): ExpertWeights(torch.randn(2 * I, H, generator=g) / H**0.5, torch.randn(H, I, generator=g) / I**0.5)
+            for l in LAYERS for e in range(E)}
+
+
+def profile(t_io=2.0, t_g=0.5, beta=1.0, c=1.0, t_attn=1.0):
+    """Hand-worked figures (seconds; only their ratios matter): the CPU is cheap for few tokens."""
+    return OffloadProfile("test", (ExpertCosts(EXPERT_BYTES, t_io, CostLine(0.0, t_g), CostLine(beta, c)),),
+                          CostLine(0.0, t_attn), source="assumed")
+
+
+def make(policy="kubemoe", resident=3, lookahead=None, counter=None, experts=None, **config):
+    experts = experts or weights()
+    budget = (resident + 2 + 2 * K) * EXPERT_BYTES
+    return build_executor(OffloadConfig(budget, policy=policy, **config), LAYERS, E, K, H, I, torch.float32,
+                          torch.device("cpu"), lambda l, e: experts[(l, e)], F.silu, False,
+                          lookahead or NoLookahead(), counter=counter, profile=profile(), )
+
+
+def routing(tokens, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])  # [T, K]
+    return index, torch.rand(tokens, K, generator=g)
+
+
+def forward(executor, hidden, routes, lookahead=None):
+    """One pass over the layers; with a Replayed lookahead it is told the next layer's routing exactly."""
+    outs = []
+    for i, layer in enumerate(LAYERS):
+        if lookahead is not None and i + 1 < len(LAYERS):
+            lookahead.next[layer] = routes[i + 1][0]
+        outs.append(executor.run_layer(layer, hidden, *routes[i]))
+    return outs
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_computes_what_in_process_experts_compute(policy):
+    experts, hidden = weights(), torch.randn(12, H)
+    routes = [routing(12, seed=s) for s in range(len(LAYERS))]
+    lookahead = Replayed(E)
+    executor = make(policy, lookahead=lookahead, experts=experts)
+    try:
+        for _ in range(2):  # a second pass starts with prefetches of the first forgotten
+            outs = forward(executor, hidden, routes, lookahead)
+            for layer, out, (index, w) in zip(LAYERS, outs, routes):
+                reference = LocalExperts({e: experts[(layer, e)] for e in range(E)}, F.silu, False)
+                torch.testing.assert_close(out, reference(hidden, index, w), rtol=1e-5, atol=1e-6)
+        s = executor.stats
+        assert s.activated == s.hits + s.loaded + s.cpu_experts  # every activated expert ran once, somewhere
+        assert s.bytes_copied == (s.loaded + s.prefetched) * EXPERT_BYTES
+        assert s.gpu_tokens + s.cpu_tokens == 2 * len(LAYERS) * 12 * K
+    finally:
+        executor.close()
+
+
+def test_presched_mixes_resident_prefetched_loaded_and_cpu_experts():
+    lookahead = Replayed(E)
+    executor = make("kubemoe", lookahead=lookahead)
+    try:
+        # Skewed routing: a few experts take most tokens (worth copying), the rest one token each (CPU).
+        index = torch.tensor([[0, 1]] * 10 + [[2, 3], [4, 5], [6, 7]])
+        routes = [(index, torch.rand(13, K))] * len(LAYERS)
+        forward(executor, torch.randn(13, H), routes, lookahead)
+        s = executor.stats
+        assert s.loaded > 0 and s.cpu_experts > 0 and s.prefetched > 0
+        assert s.prefetch_used == s.prefetched  # the replayed prediction is exact
+        assert 0 < s.hit_rate < 1 and 0 < s.cpu_share < 1
+    finally:
+        executor.close()
+
+
+def test_slots_are_allocated_once_resident_plus_two_on_demand_plus_two_prefetch_groups():
+    lookahead = Replayed(E)
+    executor = make("gpu-prefetch", resident=3, lookahead=lookahead)
+    try:
+        assert executor.store.num_slots == 3 + 2 + 2 * K
+        before = executor.store.slots.data_ptr()
+        forward(executor, torch.randn(20, H), [routing(20, seed=s) for s in range(len(LAYERS))], lookahead)
+        assert executor.stats.loaded > 2 and executor.store.slots.data_ptr() == before
+        assert sorted(executor.free_prefetch + list(executor.landed.values())) == list(range(5, 5 + 2 * K))
+    finally:
+        executor.close()
+
+
+def test_the_hot_table_preloads_the_hottest_experts():
+    counter = TokenCounter({(1, 5): 100, (2, 7): 90, (0, 3): 80, (0, 0): 1})
+    executor = make("on-demand", resident=3, counter=counter)
+    try:
+        assert list(executor.resident_slot) == [(1, 5), (2, 7), (0, 3)]  # (position, expert), hottest first
+        torch.testing.assert_close(executor.store.slot_weights(0).down, executor.store.host_weights((1, 5)).down)
+    finally:
+        executor.close()
+    executor = make("on-demand", resident=3, counter=counter, hot_table=False)  # the ablation: by (layer, expert)
+    try:
+        assert list(executor.resident_slot) == [(0, 0), (0, 1), (0, 2)]
+    finally:
+        executor.close()
+
+
+def test_a_budget_below_the_working_set_is_refused_with_the_minimum():
+    minimum = (2 + 2 * K) * EXPERT_BYTES
+    config = OffloadConfig(minimum - 1)
+    with pytest.raises(KubemoeError, match=f"at least {minimum:,} bytes.*raise --gpu-budget"):
+        build_executor(config, LAYERS, E, K, H, I, torch.float32, torch.device("cpu"), None, F.silu, False,
+                       NoLookahead(), profile=profile())
+
+
+def test_a_budget_above_the_device_memory_is_refused():
+    with pytest.raises(KubemoeError, match="more than cpu has.*lower --gpu-budget"):
+        build_executor(OffloadConfig(1 << 60), LAYERS, E, K, H, I, torch.float32, torch.device("cpu"), None, F.silu,
+                       False, NoLookahead(), profile=profile())
+
+
+class FailingLookahead:
+    name = "broken"
+
+    def ahead(self, *args):
+        raise RuntimeError("predictor exploded")
+
+
+def test_a_failing_lookahead_is_switched_off_and_serving_goes_on(caplog):
+    experts, hidden = weights(), torch.randn(6, H)
+    routes = [routing(6, seed=s) for s in range(len(LAYERS))]
+    executor = make("kubemoe", lookahead=FailingLookahead(), experts=experts)
+    try:
+        with caplog.at_level(logging.ERROR):
+            outs = forward(executor, hidden, routes)
+        assert "broken lookahead failed at layer 0 and is switched off" in caplog.text
+        assert executor.lookahead.name == "frequency"
+        reference = LocalExperts({e: experts[(2, e)] for e in range(E)}, F.silu, False)
+        torch.testing.assert_close(outs[2], reference(hidden, *routes[2]), rtol=1e-5, atol=1e-6)
+    finally:
+        executor.close()
