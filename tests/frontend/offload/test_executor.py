@@ -32,12 +32,12 @@ def profile(t_io=2.0, t_g=0.5, beta=1.0, c=1.0, t_attn=1.0):
                           CostLine(0.0, t_attn), source="assumed")
 
 
-def make(policy="kubemoe", resident=3, lookahead=None, counter=None, experts=None, **config):
+def make(policy="kubemoe", resident=3, lookahead=None, counter=None, experts=None, device="cpu", **config):
     experts = experts or weights()
     budget = (resident + 2 + 2 * K) * EXPERT_BYTES
     return build_executor(OffloadConfig(budget, policy=policy, **config), LAYERS, E, K, H, I, torch.float32,
-                          torch.device("cpu"), lambda l, e: experts[(l, e)], F.silu, False,
-                          lookahead or NoLookahead(), counter=counter, profile=profile(), )
+                          torch.device(device), lambda l, e: experts[(l, e)], F.silu, False,
+                          lookahead or NoLookahead(), counter=counter, profile=profile())
 
 
 def routing(tokens, seed=1):
@@ -56,24 +56,36 @@ def forward(executor, hidden, routes, lookahead=None):
     return outs
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_every_policy_computes_what_in_process_experts_compute(policy):
+def check_policy(policy, device, async_io=True):
     experts, hidden = weights(), torch.randn(12, H)
     routes = [routing(12, seed=s) for s in range(len(LAYERS))]
     lookahead = Replayed(E)
-    executor = make(policy, lookahead=lookahead, experts=experts)
+    executor = make(policy, lookahead=lookahead, experts=experts, device=device, async_io=async_io)
+    on_device = [(index.to(device), w.to(device)) for index, w in routes]
     try:
         for _ in range(2):  # a second pass starts with prefetches of the first forgotten
-            outs = forward(executor, hidden, routes, lookahead)
+            outs = forward(executor, hidden.to(device), on_device, lookahead)
             for layer, out, (index, w) in zip(LAYERS, outs, routes):
                 reference = LocalExperts({e: experts[(layer, e)] for e in range(E)}, F.silu, False)
-                torch.testing.assert_close(out, reference(hidden, index, w), rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(out.cpu(), reference(hidden, index, w), rtol=1e-4, atol=1e-5)
         s = executor.stats
         assert s.activated == s.hits + s.loaded + s.cpu_experts  # every activated expert ran once, somewhere
         assert s.bytes_copied == (s.loaded + s.prefetched) * EXPERT_BYTES
         assert s.gpu_tokens + s.cpu_tokens == 2 * len(LAYERS) * 12 * K
     finally:
         executor.close()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_computes_what_in_process_experts_compute(policy):
+    check_policy(policy, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("async_io", [True, False])
+def test_every_policy_on_the_gpu_computes_what_in_process_experts_compute(policy, async_io):
+    check_policy(policy, "cuda", async_io)
 
 
 def test_presched_mixes_resident_prefetched_loaded_and_cpu_experts():
