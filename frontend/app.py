@@ -110,22 +110,31 @@ class Frontend:
     def _start_offload(self, offload: OffloadConfig):
         """The offload executor; bad settings (budget, predictor of another model) stop the start with a message."""
         from kubemoe.frontend.offload.lookahead import load_lookahead
-        from kubemoe.frontend.offload.runtime import build_executor
+        from kubemoe.frontend.offload.runtime import build_executor, check_budget, prefetch_slots_of
+        from kubemoe.frontend.offload.store import HostExperts
 
         if self.config.micro_batches != 1:
             raise KubemoeError("offload mode decodes one batch at a time (its device slots follow one forward pass): "
                                "use --micro-batches 1")
+        # Settings first, before minutes of reading expert weights.
+        check_budget(offload, self.adapter.expert_bytes(self.dtype),
+                     prefetch_slots_of(offload, self.adapter.num_experts, self.adapter.top_k), self.device)
         lookahead = load_lookahead(offload.predictor, self.adapter, self.checkpoint, self.device)
 
         def on_layer(stats) -> None:
             self.metrics.record_offload(stats)
             self.loads.record_offload(stats)
 
-        executor = build_executor(
-            offload, self.adapter.moe_layers, self.adapter.num_experts, self.adapter.top_k, self.adapter.hidden_size,
-            self.adapter.expert_intermediate_size, self.dtype, self.device,
-            lambda layer, expert: self.adapter.load_expert(self.checkpoint, layer, expert, self.dtype),
-            self.adapter.act, self.adapter.routing.weight_on_input, lookahead, on_layer=on_layer)
+        host = HostExperts(self.adapter.moe_layers, self.adapter.num_experts, self.adapter.hidden_size,
+                           self.adapter.expert_intermediate_size, self.dtype,
+                           lambda layer, expert: self.adapter.load_expert(self.checkpoint, layer, expert, self.dtype),
+                           pin_memory=self.device.type == "cuda")
+        try:
+            executor = build_executor(offload, host, self.adapter.top_k, self.device, self.adapter.act,
+                                      self.adapter.routing.weight_on_input, lookahead, on_layer=on_layer)
+        except BaseException:
+            host.close()
+            raise
         self.loads.offload_policy = executor.policy.name
         return executor
 
@@ -198,6 +207,7 @@ class Frontend:
         self.dispatcher.close()
         if self.offload:
             self.offload.close()
+            self.offload.store.host.close()
         if self.online_predictor:
             self.online_predictor.close()
         if self.recorder:

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from kubemoe.expert import ExpertWeights, expert_ffn
-from kubemoe.frontend.offload.store import ExpertStore, Key
+from kubemoe.frontend.offload.store import HostExperts, Key
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +50,19 @@ def choose_cpu_dtype(weights: ExpertWeights, act: Callable, tokens: int = 16, re
 
 
 class CpuExperts:
-    def __init__(self, store: ExpertStore, act: Callable, threads: int | None = None,
+    def __init__(self, host: HostExperts, act: Callable, threads: int | None = None,
                  dtype: torch.dtype | None = None):
-        self.store, self.act = store, act
+        self.host, self.act = host, act
         self.threads = threads or os.cpu_count() or 1
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kubemoe-cpu-expert")
-        first = (store.layers[0], 0)
-        self.dtype = dtype or choose_cpu_dtype(store.host_weights(first), act)
+        self.dtype = dtype or choose_cpu_dtype(host.weights((host.layers[0], 0)), act)
 
     def submit(self, key: Key, x: torch.Tensor) -> Future:  # x [N, H] on the host -> future of [N, H], this dtype
         return self.pool.submit(self.run, key, x)
 
     def run(self, key: Key, x: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():  # per thread
-            return expert_ffn(x.to(self.dtype), _widen(self.store.host_weights(key), self.dtype), self.act)
+            return expert_ffn(x.to(self.dtype), _widen(self.host.weights(key), self.dtype), self.act)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

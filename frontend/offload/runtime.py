@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
 from kubemoe.errors import KubemoeError
-from kubemoe.expert import ExpertWeights
 from kubemoe.frontend.offload.baselines import FiddlerLike, GatePrefetch, HybriMoELike, OnDemand, StaticSplit
 from kubemoe.frontend.offload.config import OffloadConfig
 from kubemoe.frontend.offload.costs import OffloadProfile
@@ -25,7 +24,7 @@ from kubemoe.frontend.offload.lookahead import Lookahead
 from kubemoe.frontend.offload.policy import Policy
 from kubemoe.frontend.offload.presched import PreSched
 from kubemoe.frontend.offload.profiler import measure_profile
-from kubemoe.frontend.offload.store import ExpertStore, Key
+from kubemoe.frontend.offload.store import ExpertStore, HostExperts, Key
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +37,11 @@ def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def prefetch_slots_of(config: OffloadConfig, num_experts: int, top_k: int) -> int:
+    """Experts per prefetch group: as configured, else the model's experts per token."""
+    return min(num_experts, top_k if config.prefetch_slots is None else config.prefetch_slots)
 
 
 def check_budget(config: OffloadConfig, expert_bytes: int, prefetch_slots: int, device: torch.device) -> None:
@@ -74,14 +78,12 @@ def make_policy(config: OffloadConfig, layers: list[int], num_experts: int, expe
     return _POLICIES[config.policy]()
 
 
-def build_executor(config: OffloadConfig, layers: Iterable[int], num_experts: int, top_k: int, hidden_size: int,
-                   intermediate_size: int, dtype: torch.dtype, device: torch.device,
-                   load: Callable[[int, int], ExpertWeights], act: Callable, weight_on_input: bool,
-                   lookahead: Lookahead, counter: TokenCounter | None = None, profile: OffloadProfile | None = None,
-                   timing: bool = False, on_layer=None) -> OffloadExecutor:
-    layers = tuple(layers)
-    expert_bytes = 3 * hidden_size * intermediate_size * dtype.itemsize
-    prefetch_slots = min(num_experts, top_k if config.prefetch_slots is None else config.prefetch_slots)
+def build_executor(config: OffloadConfig, host: HostExperts, top_k: int, device: torch.device, act: Callable,
+                   weight_on_input: bool, lookahead: Lookahead, counter: TokenCounter | None = None,
+                   profile: OffloadProfile | None = None, timing: bool = False, on_layer=None) -> OffloadExecutor:
+    """An executor over `host`'s experts (the caller keeps `host` and closes it after the executor)."""
+    layers, num_experts, expert_bytes = host.layers, host.num_experts, host.expert_bytes
+    prefetch_slots = prefetch_slots_of(config, num_experts, top_k)
     check_budget(config, expert_bytes, prefetch_slots, device)
     policy = make_policy(config, list(layers), num_experts, expert_bytes, prefetch_slots)
     all_experts = [(l, e) for l in layers for e in range(num_experts)]
@@ -89,9 +91,8 @@ def build_executor(config: OffloadConfig, layers: Iterable[int], num_experts: in
     if isinstance(policy, StaticSplit):  # its layers are positions: name the real layers for the store
         resident = tuple((layers[p], e) for p, e in resident)
     slots = len(resident) + working_set_bytes(expert_bytes, prefetch_slots) // expert_bytes
-    store = ExpertStore(layers, num_experts, hidden_size, intermediate_size, dtype, device, slots, load,
-                        async_io=config.async_io, timing=timing)
-    cpu = CpuExperts(store, act, config.cpu_threads)
+    store = ExpertStore(host, device, slots, async_io=config.async_io, timing=timing)
+    cpu = CpuExperts(host, act, config.cpu_threads)
     if profile is None:
         profile = measure_profile(store, cpu, act, slot=slots - 1)
     log.info("offload: %d of %d experts resident (%.2f GiB), %d prefetch slots per group, policy %s, lookahead %s; "

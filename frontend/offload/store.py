@@ -1,9 +1,10 @@
 """AsyncIO (LayerScope): every expert's weights in host memory, fixed device slots, chunked copies.
 
-Host: one flat tensor per MoE layer, [E, S], each expert laid out gate | up | down (gate_up is the first
+`HostExperts`: one flat tensor per MoE layer, [E, S], each expert laid out gate | up | down (gate_up is the first
 2IH elements as [2I, H], down the rest as [H, I]: `kubemoe.expert.ExpertWeights`), page-locked with
 cudaHostRegister when CUDA is available. Memory that cannot be pinned is logged and stays pageable:
-copies are slower, nothing fails. Device: one tensor [N, S] allocated once and cut into slots of the
+copies are slower, nothing fails. Several stores may share it (the benchmark runs every policy on one).
+`ExpertStore`: one device tensor [N, S] allocated once and cut into slots of the
 largest expert; what each slot holds is the executor's business (hot table, two on-demand slots,
 prefetch groups). Nothing is allocated per transfer.
 
@@ -75,32 +76,64 @@ class _CopyTiming:
     ends: list
 
 
-class ExpertStore:
+class HostExperts:
+    """Every expert's weights in host memory, [E, S] per MoE layer, pinned when CUDA is available."""
+
     def __init__(self, layers: Sequence[int], num_experts: int, hidden_size: int, intermediate_size: int,
-                 dtype: torch.dtype, device: torch.device, slots: int,
-                 load: Callable[[int, int], ExpertWeights], async_io: bool = True, timing: bool = False,
+                 dtype: torch.dtype, load: Callable[[int, int], ExpertWeights], pin_memory: bool | None = None,
                  pin: Callable[[torch.Tensor], None] = pin_host):
         self.layers, self.num_experts, self.dtype = tuple(layers), num_experts, dtype
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
         i, h = intermediate_size, hidden_size
         self.gate_up_shape, self.down_shape = (2 * i, h), (h, i)
         self.chunks = ((0, i * h), (i * h, 2 * i * h), (2 * i * h, 3 * i * h))  # gate | up | down, elements
         self.slot_elems = 3 * i * h
         self.expert_bytes = self.slot_elems * dtype.itemsize
-        self.host: dict[int, torch.Tensor] = {}  # layer -> [E, S]
-        self.pinned = False
-        self._pinned: list[torch.Tensor] = []
+        self.rows: dict[int, torch.Tensor] = {}  # layer -> [E, S]
         for layer in self.layers:
-            self.host[layer] = torch.empty((num_experts, self.slot_elems), dtype=dtype)
+            self.rows[layer] = torch.empty((num_experts, self.slot_elems), dtype=dtype)
             for expert in range(num_experts):
-                loaded, held = load(layer, expert), self.host_weights((layer, expert))
+                loaded, held = load(layer, expert), self.weights((layer, expert))
                 held.gate_up.copy_(loaded.gate_up)
                 held.down.copy_(loaded.down)
-        if self.cuda:
-            self._pinned = pin_all(list(self.host.values()), pin)
-            self.pinned = bool(self._pinned)
-        self.slots = torch.empty((slots, self.slot_elems), dtype=dtype, device=self.device)  # [N, S]
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self._pinned = pin_all(list(self.rows.values()), pin) if pin_memory else []
+        self.pinned = bool(self._pinned)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.rows.values())
+
+    def views(self, row: torch.Tensor) -> ExpertWeights:  # [S] -> weights viewing it
+        split = self.chunks[1][1]
+        return ExpertWeights(row[:split].view(self.gate_up_shape), row[split:].view(self.down_shape))
+
+    def row(self, key: Key) -> torch.Tensor:  # [S]
+        layer, expert = key
+        return self.rows[layer][expert]
+
+    def weights(self, key: Key) -> ExpertWeights:
+        return self.views(self.row(key))
+
+    def close(self) -> None:
+        for tensor in self._pinned:
+            try:
+                unpin_host(tensor)
+            except Exception:  # noqa: BLE001 - closing must not fail
+                log.exception("unpinning expert memory failed")
+        self._pinned.clear()
+
+
+class ExpertStore:
+    """Device slots for the experts of `host`, and the copies into them."""
+
+    def __init__(self, host: HostExperts, device: torch.device, slots: int, async_io: bool = True,
+                 timing: bool = False):
+        self.host, self.layers, self.dtype = host, host.layers, host.dtype
+        self.expert_bytes = host.expert_bytes
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.slots = torch.empty((slots, host.slot_elems), dtype=host.dtype, device=self.device)  # [N, S]
         self._sync = [_SlotSync() for _ in range(slots)]
         if self.cuda:
             # AsyncIO: a stream per chunk; without it (the ablation) the copies queue on the compute stream.
@@ -110,41 +143,25 @@ class ExpertStore:
         self.timing = timing and self.cuda
         self._timings: list[_CopyTiming] = []
 
-    def _unpin(self) -> None:
-        for tensor in self._pinned:
-            try:
-                unpin_host(tensor)
-            except Exception:  # noqa: BLE001 - closing must not fail
-                log.exception("unpinning expert memory failed")
-        self._pinned.clear()
-
     @property
-    def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.host.values())
+    def pinned(self) -> bool:
+        return self.host.pinned
 
     @property
     def num_slots(self) -> int:
         return len(self._sync)
 
-    # -- views ----------------------------------------------------------------------------------
-
-    def _views(self, row: torch.Tensor) -> ExpertWeights:  # [S] -> weights viewing it
-        split = self.chunks[1][1]
-        return ExpertWeights(row[:split].view(self.gate_up_shape), row[split:].view(self.down_shape))
-
     def host_weights(self, key: Key) -> ExpertWeights:
-        layer, expert = key
-        return self._views(self.host[layer][expert])
+        return self.host.weights(key)
 
     def slot_weights(self, slot: int) -> ExpertWeights:
-        return self._views(self.slots[slot])
+        return self.host.views(self.slots[slot])
 
     # -- copies and their events ----------------------------------------------------------------
 
     def copy(self, key: Key, slot: int) -> None:
         """Start copying `key`'s weights into `slot`, once every kernel that read the slot is done."""
-        layer, expert = key
-        src, dst = self.host[layer][expert], self.slots[slot]
+        src, dst = self.host.row(key), self.slots[slot]
         if not self.cuda:
             dst.copy_(src)
             return
@@ -153,7 +170,7 @@ class ExpertStore:
         if self.timing:
             start = torch.cuda.Event(enable_timing=True)
         ready = []
-        for n, (stream, (a, b)) in enumerate(zip(self.streams, self.chunks)):
+        for n, (stream, (a, b)) in enumerate(zip(self.streams, self.host.chunks)):
             if sync.free is not None:
                 stream.wait_event(sync.free)
             if start is not None:
@@ -196,6 +213,6 @@ class ExpertStore:
         return sum(t.nbytes for t in timings), seconds
 
     def close(self) -> None:
+        """Wait for the copies in flight (the host memory stays: it may serve another store)."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        self._unpin()

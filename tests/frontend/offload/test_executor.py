@@ -13,7 +13,8 @@ from kubemoe.frontend.offload.config import POLICIES, OffloadConfig
 from kubemoe.frontend.offload.costs import CostLine, ExpertCosts, OffloadProfile
 from kubemoe.frontend.offload.hot_table import TokenCounter
 from kubemoe.frontend.offload.lookahead import NoLookahead, Replayed
-from kubemoe.frontend.offload.runtime import build_executor
+from kubemoe.frontend.offload.runtime import build_executor, check_budget
+from kubemoe.frontend.offload.store import HostExperts
 from kubemoe.moe import LocalExperts
 
 LAYERS, E, K, H, I = (0, 1, 2), 8, 2, 32, 16
@@ -35,9 +36,14 @@ def profile(t_io=2.0, t_g=0.5, beta=1.0, c=1.0, t_attn=1.0):
 def make(policy="kubemoe", resident=3, lookahead=None, counter=None, experts=None, device="cpu", **config):
     experts = experts or weights()
     budget = (resident + 2 + 2 * K) * EXPERT_BYTES
-    return build_executor(OffloadConfig(budget, policy=policy, **config), LAYERS, E, K, H, I, torch.float32,
-                          torch.device(device), lambda l, e: experts[(l, e)], F.silu, False,
+    host = HostExperts(LAYERS, E, H, I, torch.float32, lambda l, e: experts[(l, e)])
+    return build_executor(OffloadConfig(budget, policy=policy, **config), host, K, torch.device(device), F.silu, False,
                           lookahead or NoLookahead(), counter=counter, profile=profile())
+
+
+def close(executor):
+    executor.close()
+    executor.store.host.close()
 
 
 def routing(tokens, seed=1):
@@ -73,7 +79,7 @@ def check_policy(policy, device, async_io=True):
         assert s.bytes_copied == (s.loaded + s.prefetched) * EXPERT_BYTES
         assert s.gpu_tokens + s.cpu_tokens == 2 * len(LAYERS) * 12 * K
     finally:
-        executor.close()
+        close(executor)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -101,7 +107,7 @@ def test_presched_mixes_resident_prefetched_loaded_and_cpu_experts():
         assert s.prefetch_used == s.prefetched  # the replayed prediction is exact
         assert 0 < s.hit_rate < 1 and 0 < s.cpu_share < 1
     finally:
-        executor.close()
+        close(executor)
 
 
 def test_slots_are_allocated_once_resident_plus_two_on_demand_plus_two_prefetch_groups():
@@ -114,7 +120,7 @@ def test_slots_are_allocated_once_resident_plus_two_on_demand_plus_two_prefetch_
         assert executor.stats.loaded > 2 and executor.store.slots.data_ptr() == before
         assert sorted(executor.free_prefetch + list(executor.landed.values())) == list(range(5, 5 + 2 * K))
     finally:
-        executor.close()
+        close(executor)
 
 
 def test_the_hot_table_preloads_the_hottest_experts():
@@ -124,26 +130,24 @@ def test_the_hot_table_preloads_the_hottest_experts():
         assert list(executor.resident_slot) == [(1, 5), (2, 7), (0, 3)]  # (position, expert), hottest first
         torch.testing.assert_close(executor.store.slot_weights(0).down, executor.store.host_weights((1, 5)).down)
     finally:
-        executor.close()
+        close(executor)
     executor = make("on-demand", resident=3, counter=counter, hot_table=False)  # the ablation: by (layer, expert)
     try:
         assert list(executor.resident_slot) == [(0, 0), (0, 1), (0, 2)]
     finally:
-        executor.close()
+        close(executor)
 
 
 def test_a_budget_below_the_working_set_is_refused_with_the_minimum():
     minimum = (2 + 2 * K) * EXPERT_BYTES
-    config = OffloadConfig(minimum - 1)
     with pytest.raises(KubemoeError, match=f"at least {minimum:,} bytes.*raise --gpu-budget"):
-        build_executor(config, LAYERS, E, K, H, I, torch.float32, torch.device("cpu"), None, F.silu, False,
-                       NoLookahead(), profile=profile())
+        check_budget(OffloadConfig(minimum - 1), EXPERT_BYTES, K, torch.device("cpu"))
+    check_budget(OffloadConfig(minimum), EXPERT_BYTES, K, torch.device("cpu"))
 
 
 def test_a_budget_above_the_device_memory_is_refused():
     with pytest.raises(KubemoeError, match="more than cpu has.*lower --gpu-budget"):
-        build_executor(OffloadConfig(1 << 60), LAYERS, E, K, H, I, torch.float32, torch.device("cpu"), None, F.silu,
-                       False, NoLookahead(), profile=profile())
+        check_budget(OffloadConfig(1 << 60), EXPERT_BYTES, K, torch.device("cpu"))
 
 
 class FailingLookahead:
@@ -165,4 +169,4 @@ def test_a_failing_lookahead_is_switched_off_and_serving_goes_on(caplog):
         reference = LocalExperts({e: experts[(2, e)] for e in range(E)}, F.silu, False)
         torch.testing.assert_close(outs[2], reference(hidden, *routes[2]), rtol=1e-5, atol=1e-6)
     finally:
-        executor.close()
+        close(executor)

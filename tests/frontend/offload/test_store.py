@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.frontend.offload.cpu_experts import CpuExperts, choose_cpu_dtype
-from kubemoe.frontend.offload.store import ExpertStore, pin_all
+from kubemoe.frontend.offload.store import ExpertStore, HostExperts, pin_all
 
 H, I, E = 64, 32, 4
 
@@ -21,12 +21,13 @@ def weights(dtype=torch.float32):
 
 def store(device="cpu", dtype=torch.float32, slots=3, **kwargs):
     w = weights(dtype)
-    return w, ExpertStore((1, 3), E, H, I, dtype, torch.device(device), slots, lambda l, e: w[(l, e)], **kwargs)
+    host = HostExperts((1, 3), E, H, I, dtype, lambda l, e: w[(l, e)], pin_memory=device == "cuda")
+    return w, ExpertStore(host, torch.device(device), slots, **kwargs)
 
 
 def test_host_holds_every_expert_and_copies_land_in_fixed_slots():
     w, s = store()
-    assert s.expert_bytes == 3 * H * I * 4 and s.host_bytes == 2 * E * s.expert_bytes and not s.pinned
+    assert s.expert_bytes == 3 * H * I * 4 and s.host.nbytes == 2 * E * s.expert_bytes and not s.pinned
     for key, expected in w.items():
         assert torch.equal(s.host_weights(key).gate_up, expected.gate_up) and torch.equal(s.host_weights(key).down, expected.down)
     slots = s.slots.data_ptr()
@@ -53,7 +54,7 @@ def test_pinning_that_fails_is_logged_and_leaves_pageable_memory(caplog):
 
 def test_cpu_experts_read_host_weights_in_the_chosen_dtype():
     w, s = store(dtype=torch.bfloat16)
-    cpu = CpuExperts(s, F.silu, threads=2)
+    cpu = CpuExperts(s.host, F.silu, threads=2)
     try:
         assert cpu.dtype in (torch.bfloat16, torch.float32)
         x = torch.randn(5, H)
@@ -74,11 +75,12 @@ def test_float32_weights_compute_in_float32_without_timing():
 def test_host_memory_is_pinned_and_chunks_go_on_three_streams():
     _, s = store("cuda", torch.bfloat16)
     try:
-        assert s.pinned and all(t.is_pinned() for t in s.host.values())
+        assert s.pinned and all(t.is_pinned() for t in s.host.rows.values())
         assert len({st.cuda_stream for st in s.streams}) == 3
         assert torch.cuda.current_stream().cuda_stream not in {st.cuda_stream for st in s.streams}
     finally:
         s.close()
+        s.host.close()
 
 
 @pytest.mark.gpu
@@ -87,7 +89,7 @@ def test_compute_waits_only_for_its_own_slots_copy():
     big_h, big_i = 4096, 8192  # 192 MiB in bf16: milliseconds over PCIe
     experts = {(0, e): ExpertWeights(torch.ones(2 * big_i, big_h, dtype=torch.bfloat16),
                                      torch.ones(big_h, big_i, dtype=torch.bfloat16)) for e in range(2)}
-    s = ExpertStore((0,), 2, big_h, big_i, torch.bfloat16, torch.device("cuda"), 2, lambda l, e: experts[(l, e)])
+    s = ExpertStore(HostExperts((0,), 2, big_h, big_i, torch.bfloat16, lambda l, e: experts[(l, e)]), torch.device("cuda"), 2)
     try:
         s.copy((0, 1), 1)
         torch.cuda.synchronize()
@@ -100,6 +102,7 @@ def test_compute_waits_only_for_its_own_slots_copy():
         assert not all(e.query() for e in s._sync[0].ready), "the kernel on slot 1 waited for slot 0's copy"
     finally:
         s.close()
+        s.host.close()
 
 
 @pytest.mark.gpu
@@ -117,6 +120,7 @@ def test_a_copy_never_overwrites_a_slot_a_kernel_still_reads():
         torch.testing.assert_close(s.slot_weights(0).gate_up.cpu(), w[(1, 1)].gate_up)
     finally:
         s.close()
+        s.host.close()
 
 
 @pytest.mark.gpu
@@ -129,3 +133,4 @@ def test_copy_timing_reports_bandwidth():
         assert nbytes == E * s.expert_bytes and seconds > 0
     finally:
         s.close()
+        s.host.close()
