@@ -53,6 +53,8 @@ class CpuExperts:
     def __init__(self, host: HostExperts, act: Callable, threads: int | None = None,
                  dtype: torch.dtype | None = None):
         self.host, self.act = host, act
+        # One worker per core: a layer's CPU experts run side by side (each also uses torch's intra-op
+        # threads; the count is process-wide in this torch, so it is left as the process set it).
         self.threads = threads or os.cpu_count() or 1
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kubemoe-cpu-expert")
         self.dtype = dtype or choose_cpu_dtype(host.weights((host.layers[0], 0)), act)

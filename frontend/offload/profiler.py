@@ -57,7 +57,7 @@ def measure_profile(store: ExpertStore, cpu: CpuExperts, act: Callable, slot: in
         x = torch.randn(n, weights.hidden_size, device=device, dtype=store.dtype)
         gpu.append((n, _seconds(lambda: expert_ffn(x, weights, act), device, repeats)))
         x_host = x.cpu()
-        cpu_samples.append((n, _seconds(lambda: cpu.run(key, x_host), torch.device("cpu"), repeats)))
+        cpu_samples.append((n, _seconds(lambda: cpu.submit(key, x_host).result(), torch.device("cpu"), repeats)))
     store.release(slot)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     pinned = "pinned" if store.pinned else "pageable"

@@ -80,7 +80,8 @@ def make_policy(config: OffloadConfig, layers: list[int], num_experts: int, expe
 
 def build_executor(config: OffloadConfig, host: HostExperts, top_k: int, device: torch.device, act: Callable,
                    weight_on_input: bool, lookahead: Lookahead, counter: TokenCounter | None = None,
-                   profile: OffloadProfile | None = None, timing: bool = False, on_layer=None) -> OffloadExecutor:
+                   profile: OffloadProfile | None = None, timing: bool = False, on_layer=None,
+                   cpu_dtype: torch.dtype | None = None) -> OffloadExecutor:
     """An executor over `host`'s experts (the caller keeps `host` and closes it after the executor)."""
     layers, num_experts, expert_bytes = host.layers, host.num_experts, host.expert_bytes
     prefetch_slots = prefetch_slots_of(config, num_experts, top_k)
@@ -92,7 +93,7 @@ def build_executor(config: OffloadConfig, host: HostExperts, top_k: int, device:
         resident = tuple((layers[p], e) for p, e in resident)
     slots = len(resident) + working_set_bytes(expert_bytes, prefetch_slots) // expert_bytes
     store = ExpertStore(host, device, slots, async_io=config.async_io, timing=timing)
-    cpu = CpuExperts(host, act, config.cpu_threads)
+    cpu = CpuExperts(host, act, config.cpu_threads, cpu_dtype)
     if profile is None:
         profile = measure_profile(store, cpu, act, slot=slots - 1)
     log.info("offload: %d of %d experts resident (%.2f GiB), %d prefetch slots per group, policy %s, lookahead %s; "
