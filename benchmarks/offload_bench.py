@@ -128,11 +128,11 @@ class Trace:
         stride = n // batch
         return torch.tensor([(b * stride + start + p) % n for b in range(batch) for p in range(length)])
 
-    def counter(self) -> TokenCounter:
+    def counter(self, layers: tuple[int, ...]) -> TokenCounter:
         counts = TokenCounter()
         for position in range(self.actual.shape[1]):
             experts, tokens = self.actual[:, position].reshape(-1).unique(return_counts=True)
-            counts.add(position, dict(zip(experts.tolist(), tokens.tolist())))
+            counts.add(layers[position], dict(zip(experts.tolist(), tokens.tolist())))
         return counts
 
     def predicted_accuracy(self) -> float:
@@ -236,7 +236,7 @@ class Bench:
         working = working_set_bytes(self.expert_bytes, k)
         self.resident = int(resident_share * len(self.layers) * e)
         self.budget = working + self.resident * self.expert_bytes
-        self.counter = self.trace.counter()
+        self.counter = self.trace.counter(self.layers)
         self.profile = None  # measured by the first executor, then shared by every policy
         self.cpu_dtype = None  # likewise
 

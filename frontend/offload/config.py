@@ -19,11 +19,14 @@ class OffloadConfig:
     xi: float = 0.5  # PreSched's hit/miss trade-off
     async_io: bool = True  # False: copies on the compute stream (the ablation)
     hot_table: bool = True  # False: the resident experts are the first by (layer, expert), not the hottest
+    rerank_every: int = 256  # forward passes between refreshes of the hot table from served counts; 0: never
 
     def __post_init__(self) -> None:
         if self.gpu_budget_bytes <= 0:
             raise ValueError(f"the GPU budget must be positive, got {self.gpu_budget_bytes} bytes")
         if self.policy not in POLICIES:
             raise ValueError(f"offload policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.rerank_every < 0:
+            raise ValueError(f"rerank_every must be >= 0 forward passes, got {self.rerank_every}")
         if self.prefetch_slots is not None and self.prefetch_slots < 0:
             raise ValueError(f"prefetch slots must be >= 0, got {self.prefetch_slots}")

@@ -27,7 +27,7 @@ from kubemoe.expert import expert_ffn
 from kubemoe.frontend.offload.baselines import OnDemand
 from kubemoe.frontend.offload.costs import OffloadProfile, ProfileRefresher
 from kubemoe.frontend.offload.cpu_experts import CpuExperts
-from kubemoe.frontend.offload.hot_table import ON_DEMAND_BUFFERS, PREFETCH_GROUPS
+from kubemoe.frontend.offload.hot_table import ON_DEMAND_BUFFERS, PREFETCH_GROUPS, TokenCounter
 from kubemoe.frontend.offload.lookahead import Lookahead, NoLookahead
 from kubemoe.frontend.offload.pipeline import WINDOW
 from kubemoe.frontend.offload.policy import LayerDemand, Policy, Schedule
@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 class OffloadExecutor:
     def __init__(self, store: ExpertStore, cpu: CpuExperts, policy: Policy, lookahead: Lookahead,
                  profile: OffloadProfile, resident: Sequence[Key], prefetch_slots: int, act: Callable,
-                 weight_on_input: bool, on_layer: Callable[[OffloadStats], None] | None = None):
+                 weight_on_input: bool, on_layer: Callable[[OffloadStats], None] | None = None,
+                 counter: TokenCounter | None = None, rerank: Callable[[TokenCounter], Sequence[Key]] | None = None,
+                 rerank_every: int = 0):
         self.store, self.cpu, self.policy, self.lookahead = store, cpu, policy, lookahead
         self.act, self.weight_on_input, self.on_layer = act, weight_on_input, on_layer
         self.layers = store.layers  # MoE layers; a decision's layer is a position in this tuple
@@ -57,13 +59,20 @@ class OffloadExecutor:
         for slot, (layer, expert) in enumerate(resident):
             self.resident_slot[(self.position[layer], expert)] = slot
             store.copy((layer, expert), slot)
-        self.resident_by_position = [frozenset(e for p, e in self.resident_slot if p == q) for q in range(len(self.layers))]
+        self._index_resident()
+        # LayerScope's Counter, fed by serving: every `rerank_every` forward passes the hot table is ranked
+        # again and the experts that became hotter replace those that cooled, slot for slot.
+        self.counter = counter if counter is not None else TokenCounter()
+        self.rerank, self.rerank_every, self._passes = rerank, rerank_every, 0
         first = len(resident)
         self.on_demand = [first + i for i in range(ON_DEMAND_BUFFERS)]
         self.free_prefetch = list(range(first + ON_DEMAND_BUFFERS, first + ON_DEMAND_BUFFERS + PREFETCH_GROUPS * prefetch_slots))
         self.landed: dict[Key, int] = {}  # (position, expert) prefetched -> its slot, until its layer is done
         self.stats = OffloadStats()
         self._left_at: float | None = None  # when the previous layer's experts returned (t_attn is the gap)
+
+    def _index_resident(self) -> None:
+        self.resident_by_position = [frozenset(e for p, e in self.resident_slot if p == q) for q in range(len(self.layers))]
 
     @property
     def profile(self) -> OffloadProfile:
@@ -81,11 +90,15 @@ class OffloadExecutor:
         position = self.position[layer]
         if position == 0:
             self._forget_prefetches()  # a new forward pass: nothing is in flight for it
+            self._passes += 1
+            if self.rerank and self.rerank_every and self._passes % self.rerank_every == 0:
+                self.refresh_hot_table()
         elif self._left_at is not None:
             self.refresher.observe_attn(hidden.shape[0], entered - self._left_at)
         groups = group_tokens(top_k_index) if groups is None else groups
         out = torch.zeros_like(hidden) if out is None else out
         demand, schedule = self._decide(position, hidden, top_k_index, top_k_weights, groups)
+        self.counter.add(layer, demand.pending)
         stats = self._stats(demand, schedule)
         self._execute(position, hidden, top_k_weights, groups, schedule, out)
         self.stats.add(stats)
@@ -174,6 +187,20 @@ class OffloadExecutor:
         # 4. The CPU outputs join the same output.
         for group, future in zip(cpu_groups, futures):
             combine(out, top_k_weights, group, future.result().to(out.device), self.weight_on_input)
+
+    def refresh_hot_table(self) -> int:
+        """Rank the hot table again from the counts so far; copy newly hot experts over cooled ones. -> swaps."""
+        wanted = [(self.position[layer], expert) for layer, expert in self.rerank(self.counter)]
+        entering = [k for k in wanted if k not in self.resident_slot]
+        leaving = [k for k in self.resident_slot if k not in set(wanted)]
+        for old, new in zip(leaving, entering):  # the budget is the same: as many leave as enter
+            slot = self.resident_slot.pop(old)
+            self.store.copy((self.layers[new[0]], new[1]), slot)  # waits for kernels still reading the slot
+            self.resident_slot[new] = slot
+        self._index_resident()
+        if entering:
+            log.info("hot table refreshed: %d of %d resident experts replaced", len(entering), len(self.resident_slot))
+        return len(entering)
 
     def _compute(self, slot: int, hidden, top_k_weights, group: ExpertGroup, out: torch.Tensor) -> None:
         self.store.wait_ready(slot)

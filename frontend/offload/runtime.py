@@ -88,7 +88,8 @@ def build_executor(config: OffloadConfig, host: HostExperts, top_k: int, device:
     check_budget(config, expert_bytes, prefetch_slots, device)
     policy = make_policy(config, list(layers), num_experts, expert_bytes, prefetch_slots)
     all_experts = [(l, e) for l in layers for e in range(num_experts)]
-    resident = resident_experts(config, policy, counter or TokenCounter(), all_experts, expert_bytes, prefetch_slots)
+    counter = TokenCounter((counter or TokenCounter()).counts)  # the executor's own: it counts what it serves
+    resident = resident_experts(config, policy, counter, all_experts, expert_bytes, prefetch_slots)
     if isinstance(policy, StaticSplit):  # its layers are positions: name the real layers for the store
         resident = tuple((layers[p], e) for p, e in resident)
     slots = len(resident) + working_set_bytes(expert_bytes, prefetch_slots) // expert_bytes
@@ -99,5 +100,9 @@ def build_executor(config: OffloadConfig, host: HostExperts, top_k: int, device:
     log.info("offload: %d of %d experts resident (%.2f GiB), %d prefetch slots per group, policy %s, lookahead %s; "
              "%s", len(resident), len(all_experts), len(resident) * expert_bytes / 2**30, prefetch_slots,
              policy.name, lookahead.name, profile.device)
+    rerank = None
+    if config.hot_table and not isinstance(policy, StaticSplit):
+        def rerank(counts: TokenCounter) -> tuple[Key, ...]:
+            return build_hot_table(counts, all_experts, expert_bytes, config.gpu_budget_bytes, prefetch_slots).experts
     return OffloadExecutor(store, cpu, policy, lookahead, profile, resident, prefetch_slots, act, weight_on_input,
-                           on_layer=on_layer)
+                           on_layer=on_layer, counter=counter, rerank=rerank, rerank_every=config.rerank_every)

@@ -170,3 +170,22 @@ def test_a_failing_lookahead_is_switched_off_and_serving_goes_on(caplog):
         torch.testing.assert_close(outs[2], reference(hidden, *routes[2]), rtol=1e-5, atol=1e-6)
     finally:
         close(executor)
+
+
+def test_the_hot_table_follows_what_serving_routes():
+    # Start ranked by (layer, expert); serve traffic that only uses experts 5 and 6 of every layer.
+    experts, hidden = weights(), torch.randn(8, H)
+    executor = make("on-demand", resident=3, experts=experts, rerank_every=2)
+    index = torch.tensor([[5, 6]] * 8)
+    try:
+        assert list(executor.resident_slot) == [(0, 0), (0, 1), (0, 2)]
+        for _ in range(3):
+            forward(executor, hidden, [(index, torch.rand(8, K))] * len(LAYERS))
+        assert set(executor.resident_slot) == {(0, 5), (0, 6), (1, 5)}  # ties by (layer, expert)
+        for key, slot in executor.resident_slot.items():
+            assert torch.equal(executor.store.slot_weights(slot).down, experts[key].down)
+        hits_before = executor.stats.hits
+        forward(executor, hidden, [(index, torch.rand(8, K))] * len(LAYERS))
+        assert executor.stats.hits - hits_before == 3
+    finally:
+        close(executor)
