@@ -19,29 +19,40 @@ from kubemoe.verify import rel_err
 IDS = torch.tensor([[5, 17, 33, 80, 12, 9, 100, 7, 3], [44, 2, 7, 8, 9, 10, 11, 1, 2]])
 
 
-def offload_frontend(path, resident=3, **offload) -> Frontend:
+def offload_frontend(path, resident=3, device="cpu", **offload) -> Frontend:
     """Room for `resident` experts beside the working set: far fewer than the model has."""
     adapter = MoEAdapter.from_checkpoint(path)
     expert_bytes = adapter.expert_bytes(torch.float32)
     budget = (2 + 2 * adapter.top_k + resident) * expert_bytes
     assert budget < len(adapter.moe_layers) * adapter.num_experts * expert_bytes
-    return Frontend(FrontendConfig(checkpoint=path, offload=OffloadConfig(budget, **{"predictor": "router", **offload})))
+    return Frontend(FrontendConfig(checkpoint=path, device=device,
+                                   offload=OffloadConfig(budget, **{"predictor": "router", **offload})))
 
 
-@pytest.mark.parametrize("arch", arch_names())
-def test_offload_logits_match_transformers(arch, tiny_checkpoint):
-    path = tiny_checkpoint(arch)
+def check_logits(path, device):
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    fe = offload_frontend(path)
+    fe = offload_frontend(path, device=device)
     try:
         assert fe.ready  # no routing table needed: every expert runs here
         fe.dispatcher.apply_pending()
         with torch.no_grad():
-            assert rel_err(fe.model(IDS).logits, reference(IDS).logits) < 1e-4
+            assert rel_err(fe.model(IDS.to(device)).logits.cpu(), reference(IDS).logits) < 1e-4
         s = fe.offload.stats
         assert s.activated == s.hits + s.loaded + s.cpu_experts and s.hits < s.activated  # most experts were not resident
+        assert fe.offload.store.pinned == (device == "cuda")
     finally:
         fe.close()
+
+
+@pytest.mark.parametrize("arch", arch_names())
+def test_offload_logits_match_transformers(arch, tiny_checkpoint):
+    check_logits(tiny_checkpoint(arch), "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", arch_names())
+def test_offload_logits_match_transformers_on_the_gpu(arch, tiny_checkpoint):
+    check_logits(tiny_checkpoint(arch), "cuda")
 
 
 def test_offload_generation_matches_transformers_greedy(tiny_checkpoint):
