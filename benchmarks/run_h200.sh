@@ -4,7 +4,7 @@
 # for the tests, .whl-test (pytest and the test suite's imports; `pip download --python-version 3.12
 # --only-binary=:all: -d .whl-test pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf
 # prometheus-client aiohttp click pyyaml tqdm openai`). Results go into $OUT.
-# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|predictor|llapor|gpu-tests|probe|profile|goal-ab [ARGS]
+# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|predictor|llapor|offload|gpu-tests|probe|profile|goal-ab [ARGS]
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -52,6 +52,9 @@ case "${1:-all}" in
     python3 benchmarks/predictor_accuracy.py --checkpoint /tmp/moe-base --device cuda --out "$OUT" "${@:2}" ;;
   llapor)  # issue 15 item 2: LLaPor against gate reuse and MoEless on the base MoE's routing (retrained from seed 0)
     python3 benchmarks/llapor_accuracy.py --size base --device cuda --out "$OUT" "${@:2}" ;;
+  offload)  # issue 15 item 8: every offload policy in the engine on Mixtral- and Qwen3-30B-A3B-size layers, routing
+    # replayed from the base model's trace; the accelerate peer runs when its wheel is in .whl (accelerate-1.15.0)
+    python3 benchmarks/offload_bench.py --device cuda --out "$OUT" "${@:2}" ;;
   frontend) python3 benchmarks/frontend_decode.py --device cuda --preset mixtral-4l --layers 2 --steps 30 --warmup 5 --out "$OUT" "${@:2}" ;;
-  *) echo "usage: $0 expert_fn|frontend|predictor|llapor|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
+  *) echo "usage: $0 expert_fn|frontend|predictor|llapor|offload|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
 esac

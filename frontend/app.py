@@ -15,13 +15,16 @@ from kubemoe.devices import resolve_device, resolve_dtype
 from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher
 from kubemoe.frontend.engine import Engine
 from kubemoe.frontend.loads import LoadRecorder
+from kubemoe.errors import KubemoeError
 from kubemoe.frontend.metrics import FrontendMetrics
+from kubemoe.frontend.offload.config import OffloadConfig
 from kubemoe.frontend.prediction import OnlinePredictor, RefreshConfig
 from kubemoe.frontend.predictor import LoadPredictor
 from kubemoe.frontend.model_shape import ModelShape
 from kubemoe.frontend.records import RoutingRecorder
 from kubemoe.frontend.routing_table import watch_configmap, watch_file
-from kubemoe.routing_table import RoutingTableError, build_route_map
+from kubemoe.bundles import bundles_by_count
+from kubemoe.routing_table import LOCAL, RoutingTableError, build_route_map, table_for_bundles
 from kubemoe.frontend.scheduler import SchedulerConfig
 from kubemoe.proto import kubemoe_pb2 as pb
 
@@ -53,6 +56,7 @@ class FrontendConfig:
     predictor_refresh: bool = True  # fine-tune layers online when their accuracy drops (prediction.py)
     record_routing: Path | None = None  # write routing records here (records.py); None: off
     record_max_mb: int = 1024
+    offload: OffloadConfig | None = None  # offload mode: every local expert from host memory through a GPU cache
 
     @property
     def model_id(self) -> str:
@@ -76,6 +80,9 @@ class Frontend:
             DispatchConfig(config.model_id, config.streaming, config.call_timeout, shm_dir=config.shm_dir,
                            busy_poll_us=config.busy_poll_us, split_min_tokens=config.split_min_tokens),
             self.loads, self.dtype, self.device, self.metrics)
+        self.offload = None
+        if config.offload:
+            self.offload = self.dispatcher.offload = self._start_offload(config.offload)
         self.predictor_problem: str | None = None
         self.online_predictor = self._start_predictor()
         self.recorder = None
@@ -95,6 +102,41 @@ class Frontend:
                              micro_batches=config.micro_batches,
                              on_forward=self.recorder.start_forward if self.recorder else None)
         self._watch: asyncio.Task | None = None
+        if self.offload and not (config.routing_table or config.routing_configmap):
+            # Offload mode alone: every expert runs here. (The operator renders that table in a ConfigMap.)
+            bundles = bundles_by_count(self.adapter.moe_layers, self.adapter.num_experts, 1)
+            self.set_routing_table(table_for_bundles(self.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
+
+    def _start_offload(self, offload: OffloadConfig):
+        """The offload executor; bad settings (budget, predictor of another model) stop the start with a message."""
+        from kubemoe.frontend.offload.lookahead import load_lookahead
+        from kubemoe.frontend.offload.runtime import build_executor, check_budget, prefetch_slots_of
+        from kubemoe.frontend.offload.store import HostExperts
+
+        if self.config.micro_batches != 1:
+            raise KubemoeError("offload mode decodes one batch at a time (its device slots follow one forward pass): "
+                               "use --micro-batches 1")
+        # Settings first, before minutes of reading expert weights.
+        check_budget(offload, self.adapter.expert_bytes(self.dtype),
+                     prefetch_slots_of(offload, self.adapter.num_experts, self.adapter.top_k), self.device)
+        lookahead = load_lookahead(offload.predictor, self.adapter, self.checkpoint, self.device)
+
+        def on_layer(stats) -> None:
+            self.metrics.record_offload(stats)
+            self.loads.record_offload(stats)
+
+        host = HostExperts(self.adapter.moe_layers, self.adapter.num_experts, self.adapter.hidden_size,
+                           self.adapter.expert_intermediate_size, self.dtype,
+                           lambda layer, expert: self.adapter.load_expert(self.checkpoint, layer, expert, self.dtype),
+                           pin_memory=self.device.type == "cuda")
+        try:
+            executor = build_executor(offload, host, self.adapter.top_k, self.device, self.adapter.act,
+                                      self.adapter.routing.weight_on_input, lookahead, on_layer=on_layer)
+        except BaseException:
+            host.close()
+            raise
+        self.loads.offload_policy = executor.policy.name
+        return executor
 
     def _start_predictor(self) -> OnlinePredictor | None:
         """The load predictor, or None; a predictor that cannot load leaves the frontend serving without one."""
@@ -119,11 +161,18 @@ class Frontend:
         return online
 
     def readiness(self) -> dict:
-        """What /readyz says beside ready or not: the load predictor's state."""
+        """What /readyz says beside ready or not: the load predictor's state, and the offload path's."""
         if self.online_predictor:
             p = self.online_predictor.predictor
-            return {"predictor": {"kind": p.kind, "distance": p.distance}}
-        return {"predictor": {"kind": "none", **({"problem": self.predictor_problem} if self.predictor_problem else {})}}
+            details = {"predictor": {"kind": p.kind, "distance": p.distance}}
+        else:
+            details = {"predictor": {"kind": "none",
+                                     **({"problem": self.predictor_problem} if self.predictor_problem else {})}}
+        if self.offload:
+            details["offload"] = {"policy": self.offload.policy.name, "lookahead": self.offload.lookahead.name,
+                                  "resident_experts": len(self.offload.resident_slot),
+                                  "pinned": self.offload.store.pinned}
+        return details
 
     @property
     def model_id(self) -> str:
@@ -156,6 +205,9 @@ class Frontend:
             self._watch.cancel()
         self.engine.stop()
         self.dispatcher.close()
+        if self.offload:
+            self.offload.close()
+            self.offload.store.host.close()
         if self.online_predictor:
             self.online_predictor.close()
         if self.recorder:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import click
 
-from kubemoe import ports
+from kubemoe import offload_env, ports
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.expert_fn.cli import busy_poll_option, shm_dir_option
+from kubemoe.frontend.offload.config import POLICIES
 
 
 checkpoint_option = click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -44,10 +45,61 @@ _SERVING_OPTIONS = (  # what both commands serve with, in --help order
 )
 
 
+
+
+class ByteSize(click.ParamType):
+    """A size as Kubernetes writes quantities (20Gi, 512Mi, 1G) or in bytes."""
+
+    name = "SIZE"
+
+    def convert(self, value, param, ctx) -> int:
+        from kubernetes.utils import parse_quantity
+
+        if isinstance(value, int):
+            return value
+        try:
+            size = int(parse_quantity(value))
+        except (ValueError, TypeError):
+            self.fail(f"{value!r} is not a size: write e.g. 20Gi, 512Mi or a number of bytes", param, ctx)
+        if size <= 0:
+            self.fail(f"{value!r}: the size must be positive", param, ctx)
+        return size
+
+
+_OFFLOAD_OPTIONS = (  # the operator renders them as environment (kubemoe/offload_env.py)
+    click.option("--offload", is_flag=True, default=offload_env.offload_mode,
+                 help=f"Offload mode (LayerScope): every expert of the model in host memory, the hottest on the GPU "
+                      f"within --gpu-budget, the rest copied on demand, prefetched or computed on the CPU. "
+                      f"Default: on when {offload_env.MODE}={offload_env.OFFLOAD}."),
+    click.option("--gpu-budget", type=ByteSize(), envvar=offload_env.GPU_BUDGET, default=None,
+                 help="GPU memory for expert weights in offload mode (hot experts, two on-demand slots, two prefetch "
+                      f"groups): 20Gi, 512Mi or bytes. Env: {offload_env.GPU_BUDGET}."),
+    click.option("--offload-predictor", default="llapor", show_default=True, envvar=offload_env.PREDICTOR,
+                 metavar="llapor|router|frequency|FILE",
+                 help="What predicts the next layer's experts for prefetching: llapor (llapor.safetensors beside the "
+                      "checkpoint; the next layer's router if there is none), router, frequency (no prediction: the "
+                      "hot table alone), or a file of `kubemoe predictor train --kind llapor`. A file made for "
+                      f"another checkpoint is refused. Env: {offload_env.PREDICTOR}."),
+    click.option("--offload-policy", type=click.Choice(POLICIES), default="kubemoe", show_default=True,
+                 help="Who places the experts: kubemoe (PreSched) or a baseline run by the same engine."),
+)
+
+
 def serving_options(command):
-    for option in reversed(_SERVING_OPTIONS):
+    for option in reversed(_SERVING_OPTIONS + _OFFLOAD_OPTIONS):
         command = option(command)
     return command
+
+
+def _offload_config(offload: bool, gpu_budget: int | None, predictor: str, policy: str):
+    from kubemoe.frontend.offload.config import OffloadConfig
+
+    if not offload:
+        return None
+    if gpu_budget is None:
+        raise click.UsageError(f"offload mode needs --gpu-budget (or {offload_env.GPU_BUDGET}): GPU memory for "
+                               "expert weights, e.g. 20Gi")
+    return OffloadConfig(gpu_budget, predictor=predictor, policy=policy)
 
 
 def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
@@ -71,19 +123,32 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's).")
 def frontend_command(checkpoint, routing_table, routing_configmap, host, port, grpc_port, max_batch, micro_batches,
                      shm_dir, predictor, prediction_distance, split_min_tokens, record_routing, record_max_mb,
-                     busy_poll_us, model, name, device, dtype):
-    """Serve a model: attention and routing here, routed experts per the routing table."""
+                     busy_poll_us, offload, gpu_budget, offload_predictor, offload_policy, model, name, device, dtype):
+    """Serve a model: attention and routing here, routed experts per the routing table (or, with --offload,
+    every expert here from host memory through a GPU cache)."""
+    config = frontend_config(checkpoint, routing_table, routing_configmap, max_batch, micro_batches, shm_dir, predictor,
+                             prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us,
+                             offload, gpu_budget, offload_predictor, offload_policy, model, name, device, dtype)
+    _serve(config, host, port, grpc_port, _banner)
+
+
+def frontend_config(checkpoint, routing_table, routing_configmap, max_batch, micro_batches, shm_dir, predictor,
+                    prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us, offload,
+                    gpu_budget, offload_predictor, offload_policy, model, name, device, dtype):
+    """`kubemoe frontend`'s arguments -> its FrontendConfig (raises click.UsageError)."""
     from kubemoe.frontend.app import FrontendConfig
 
     if checkpoint is None:
         raise click.UsageError("--checkpoint is required")
-    if bool(routing_table) == bool(routing_configmap):
-        raise click.UsageError("give exactly one of --routing-table and --routing-configmap")
-    config = FrontendConfig(checkpoint=checkpoint, model=model, name=name, routing_table=routing_table,
-                            routing_configmap=routing_configmap, dtype=dtype, device=device, max_batch=max_batch,
-                            micro_batches=micro_batches, shm_dir=shm_dir, busy_poll_us=busy_poll_us,
-                            split_min_tokens=split_min_tokens, **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
-    _serve(config, host, port, grpc_port, _banner)
+    if bool(routing_table) and bool(routing_configmap) or not (routing_table or routing_configmap or offload):
+        raise click.UsageError("give exactly one of --routing-table and --routing-configmap (in offload mode "
+                               "neither is needed: every expert runs here)")
+    return FrontendConfig(checkpoint=checkpoint, model=model, name=name, routing_table=routing_table,
+                          routing_configmap=routing_configmap, dtype=dtype, device=device, max_batch=max_batch,
+                          micro_batches=micro_batches, shm_dir=shm_dir, busy_poll_us=busy_poll_us,
+                          split_min_tokens=split_min_tokens,
+                          offload=_offload_config(offload, gpu_budget, offload_predictor, offload_policy),
+                          **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
 
 
 def _prediction_fields(predictor, prediction_distance, record_routing, record_max_mb) -> dict:
@@ -98,8 +163,10 @@ def _prediction_fields(predictor, prediction_distance, record_routing, record_ma
 @click.option("--experts", default=2, show_default=True, help="Local expert-function processes.")
 @serving_options
 def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, micro_batches, shm_dir, predictor,
-                  prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us):
-    """Run everything locally: a frontend and expert functions over gRPC on loopback.
+                  prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us, offload,
+                  gpu_budget, offload_predictor, offload_policy):
+    """Run everything locally: a frontend and expert functions over gRPC on loopback (with --offload: the
+    frontend alone, every expert in its host memory and GPU cache).
 
     With no arguments it generates (or reuses) a tiny checkpoint in ~/.cache/kubemoe."""
     from kubemoe.checkpoint import default_model_id
@@ -107,7 +174,15 @@ def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, m
     from kubemoe.frontend.embedded import default_checkpoint, embedded_bundles, expert_processes
     from kubemoe.routing_table import table_for_bundles, to_json
 
+    offload_config = _offload_config(offload, gpu_budget, offload_predictor, offload_policy)
     checkpoint = checkpoint or default_checkpoint(arch)
+    if offload_config:
+        config = FrontendConfig(checkpoint=checkpoint, max_batch=max_batch, micro_batches=micro_batches,
+                                offload=offload_config,
+                                **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
+        _serve(config, host, port, grpc_port, lambda fe, h, g: _banner(fe, h, g, ", experts offloaded in this process"))
+        click.echo("stopped", err=True)
+        return
     bundles = embedded_bundles(checkpoint, experts)
     model = default_model_id(checkpoint)
     click.echo(f"starting {len(bundles)} expert functions for {model} ...", err=True)

@@ -134,6 +134,9 @@ class Dispatcher:
         self.observers: list = []
         # Where a layer's predicted loads come from for the per-step split (the online predictor).
         self.predictions: Predictions | None = None
+        # Offload mode: experts routed here run from the offload executor's store (weights in host memory,
+        # a device cache), not from weights loaded whole onto the device.
+        self.offload = None
 
     # -- routing table --------------------------------------------------------------------------
 
@@ -149,7 +152,7 @@ class Dispatcher:
         routes = self._pending
         if routes is None:
             return
-        wanted = {k for k, r in routes.routes.items() if LOCAL in r.addresses}
+        wanted = {k for k, r in routes.routes.items() if LOCAL in r.addresses} if self.offload is None else set()
         for key in wanted - self._local.keys():
             self._local[key] = self.adapter.load_expert(self.checkpoint, *key, dtype=self.dtype, device=self.device)
         for key in self._local.keys() - wanted:
@@ -195,15 +198,20 @@ class Dispatcher:
             call.experts.append(g.expert)
             call.counts.append(len(g.tokens))
             call.groups.append(g)
-            call.inputs.append(expert_inputs(hidden, top_k_weights, g, weight_on_input))
+            if self.offload is None or LOCAL not in route.addresses:  # the offload executor gathers its own
+                call.inputs.append(expert_inputs(hidden, top_k_weights, g, weight_on_input))
         request_id = f"{uuid.uuid4().hex[:8]}-{next(self._ids)}"
         # Read only where a bundle has several replicas to split across: reading it waits for the GPU.
         predicted = functools.cache(lambda: self._predicted(layer))
         remote = {name: self._submit(c, layer, request_id, predicted)
                   for name, c in calls.items() if LOCAL not in c.route.addresses}
         out = torch.zeros_like(hidden)
+        if self.offload is not None:  # every in-process expert of the layer, placed by the offload policy
+            local = [g for name, call in calls.items() if name not in remote for g in call.groups]
+            if local:
+                self.offload.run_layer(layer, hidden, top_k_index, top_k_weights, local, out)
         for name, call in calls.items():  # in-process bundles run here while remote calls are in flight
-            if name not in remote:
+            if name not in remote and self.offload is None:
                 for g, x in zip(call.groups, call.inputs):
                     y = expert_ffn(x, self._local[(layer, g.expert)], self.adapter.act)
                     combine(out, top_k_weights, g, y, weight_on_input)

@@ -13,6 +13,7 @@ import threading
 import time
 from collections import Counter
 
+from kubemoe.frontend.offload.stats import COUNTS, OffloadStats
 from kubemoe.proto import kubemoe_pb2 as pb
 
 
@@ -29,6 +30,8 @@ class LoadRecorder:
         self._tokens = 0
         self._last: pb.LoadReport | None = None
         self.predictor, self.prediction_distance = "", 0  # what predicts, set by the frontend
+        self.offload_policy = ""  # set by a frontend in offload mode: the report then carries its counts
+        self._offload = OffloadStats()
         self.before_report = None  # callable run before each report: the predictor flushes its tallies
 
     def record(self, layer: int, expert_counts: list[tuple[int, int]]) -> None:
@@ -54,6 +57,12 @@ class LoadRecorder:
             score[2] += hits
             score[3] += choices
 
+    def record_offload(self, stats) -> None:
+        """One MoE layer's `offload.executor.OffloadStats`."""
+        with self._lock:
+            self._roll()
+            self._offload.add(stats)
+
     def _score(self, layer: int, source: int) -> list[int]:
         return self._scores.setdefault(layer, [source, 0, 0, 0])
 
@@ -77,6 +86,7 @@ class LoadRecorder:
         if now - self._start >= self.window_seconds:
             self._last = self._build(self.window_seconds)
             self._start, self._current, self._predicted, self._scores, self._tokens = now, Counter(), Counter(), {}, 0
+            self._offload = OffloadStats()
 
     def _build(self, seconds: float) -> pb.LoadReport:
         seconds = max(seconds, 1e-9)
@@ -91,4 +101,11 @@ class LoadRecorder:
             predictions=[pb.LayerPrediction(layer=l, source_layer=s, tokens=t, accuracy=h / c if c else 0.0)
                          for l, (s, t, h, c) in sorted(self._scores.items())],
             predictor=self.predictor, prediction_distance=self.prediction_distance,
+            offload=self._offload_report() if self.offload_policy else None,
         )
+
+    def _offload_report(self) -> pb.OffloadStats:
+        s = self._offload
+        return pb.OffloadStats(**{name: getattr(s, name) for name in COUNTS},
+                               policy=self.offload_policy, hit_rate=s.hit_rate, prefetch_accuracy=s.prefetch_accuracy,
+                               cpu_share=s.cpu_share)

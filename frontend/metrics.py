@@ -28,6 +28,17 @@ class FrontendMetrics:
             ["deployment", "layer"], registry=r)
         self.expert_retries = Counter("kubemoe_frontend_expert_retries", "Expert calls retried on another replica",
                                       ["bundle"], registry=r)
+        # The offload path (frontend/offload/executor.py): where each activated expert ran and what was copied.
+        # Hit rate = (resident + prefetched) / all experts; prefetch accuracy = prefetches used / prefetches.
+        self.offload_experts = Counter(
+            "kubemoe_offload_experts", "Activated experts by where they ran: resident (hot table) or prefetched on "
+            "the GPU, loaded on demand to the GPU, or computed on the CPU", ["deployment", "where"], registry=r)
+        self.offload_prefetches = Counter("kubemoe_offload_prefetches", "Experts prefetched (outcome issued) and, of "
+                                          "those, used by their layer (outcome used)", ["deployment", "outcome"], registry=r)
+        self.offload_bytes_copied = Counter("kubemoe_offload_copied_bytes", "Expert bytes copied host to GPU",
+                                            ["deployment", "kind"], registry=r)
+        self.offload_expert_tokens = Counter("kubemoe_offload_expert_tokens", "Expert-token work by side (gpu, cpu)",
+                                             ["deployment", "side"], registry=r)
         self._deployment = d["deployment"]
 
     def record_expert_tokens(self, layer: int, expert_counts: list[tuple[int, int]], predicted: bool = False) -> None:
@@ -38,6 +49,26 @@ class FrontendMetrics:
 
     def record_predictor_accuracy(self, layer: int, accuracy: float) -> None:
         self.predictor_accuracy.labels(self._deployment, str(layer)).set(accuracy)
+
+    def record_offload(self, stats) -> None:
+        """One MoE layer's `OffloadStats`."""
+        d = self._deployment
+        prefetched_used = stats.prefetch_used
+        for where, count in (("resident", stats.hits - prefetched_used), ("prefetched", prefetched_used),
+                             ("loaded", stats.loaded), ("cpu", stats.cpu_experts)):
+            if count:
+                self.offload_experts.labels(d, where).inc(count)
+        if stats.prefetched:
+            self.offload_prefetches.labels(d, "issued").inc(stats.prefetched)
+        if prefetched_used:
+            self.offload_prefetches.labels(d, "used").inc(prefetched_used)
+        per_copy = stats.bytes_copied // max(stats.loaded + stats.prefetched, 1)
+        for kind, count in (("load", stats.loaded), ("prefetch", stats.prefetched)):
+            if count:
+                self.offload_bytes_copied.labels(d, kind).inc(count * per_copy)
+        for side, tokens in (("gpu", stats.gpu_tokens), ("cpu", stats.cpu_tokens)):
+            if tokens:
+                self.offload_expert_tokens.labels(d, side).inc(tokens)
 
     def record_predictor_refresh(self, layer: int) -> None:
         self.predictor_refreshes.labels(self._deployment, str(layer)).inc()

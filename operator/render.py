@@ -17,7 +17,7 @@ import hashlib
 import json
 from typing import Any, Iterable, Mapping
 
-from kubemoe import ports
+from kubemoe import offload_env, ports
 from kubemoe.bundles import Bundle
 from google.protobuf import json_format
 
@@ -132,12 +132,10 @@ def _frontend(deployment: MoEDeployment, plan: Plan, config: OperatorConfig) -> 
             "--grpc-port", str(GRPC_PORT), "--model", deployment.name, "--dtype", spec.dtype,
             # The predictor's d: at layer l the frontend predicts layer l+d's loads for /loads and the split.
             "--prediction-distance", str(spec.experts.scaling.prediction_distance)]
+    # The mode and the offload settings, as `kubemoe frontend` reads them (kubemoe/offload_env.py).
     env = [{"name": "KUBEMOE_FRONTEND_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-           {"name": "KUBEMOE_MODE", "value": plan.mode}]
-    if plan.mode == "offload" and spec.offload:
-        # The offload path reads these (a later change); distributed frontends ignore them.
-        env += [{"name": "KUBEMOE_OFFLOAD_GPU_MEMORY_BUDGET", "value": str(spec.offload.gpu_memory_budget)},
-                {"name": "KUBEMOE_OFFLOAD_PREDICTOR", "value": spec.offload.predictor}]
+           *offload_env.render(plan.mode, spec.offload.gpu_memory_budget if spec.offload else None,
+                               spec.offload.predictor if spec.offload else None)]
     container = {
         "name": FRONTEND, "image": spec.frontend.image or config.frontend_image, "args": args, "env": env,
         "ports": [{"name": "http", "containerPort": HTTP_PORT}, {"name": "grpc", "containerPort": GRPC_PORT}],

@@ -205,7 +205,7 @@ class LayerPrediction(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., source_layer: _Optional[int] = ..., accuracy: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("model", "frontend", "window_start", "window_seconds", "tokens", "loads", "predictions", "predictor", "prediction_distance")
+    __slots__ = ("model", "frontend", "window_start", "window_seconds", "tokens", "loads", "predictions", "predictor", "prediction_distance", "offload")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_FIELD_NUMBER: _ClassVar[int]
     WINDOW_START_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,7 @@ class LoadReport(_message.Message):
     PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
     PREDICTOR_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_DISTANCE_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_FIELD_NUMBER: _ClassVar[int]
     model: str
     frontend: str
     window_start: float
@@ -224,7 +225,38 @@ class LoadReport(_message.Message):
     predictions: _containers.RepeatedCompositeFieldContainer[LayerPrediction]
     predictor: str
     prediction_distance: int
-    def __init__(self, model: _Optional[str] = ..., frontend: _Optional[str] = ..., window_start: _Optional[float] = ..., window_seconds: _Optional[float] = ..., tokens: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., predictions: _Optional[_Iterable[_Union[LayerPrediction, _Mapping]]] = ..., predictor: _Optional[str] = ..., prediction_distance: _Optional[int] = ...) -> None: ...
+    offload: OffloadStats
+    def __init__(self, model: _Optional[str] = ..., frontend: _Optional[str] = ..., window_start: _Optional[float] = ..., window_seconds: _Optional[float] = ..., tokens: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., predictions: _Optional[_Iterable[_Union[LayerPrediction, _Mapping]]] = ..., predictor: _Optional[str] = ..., prediction_distance: _Optional[int] = ..., offload: _Optional[_Union[OffloadStats, _Mapping]] = ...) -> None: ...
+
+class OffloadStats(_message.Message):
+    __slots__ = ("activated", "hits", "prefetched", "prefetch_used", "loaded", "bytes_copied", "gpu_tokens", "cpu_tokens", "hit_rate", "prefetch_accuracy", "cpu_share", "policy", "cpu_experts")
+    ACTIVATED_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_USED_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
+    GPU_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CPU_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    CPU_SHARE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    CPU_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    activated: int
+    hits: int
+    prefetched: int
+    prefetch_used: int
+    loaded: int
+    bytes_copied: int
+    gpu_tokens: int
+    cpu_tokens: int
+    hit_rate: float
+    prefetch_accuracy: float
+    cpu_share: float
+    policy: str
+    cpu_experts: int
+    def __init__(self, activated: _Optional[int] = ..., hits: _Optional[int] = ..., prefetched: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., loaded: _Optional[int] = ..., bytes_copied: _Optional[int] = ..., gpu_tokens: _Optional[int] = ..., cpu_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., prefetch_accuracy: _Optional[float] = ..., cpu_share: _Optional[float] = ..., policy: _Optional[str] = ..., cpu_experts: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens")

@@ -1,2 +1,3 @@
-"""The offload path's pure decision parts (LayerScope): cost figures, hot-expert table, PreSched and the
-baseline policies behind one interface, and a step-time model. No GPU code: executors come later."""
+"""The offload path (LayerScope). Pure decisions: cost figures, hot-expert table, PreSched and the baseline
+policies behind one interface, LLaPor, and a step-time model. Executors: the expert store (host memory,
+device slots, chunked copies), CPU experts, the per-layer executor and its assembly (runtime.py)."""

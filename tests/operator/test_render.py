@@ -130,6 +130,36 @@ def test_offload_mode_frontend_on_single_gpu_nodes_and_local_experts(f):
     assert {e.address for r in table.routes for e in r.endpoints} == {"local"}
 
 
+def frontend_as_rendered(objects, monkeypatch, checkpoint):
+    """The FrontendConfig `kubemoe frontend` builds from the rendered container's args and env (the checkpoint
+    path swapped for a local folder: the pod mounts the model there)."""
+    from kubemoe.frontend.cli import frontend_command, frontend_config
+
+    container = by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    for entry in container["env"]:
+        if "value" in entry:
+            monkeypatch.setenv(entry["name"], entry["value"])
+    args = container["args"]
+    assert args[0] == "frontend"
+    args = [str(checkpoint) if previous == "--checkpoint" else a for previous, a in zip([None] + args, args)]
+    params = frontend_command.make_context("frontend", args[1:]).params
+    return frontend_config(**{k: v for k, v in params.items() if k not in ("host", "port", "grpc_port")})
+
+
+def test_the_frontend_accepts_the_offload_mode_it_is_rendered_with(f, monkeypatch, tmp_path):
+    from kubemoe.frontend.offload.config import OffloadConfig
+
+    _, _, objects = rendered(f, mode="offload", offload={"gpuMemoryBudget": "20Gi", "predictor": "frequency"})
+    config = frontend_as_rendered(objects, monkeypatch, tmp_path)
+    assert config.offload == OffloadConfig(20 * 2**30, predictor="frequency")
+    assert config.routing_configmap.endswith("/tiny-routing")
+
+
+def test_a_distributed_frontend_as_rendered_has_no_offload(f, monkeypatch, tmp_path):
+    _, _, objects = rendered(f)
+    assert frontend_as_rendered(objects, monkeypatch, tmp_path).offload is None
+
+
 def test_object_store_checkpoint_is_copied_by_an_init_container(f):
     _, _, objects = rendered(f, model={"uri": "s3://bucket/tiny", "layout": f.moed_body()["spec"]["model"]["layout"]})
     pod = by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]

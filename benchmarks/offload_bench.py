@@ -1,0 +1,524 @@
+#!/usr/bin/env python3
+"""The offload path MEASURED: kubemoe (PreSched) and every baseline policy in the same engine, side by side.
+
+What runs: the `transformers` model of a bench preset (Mixtral-8x7B-size and Qwen3-30B-A3B-size layers,
+only a few of them: `kubemoe/presets.py`), its non-expert weights on the GPU, every expert's weights in
+pinned host memory (random, generated on the machine, nothing read from disk), each MoE layer's routed
+experts run by the offload executor (`frontend/offload/executor.py`) under each policy: kubemoe
+(PreSched), on-demand (accelerate-style), gpu-prefetch (Fate / Klotski), fiddler-like, hybrimoe-like,
+static-split (kTransformers / `--n-cpu-moe`) and the oracle (clairvoyant: told the next layer's actual
+routing). Batches of 4..64 sequences, 512-token prompts, then decoding; throughput (generated tokens per
+second, prefill included) and the mean decode step per policy.
+
+Routing is REPLAYED, never the random weights' own (they route almost uniformly, which would make the hot
+table and every predictor look useless): each MoE layer's experts come from the routing trace of kubemoe's
+trained base model (`benchmarks/results/routing_trace_base_h200.safetensors`, written by
+predictor_accuracy.py: `experts` [N, 8, 2] of 16 experts, and `predicted_d1`, the fine-tuned router
+predictor's guesses for each layer from the one before), and the lookahead gets the recorded prediction
+(the oracle: the actual next routing). Sequence b of a batch reads trace tokens (b * N / batch + position)
+mod N, so consecutive steps follow consecutive text. The trace's 16 experts map onto the preset's:
+`map_experts` (Mixtral's 8: experts paired; Qwen's 128: each trace expert owns a block of 8, a token
+takes 4 of each of its two blocks, spread by the other choice). The hot table is ranked by the trace's counts.
+
+The GPU budget is capped so most experts do not fit (`--resident-share` of the experts beside the working
+set). Also measured: the pinned host-to-GPU peak (one 1 GiB copy) and the bandwidth the store's chunked
+copies reach while streaming (kubemoe and on-demand runs, CUDA events per copy); ablations at one batch
+(no hot table, no prediction, no AsyncIO streams; "no PreSched" is the gpu-prefetch row); what
+`frontend/offload/pipeline.py` predicts from the measured costs for PCIe 3.0 / 4.0 (MODELLED); and, when
+`accelerate` is installed, `transformers` with accelerate's `device_map` offload as the external peer.
+Goals: throughput_vs_ondemand >= 2.4, throughput_vs_hybrimoe >= 1.7, throughput_vs_fiddler >= 1.3
+(geometric means over presets and batches), step_vs_oracle <= 1.15, pcie_util >= 0.85, llapor_top4_hit >= 0.94
+(LLaPor's candidate hit as llapor_accuracy.py measured it on the same base model: benchmarks/results/llapor_h200.json).
+
+    python benchmarks/offload_bench.py --device cuda --out $OUT         # the H200 run (benchmarks/run_h200.sh offload)
+    python benchmarks/offload_bench.py --device cpu --tiny              # smoke test: tiny presets on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, Goal, print_table, write_results  # noqa: E402
+
+from kubemoe.adapters import MoEAdapter, install_routed_experts  # noqa: E402
+from kubemoe.expert import ExpertWeights  # noqa: E402
+from kubemoe.frontend.offload.config import OffloadConfig  # noqa: E402
+from kubemoe.frontend.offload.baselines import FiddlerLike, GatePrefetch, HybriMoELike, OnDemand, Oracle  # noqa: E402
+from kubemoe.frontend.offload.executor import OffloadExecutor  # noqa: E402
+from kubemoe.frontend.offload.hot_table import TokenCounter, working_set_bytes  # noqa: E402
+from kubemoe.frontend.offload.lookahead import NoLookahead, Replayed  # noqa: E402
+from kubemoe.frontend.offload.pipeline import PCIE_BANDWIDTH, LayerRouting, StepTrace, simulate  # noqa: E402
+from kubemoe.frontend.offload.presched import PreSched  # noqa: E402
+from kubemoe.frontend.offload.runtime import build_executor  # noqa: E402
+from kubemoe.frontend.offload.stats import OffloadStats  # noqa: E402
+from kubemoe.frontend.offload.store import HostExperts  # noqa: E402
+from kubemoe.presets import get_preset  # noqa: E402
+from kubemoe.synth import build_config  # noqa: E402
+
+TRACE = RESULTS / "routing_trace_base_h200.safetensors"
+LLAPOR = RESULTS / "llapor_h200.json"
+PRESETS = {"mixtral": ("mixtral", "mixtral-4l"), "qwen3": ("qwen3_moe", "qwen3-30b-a3b-8l")}
+TINY = {"mixtral": ("mixtral", "tiny"), "qwen3": ("qwen3_moe", "tiny")}
+POLICIES = ("kubemoe", "on-demand", "gpu-prefetch", "fiddler-like", "hybrimoe-like", "static-split", "oracle")
+ABLATIONS = {"no-hot-table": {"hot_table": False}, "no-prediction": {"lookahead": "none"},
+             "no-asyncio": {"async_io": False}}
+WEIGHT_STD = 0.02
+
+
+# -- routing replay ----------------------------------------------------------------------------------
+
+def map_experts(choices: torch.Tensor, source_experts: int, experts: int, top_k: int) -> torch.Tensor:
+    """Per-token expert choices [N, Ks] of a `source_experts` model -> [N, top_k] distinct experts of `experts`.
+
+    Source expert s owns the block starting at floor(s * experts / source_experts) of ceil(experts /
+    source_experts) experts; a token takes top_k / Ks experts of each of its choices' blocks, rotated by
+    its other choices (so co-occurrence spreads over the block); collisions move to the next free expert.
+    Popularity skew and co-occurrence of the trace carry over; -1 rows (no prediction) stay -1.
+    """
+    n, ks = choices.shape
+    block, per = experts / source_experts, math.ceil(top_k / ks)
+    width = max(1, math.ceil(block))
+    out = torch.full((n, top_k), -1, dtype=torch.long)
+    for row, picks in enumerate(choices.tolist()):
+        if picks[0] < 0:
+            continue
+        chosen: list[int] = []
+        total = sum(picks)
+        for j in range(top_k):
+            s, r = picks[j % ks], j // ks
+            e = (int(s * block) + (r + total - s) % width) % experts
+            while e in chosen:
+                e = (e + 1) % experts
+            chosen.append(e)
+        out[row] = torch.tensor(chosen)
+    return out
+
+
+@dataclass
+class Trace:
+    actual: torch.Tensor  # [N, L, K] the preset's experts per trace token and MoE layer
+    predicted: torch.Tensor  # [N, L, K] the recorded prediction of each layer, made one layer earlier (-1: none)
+    source: dict
+
+    @classmethod
+    def load(cls, path: Path, layers: int, experts: int, top_k: int) -> "Trace":
+        with safe_open(path, "pt") as f:
+            meta = f.metadata()
+            actual, predicted = f.get_tensor("experts").long(), f.get_tensor("predicted_d1").long()
+        if actual.shape[1] < layers:
+            raise SystemExit(f"the trace has {actual.shape[1]} MoE layers; the preset needs {layers}")
+        source_experts = int(meta["num_experts"])
+        mapped = [torch.stack([map_experts(t[:, l], source_experts, experts, top_k) for l in range(layers)], 1)
+                  for t in (actual, predicted)]
+        return cls(mapped[0], mapped[1], dict(meta))
+
+    def rows(self, batch: int, start: int, length: int) -> torch.Tensor:  # [batch * length] trace rows
+        n = len(self.actual)
+        stride = n // batch
+        return torch.tensor([(b * stride + start + p) % n for b in range(batch) for p in range(length)])
+
+    def counter(self, layers: tuple[int, ...]) -> TokenCounter:
+        counts = TokenCounter()
+        for position in range(self.actual.shape[1]):
+            experts, tokens = self.actual[:, position].reshape(-1).unique(return_counts=True)
+            counts.add(layers[position], dict(zip(experts.tolist(), tokens.tolist())))
+        return counts
+
+    def predicted_accuracy(self) -> float:
+        """Top-k set accuracy of the recorded prediction (layers 1..L-1)."""
+        hits = (self.predicted[:, 1:].unsqueeze(-1) == self.actual[:, 1:].unsqueeze(-2)).any(-1)
+        return hits.float().mean().item()
+
+
+class Replay:
+    """Feeds the replayed routing to each MoE layer and the recorded (or actual) next routing to the lookahead."""
+
+    def __init__(self, trace: Trace, layers: tuple[int, ...], num_experts: int, device: torch.device):
+        self.layers, self.device = layers, device
+        self.actual, self.predicted = trace.actual.to(device), trace.predicted.to(device)
+        self.lookahead = Replayed(num_experts)
+        self.rows: torch.Tensor | None = None  # trace rows of this forward pass's tokens, in the model's order
+        self.clairvoyant = False
+        self.predict = True
+
+    def routing(self, position: int, tokens: int):  # -> (experts [T, K], weights [T, K])
+        index = self.actual[self.rows, position]
+        self.lookahead.next.clear()
+        if self.predict and position + 1 < len(self.layers):
+            ahead = self.actual if self.clairvoyant else self.predicted
+            self.lookahead.next[self.layers[position]] = ahead[self.rows, position + 1]
+        return index, torch.full(index.shape, 1.0 / index.shape[1], device=self.device)
+
+
+class ReplayedExperts(torch.nn.Module):
+    def __init__(self, bench: "Bench", position: int):
+        super().__init__()
+        self.bench, self.position = bench, position
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        index, weights = self.bench.replay.routing(self.position, hidden_states.shape[0])
+        return self.bench.executor.run_layer(self.bench.layers[self.position], hidden_states, index, weights)
+
+
+# -- the model --------------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    preset: str
+    policy: str
+    batch: int
+    prompt: int
+    output: int
+    prefill_s: float
+    decode_steps_s: list
+    stats: OffloadStats
+    copied_bytes: int = 0
+    copy_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch * self.output / (self.prefill_s + sum(self.decode_steps_s))
+
+    @property
+    def decode_step_s(self) -> float:
+        return statistics.mean(self.decode_steps_s)
+
+    def row(self) -> dict:
+        s = self.stats
+        return {"preset": self.preset, "policy": self.policy, "batch": self.batch, "prompt": self.prompt,
+                "output": self.output, "tokens_per_s": self.tokens_per_s, "decode_step_s": self.decode_step_s,
+                "prefill_s": self.prefill_s, "hit_rate": s.hit_rate, "prefetch_accuracy": s.prefetch_accuracy,
+                "cpu_share": s.cpu_share, "bytes_copied": s.bytes_copied, "loaded": s.loaded,
+                "prefetched": s.prefetched, "cpu_experts": s.cpu_experts,
+                "stream_bytes_per_s": self.copied_bytes / self.copy_s if self.copy_s else None}
+
+
+class Bench:
+    def __init__(self, arch: str, preset_name: str, device: torch.device, trace_path: Path, resident_share: float):
+        from transformers import AutoModelForCausalLM
+        from transformers.initialization import no_init_weights
+
+        self.preset = get_preset(arch, preset_name)
+        self.name = f"{arch}/{preset_name}"
+        self.device = device
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        config = build_config(self.preset)
+        self.adapter = MoEAdapter(config)
+        self.layers = self.adapter.moe_layers
+        e, k = self.adapter.num_experts, self.adapter.top_k
+        self.trace = Trace.load(trace_path, len(self.layers), e, k)
+        self.replay = Replay(self.trace, self.layers, e, device)
+        self.executor: OffloadExecutor | None = None
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+        for position, layer in enumerate(self.layers):
+            install_routed_experts(self.adapter, model, layer, ReplayedExperts(self, position))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * WEIGHT_STD)
+        self.model = model.to(device).eval()
+        start = time.perf_counter()
+        self.host = HostExperts(self.layers, e, self.adapter.hidden_size, self.adapter.expert_intermediate_size,
+                                self.dtype, self._random_expert, pin_memory=device.type == "cuda")
+        self.setup_s = time.perf_counter() - start
+        self.expert_bytes = self.host.expert_bytes
+        working = working_set_bytes(self.expert_bytes, k)
+        self.resident = int(resident_share * len(self.layers) * e)
+        self.budget = working + self.resident * self.expert_bytes
+        self.counter = self.trace.counter(self.layers)
+        self.profile = None  # measured by the first executor, then shared by every policy
+        self.cpu_dtype = None  # likewise
+
+    def _random_expert(self, layer: int, expert: int) -> ExpertWeights:
+        i, h = self.adapter.expert_intermediate_size, self.adapter.hidden_size
+        gen = self.device if self.device.type == "cuda" else "cpu"  # generated where it is fast
+        gate_up = (torch.randn(2 * i, h, device=gen, dtype=self.dtype) * WEIGHT_STD).cpu()
+        down = (torch.randn(h, i, device=gen, dtype=self.dtype) * WEIGHT_STD).cpu()
+        return ExpertWeights(gate_up, down)
+
+    def start(self, policy: str, **ablation) -> None:
+        lookahead = NoLookahead() if ablation.pop("lookahead", None) == "none" else self.replay.lookahead
+        engine_policy = "kubemoe" if policy == "oracle" else policy
+        config = OffloadConfig(self.budget, policy=engine_policy, **ablation)
+        self.executor = build_executor(config, self.host, self.adapter.top_k, self.device, self.adapter.act,
+                                       self.adapter.routing.weight_on_input, lookahead, counter=self.counter,
+                                       profile=self.profile, timing=self.device.type == "cuda",
+                                       cpu_dtype=self.cpu_dtype)
+        if policy == "oracle":
+            self.executor.policy = Oracle()
+        self.replay.clairvoyant = policy == "oracle"
+        self.replay.predict = not isinstance(lookahead, NoLookahead)
+        if self.profile is None:  # measured once per preset, shared by every policy (t_attn refreshes per run)
+            self.profile, self.cpu_dtype = self.executor.profile, self.executor.cpu.dtype
+
+    def stop(self) -> None:
+        self.executor.close()
+        self.executor = None
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def generate(self, label: str, batch: int, prompt: int, output: int, trace_start: int = 0) -> Run:
+        from transformers import DynamicCache
+
+        before = OffloadStats()
+        before.add(self.executor.stats)
+        store = self.executor.store
+        store.copy_seconds()  # drop the timings of the start-up copies
+        ids = torch.randint(0, self.model.config.vocab_size, (batch, prompt), device=self.device)
+        cache = DynamicCache()
+        self.sync()
+        start = time.perf_counter()
+        self.replay.rows = self.trace.rows(batch, trace_start, prompt).to(self.device)
+        logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        self.sync()
+        prefill = time.perf_counter() - start
+        steps = []
+        for step in range(output - 1):
+            start = time.perf_counter()
+            self.replay.rows = self.trace.rows(batch, trace_start + prompt + step, 1).to(self.device)
+            logits = self.model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            self.sync()
+            steps.append(time.perf_counter() - start)
+        stats = OffloadStats(**{k: getattr(self.executor.stats, k) - getattr(before, k) for k in vars(before)})
+        copied, seconds = store.copy_seconds() if store.timing else (0, 0.0)
+        return Run(self.name, label, batch, prompt, output, prefill, steps, stats, copied, seconds)
+
+    def decode_traces(self, batch: int, prompt: int, output: int) -> list[StepTrace]:
+        """The decode steps `generate` replays, as pipeline.py's step traces (layers as MoE positions)."""
+        steps = []
+        for step in range(output - 1):
+            rows = self.trace.rows(batch, prompt + step, 1)
+            layers = []
+            for p in range(len(self.layers)):
+                layers.append(LayerRouting(p, _counts(self.trace.actual[rows, p]), _counts(self.trace.predicted[rows, p])))
+            steps.append(StepTrace(batch, tuple(layers)))
+        return steps
+
+
+def _counts(experts: torch.Tensor) -> dict[int, int]:
+    values, counts = experts.reshape(-1).unique(return_counts=True)
+    return {e: n for e, n in zip(values.tolist(), counts.tolist()) if e >= 0}
+
+
+def pinned_peak(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of one large pinned host-to-GPU copy (the link's practical peak)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    samples = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return nbytes / statistics.median(samples[1:])
+
+
+# -- the external peer: transformers + accelerate device_map offload -----------------------------------
+
+def accelerate_peer(bench: Bench, batch: int, prompt: int, output: int) -> dict:
+    """transformers' own model, accelerate offloading what does not fit in the same GPU budget (whole decoder
+    layers, as `device_map="auto"` places them), on the model's own routing (accelerate copies every offloaded
+    layer whole, whatever the routing)."""
+    try:
+        import accelerate
+        from accelerate import dispatch_model, infer_auto_device_map
+    except ImportError:
+        return {"policy": "accelerate", "skipped": "accelerate is not installed (add its wheel to .whl/)"}
+    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers.initialization import no_init_weights
+
+    config = bench.model.config
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=bench.dtype)
+    state = {k: v for k, v in bench.model.state_dict().items()}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in state:
+                p.copy_(state[name])
+        for position, layer in enumerate(bench.layers):
+            experts = bench.adapter.experts_module(model, layer)
+            for e in range(bench.adapter.num_experts):
+                w = bench.host.weights((layer, e))
+                experts.gate_up_proj[e].copy_(w.gate_up)
+                experts.down_proj[e].copy_(w.down)
+    non_experts = sum(v.numel() * v.element_size() for v in state.values())
+    layer_class = type(model.model.layers[0]).__name__
+    device_map = infer_auto_device_map(model, max_memory={bench.device.index or 0: non_experts + bench.budget,
+                                                          "cpu": 10 * bench.host.nbytes},
+                                       no_split_module_classes=[layer_class])
+    model = dispatch_model(model.eval(), device_map=device_map)
+    on_gpu = sum(1 for d in device_map.values() if d not in ("cpu", "disk"))
+    ids = torch.randint(0, config.vocab_size, (batch, prompt), device=bench.device)
+    with torch.inference_mode():
+        cache = DynamicCache()
+        bench.sync()
+        start = time.perf_counter()
+        token = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        bench.sync()
+        prefill = time.perf_counter() - start
+        steps = []
+        for _ in range(output - 1):
+            start = time.perf_counter()
+            token = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            bench.sync()
+            steps.append(time.perf_counter() - start)
+    del model
+    return {"preset": bench.name, "policy": "accelerate", "batch": batch, "prompt": prompt, "output": output,
+            "tokens_per_s": batch * output / (prefill + sum(steps)), "decode_step_s": statistics.mean(steps),
+            "prefill_s": prefill, "accelerate": accelerate.__version__,
+            "device_map": f"{on_gpu} of {len(device_map)} modules on the GPU, the rest offloaded to the CPU",
+            "routing": "the random weights' own (accelerate copies each offloaded layer whole)"}
+
+
+# -- the run --------------------------------------------------------------------------------------------
+
+def geomean(values) -> float:
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def modelled(bench: Bench, resident: frozenset, batches, prompt: int, output: int) -> list[dict]:
+    """pipeline.py's step times with the measured costs, t_io rescaled to PCIe 3.0 / 4.0: MODELLED."""
+    rows = []
+    for link in ("pcie3", "pcie4"):
+        profile = bench.profile.at_bandwidth(PCIE_BANDWIDTH[link], link)
+        for batch in batches:
+            steps = bench.decode_traces(batch, prompt, output)
+            for policy in (PreSched(), OnDemand(), GatePrefetch(), FiddlerLike(), HybriMoELike(), Oracle()):
+                result = simulate(steps, policy, profile, bench.expert_bytes, resident, bench.adapter.top_k)
+                rows.append({"preset": bench.name, "link": link, "batch": batch, **result.summary()})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--presets", default="mixtral,qwen3", help="comma-separated: mixtral, qwen3")
+    parser.add_argument("--tiny", action="store_true", help="the tiny presets (a CPU smoke test)")
+    parser.add_argument("--batches", default="4,16,64")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--output", type=int, default=32, help="generated tokens per sequence (issue: 64; 32 keeps "
+                                                                   "the H200 run within 8 minutes)")
+    parser.add_argument("--ablation-batch", type=int, default=16)
+    parser.add_argument("--resident-share", type=float, default=0.25,
+                        help="experts the budget holds beside the working set, as a share of all experts")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--no-accelerate", action="store_true")
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    batches = [int(b) for b in args.batches.split(",")]
+    policies = args.policies.split(",")
+    presets = TINY if args.tiny else PRESETS
+    started = time.perf_counter()
+    peak = pinned_peak(device) if device.type == "cuda" else None
+    raw, ablations, peers, models, setups = [], [], [], [], {}
+    for key in args.presets.split(","):
+        arch, name = presets[key]
+        bench = Bench(arch, name, device, args.trace, args.resident_share)
+        setups[name] = {"expert_bytes": bench.expert_bytes, "moe_layers": len(bench.layers),
+                        "experts": bench.adapter.num_experts, "top_k": bench.adapter.top_k,
+                        "budget_bytes": bench.budget, "resident_experts": bench.resident,
+                        "host_bytes": bench.host.nbytes, "pinned": bench.host.pinned, "weights_s": bench.setup_s,
+                        "replayed_prediction_topk_accuracy": bench.trace.predicted_accuracy()}
+        print(f"--- {name}: {bench.host.nbytes / 2**30:.1f} GiB of experts in host memory, budget "
+              f"{bench.budget / 2**30:.2f} GiB ({bench.resident} resident), weights in {bench.setup_s:.0f}s", flush=True)
+        bench.start("kubemoe")  # measures the cost profile; one short warm-up pass
+        bench.generate("warm-up", min(batches), 16, 3)
+        setups[name]["profile"] = bench.executor.profile.to_dict()
+        bench.stop()
+        resident = frozenset()
+        for policy in policies:
+            for batch in batches:
+                bench.start(policy)
+                if policy == "kubemoe":
+                    resident = frozenset(bench.executor.resident_slot)
+                run = bench.generate(policy, batch, args.prompt, args.output)
+                bench.stop()
+                raw.append(run.row())
+                print(f"{name} {policy:>14} b{batch:<3} {run.tokens_per_s:9.1f} tok/s, step {run.decode_step_s * 1e3:8.2f} ms, "
+                      f"hit {run.stats.hit_rate:.2f}, cpu {run.stats.cpu_share:.2f}", flush=True)
+        for label, ablation in ABLATIONS.items():
+            bench.start("kubemoe", **ablation)
+            run = bench.generate(label, args.ablation_batch, args.prompt, args.output)
+            bench.stop()
+            ablations.append(run.row())
+            print(f"{name} {label:>14} b{args.ablation_batch:<3} {run.tokens_per_s:9.1f} tok/s", flush=True)
+        models += modelled(bench, resident, batches, args.prompt, args.output)
+        if not args.no_accelerate and device.type == "cuda":
+            try:
+                peers.append(accelerate_peer(bench, args.ablation_batch, args.prompt, min(args.output, 8)))
+            except Exception as e:  # noqa: BLE001 - the peer is extra: report why it did not run
+                peers.append({"preset": name, "policy": "accelerate", "error": f"{type(e).__name__}: {e}"})
+        bench.host.close()
+        del bench
+
+    def ratio(a: str, b: str, key="tokens_per_s"):  # geometric mean over presets and batches of a's / b's
+        by = {(r["preset"], r["policy"], r["batch"]): r[key] for r in raw}
+        return geomean(by[(p, a, n)] / by[(p, b, n)] for (p, pol, n) in by if pol == a and (p, b, n) in by)
+
+    print_table(raw, [("preset", "preset", "s"), ("policy", "policy", "s"), ("batch", "batch", "d"),
+                      ("tokens_per_s", "tok/s", ".1f"), ("decode_step_s", "step s", ".4f"), ("hit_rate", "hit", ".2f"),
+                      ("prefetch_accuracy", "pref acc", ".2f"), ("cpu_share", "cpu", ".2f")])
+    streamed = [r for r in raw if r["policy"] in ("kubemoe", "on-demand") and r["stream_bytes_per_s"]]
+    stream_bw = geomean(r["stream_bytes_per_s"] for r in streamed) if streamed else float("nan")
+    goals = {
+        "throughput_vs_ondemand": Goal(ratio("kubemoe", "on-demand"), ">= 2.4"),
+        "throughput_vs_hybrimoe": Goal(ratio("kubemoe", "hybrimoe-like"), ">= 1.7"),
+        "throughput_vs_fiddler": Goal(ratio("kubemoe", "fiddler-like"), ">= 1.3"),
+        "step_vs_oracle": Goal(ratio("kubemoe", "oracle", "decode_step_s"), "<= 1.15"),
+    }
+    if peak:
+        goals["pcie_util"] = Goal(stream_bw / peak, ">= 0.85")
+    llapor_note = "not found"
+    if LLAPOR.is_file():
+        measured = json.loads(LLAPOR.read_text())
+        goals["llapor_top4_hit"] = Goal(measured["goals"]["llapor_top4_hit"]["value"], ">= 0.94")
+        llapor_note = f"read from {LLAPOR.name} (llapor_accuracy.py at {measured['commit'][:10]} on {measured['machine']})"
+    for name, goal in goals.items():
+        print(f"goal {name}: {goal.value:.3f} {goal.goal} -> {'met' if goal.met else 'NOT met'}")
+    path = write_results(
+        "offload", device, raw, goals, out=args.out,
+        measured="MEASURED: the offload executor in the transformers model, random weights, ROUTING REPLAYED from "
+                 f"kubemoe's trained base model ({args.trace.name}: {setups and next(iter(setups.values()))['moe_layers']}"
+                 " layers used; the lookahead gets the recorded fine-tuned router predictor's d=1 guesses, the oracle "
+                 "the actual next routing)",
+        routing_source=bench_trace_meta(args.trace), presets=setups,
+        settings={"batches": batches, "prompt": args.prompt, "output": args.output,
+                  "output_note": "the issue asks 64 output tokens; the default 32 keeps the run within 8 minutes"
+                  if args.output < 64 else "", "resident_share": args.resident_share},
+        pinned_peak_bytes_per_s=peak, streaming_bytes_per_s=stream_bw,
+        hardware_bound="H2D copies bounded by the measured pinned peak (PCIe 5.0 x16 on the H200 host); CPU experts "
+                       "by the host's cores and memory bandwidth",
+        ablations=ablations, ablation_note="no PreSched = the gpu-prefetch row (same hot table and prediction)",
+        modelled_links=models, modelled_note="MODELLED: pipeline.py with the costs measured here, t_io rescaled",
+        external_peers=peers, llapor=llapor_note, seconds=round(time.perf_counter() - started, 1),
+    )
+    print(f"wrote {path}")
+
+
+def bench_trace_meta(path: Path) -> dict:
+    with safe_open(path, "pt") as f:
+        return dict(f.metadata())
+
+
+if __name__ == "__main__":
+    main()

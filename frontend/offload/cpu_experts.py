@@ -1,0 +1,70 @@
+"""CPU experts: the experts a schedule puts on the CPU, computed by a thread pool beside the GPU work.
+
+They read the weights straight from the store's host memory (never copied). The compute dtype is
+chosen once at start by timing one expert both ways: the checkpoint's (bf16 / fp16) where the CPU has
+fast kernels for it, else float32 with the weights widened per call (CPUs without bf16 units run a
+bf16 matmul many times slower than widening and running fp32). Shapes: N = an expert's tokens, H = hidden size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from kubemoe.expert import ExpertWeights, expert_ffn
+from kubemoe.frontend.offload.store import HostExperts, Key
+
+log = logging.getLogger(__name__)
+
+
+def _widen(weights: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
+    if weights.gate_up.dtype == dtype:
+        return weights
+    return ExpertWeights(weights.gate_up.to(dtype), weights.down.to(dtype))
+
+
+def choose_cpu_dtype(weights: ExpertWeights, act: Callable, tokens: int = 16, repeats: int = 3) -> torch.dtype:
+    """The faster of the weights' own dtype and float32 (widened per call) for one expert on `tokens` tokens."""
+    native = weights.gate_up.dtype
+    if native == torch.float32:
+        return native
+    x = torch.randn(tokens, weights.hidden_size)
+    timings = {}
+    for dtype in (native, torch.float32):
+        xs = x.to(dtype)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            expert_ffn(xs, _widen(weights, dtype), act)
+            best = min(best, time.perf_counter() - start)
+        timings[dtype] = best
+    chosen = min(timings, key=timings.get)
+    log.info("CPU experts compute in %s (one expert, %d tokens: %s)", str(chosen).removeprefix("torch."), tokens,
+             ", ".join(f"{str(d).removeprefix('torch.')} {s * 1e3:.2f} ms" for d, s in timings.items()))
+    return chosen
+
+
+class CpuExperts:
+    def __init__(self, host: HostExperts, act: Callable, threads: int | None = None,
+                 dtype: torch.dtype | None = None):
+        self.host, self.act = host, act
+        # One worker per core: a layer's CPU experts run side by side (each also uses torch's intra-op
+        # threads; the count is process-wide in this torch, so it is left as the process set it).
+        self.threads = threads or os.cpu_count() or 1
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kubemoe-cpu-expert")
+        self.dtype = dtype or choose_cpu_dtype(host.weights((host.layers[0], 0)), act)
+
+    def submit(self, key: Key, x: torch.Tensor) -> Future:  # x [N, H] on the host -> future of [N, H], this dtype
+        return self.pool.submit(self.run, key, x)
+
+    def run(self, key: Key, x: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():  # per thread
+            return expert_ffn(x.to(self.dtype), _widen(self.host.weights(key), self.dtype), self.act)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

@@ -1,0 +1,223 @@
+"""The offload executor: one MoE layer's routed experts, placed by a policy, run from the expert store.
+
+Per layer, once the gate has run: the lookahead predicts the next layer's experts; the policy (PreSched
+or a baseline, `policy.Policy`) gets what this layer's tokens chose, what is on the device and what is
+expected next, and says which experts run from device slots (the hot table's resident ones and those
+prefetched earlier), which are copied on demand, which run on the CPU and what to prefetch. Then:
+1. the CPU experts' inputs go to the host and the CPU pool starts on them;
+2. resident and prefetched experts compute on the device, each after its own copy's events;
+3. on-demand copies alternate between two slots, each computed as soon as its copy lands, while the
+   next copy runs; the prefetches queue behind them on the copy streams into the prefetch groups;
+4. the CPU outputs are added into the same output as the device experts' (index_add).
+Device slots: [0, R) the hot table's R experts, then the two on-demand slots, then 2 x P prefetch slots
+(two groups of P: this layer's and the next one's, managed as one pool as pipeline.py models them).
+Layers in decisions are MoE-layer positions (0, 1, ...), so "the next layer" is the next MoE layer.
+Shapes: T = tokens, H = hidden size, K = experts per token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from kubemoe.expert import expert_ffn
+from kubemoe.frontend.offload.baselines import OnDemand
+from kubemoe.frontend.offload.costs import OffloadProfile, ProfileRefresher
+from kubemoe.frontend.offload.cpu_experts import CpuExperts
+from kubemoe.frontend.offload.hot_table import ON_DEMAND_BUFFERS, PREFETCH_GROUPS, TokenCounter
+from kubemoe.frontend.offload.lookahead import Lookahead, NoLookahead
+from kubemoe.frontend.offload.pipeline import WINDOW
+from kubemoe.frontend.offload.policy import LayerDemand, Policy, Schedule
+from kubemoe.frontend.offload.stats import OffloadStats
+from kubemoe.frontend.offload.store import ExpertStore, Key
+from kubemoe.moe import ExpertGroup, combine, expert_inputs, group_tokens
+
+log = logging.getLogger(__name__)
+
+
+class OffloadExecutor:
+    def __init__(self, store: ExpertStore, cpu: CpuExperts, policy: Policy, lookahead: Lookahead,
+                 profile: OffloadProfile, resident: Sequence[Key], prefetch_slots: int, act: Callable,
+                 weight_on_input: bool, on_layer: Callable[[OffloadStats], None] | None = None,
+                 counter: TokenCounter | None = None, rerank: Callable[[TokenCounter], Sequence[Key]] | None = None,
+                 rerank_every: int = 0):
+        self.store, self.cpu, self.policy, self.lookahead = store, cpu, policy, lookahead
+        self.act, self.weight_on_input, self.on_layer = act, weight_on_input, on_layer
+        self.layers = store.layers  # MoE layers; a decision's layer is a position in this tuple
+        self.position = {layer: p for p, layer in enumerate(self.layers)}
+        self.refresher = ProfileRefresher(profile)
+        self.prefetch_slots = prefetch_slots
+        needed = len(resident) + ON_DEMAND_BUFFERS + PREFETCH_GROUPS * prefetch_slots
+        if needed > store.num_slots:
+            raise ValueError(f"{len(resident)} resident experts and the working set need {needed} slots; the store has "
+                             f"{store.num_slots}")
+        # Device slots: resident, then on-demand, then the prefetch pool.
+        self.resident_slot: dict[Key, int] = {}  # (position, expert) -> slot
+        for slot, (layer, expert) in enumerate(resident):
+            self.resident_slot[(self.position[layer], expert)] = slot
+            store.copy((layer, expert), slot)
+        self._index_resident()
+        # LayerScope's Counter, fed by serving: every `rerank_every` forward passes the hot table is ranked
+        # again and the experts that became hotter replace those that cooled, slot for slot.
+        self.counter = counter if counter is not None else TokenCounter()
+        self.rerank, self.rerank_every, self._passes = rerank, rerank_every, 0
+        first = len(resident)
+        self.on_demand = [first + i for i in range(ON_DEMAND_BUFFERS)]
+        self.free_prefetch = list(range(first + ON_DEMAND_BUFFERS, first + ON_DEMAND_BUFFERS + PREFETCH_GROUPS * prefetch_slots))
+        self.landed: dict[Key, int] = {}  # (position, expert) prefetched -> its slot, until its layer is done
+        self.stats = OffloadStats()
+        self._left_at: float | None = None  # when the previous layer's experts returned (t_attn is the gap)
+
+    def _index_resident(self) -> None:
+        self.resident_by_position = [frozenset(e for p, e in self.resident_slot if p == q) for q in range(len(self.layers))]
+
+    @property
+    def profile(self) -> OffloadProfile:
+        return self.refresher.profile
+
+    def on_device(self, position: int) -> frozenset[int]:
+        return self.resident_by_position[position] | {e for p, e in self.landed if p == position}
+
+    # -- one layer --------------------------------------------------------------------------------
+
+    def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  groups: list[ExpertGroup] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Add the routed experts' outputs for `groups` (default: every token's) into `out` [T, H] and return it."""
+        entered = time.perf_counter()
+        position = self.position[layer]
+        if position == 0:
+            self._forget_prefetches()  # a new forward pass: nothing is in flight for it
+            self._passes += 1
+            if self.rerank and self.rerank_every and self._passes % self.rerank_every == 0:
+                self.refresh_hot_table()
+        elif self._left_at is not None:
+            self.refresher.observe_attn(hidden.shape[0], entered - self._left_at)
+        groups = group_tokens(top_k_index) if groups is None else groups
+        out = torch.zeros_like(hidden) if out is None else out
+        demand, schedule = self._decide(position, hidden, top_k_index, top_k_weights, groups)
+        self.counter.add(layer, demand.pending)
+        stats = self._stats(demand, schedule)
+        self._execute(position, hidden, top_k_weights, groups, schedule, out)
+        self.stats.add(stats)
+        if self.on_layer:
+            self.on_layer(stats)
+        self._left_at = time.perf_counter()
+        return out
+
+    def _decide(self, position, hidden, top_k_index, top_k_weights, groups) -> tuple[LayerDemand, Schedule]:
+        """The policy's schedule. A lookahead that fails is switched off; a policy that fails leaves the layer
+        to on-demand loading. Both are logged, neither fails a request."""
+        window = list(range(position + 1, min(position + 1 + WINDOW, len(self.layers))))
+        ahead = []
+        if window:
+            try:
+                ahead = self.lookahead.ahead(self.layers[position], hidden, top_k_index, top_k_weights)[:len(window)]
+            except Exception:  # noqa: BLE001 - a prediction is a hint: serving goes on without it
+                log.exception("the %s lookahead failed at layer %d and is switched off: from now on only the hot "
+                              "table and on-demand loading serve", self.lookahead.name, self.layers[position])
+                self.lookahead = NoLookahead()
+        demand = self._demand(position, groups, ahead, window, hidden.shape[0])
+        try:
+            schedule = self.policy.schedule(demand, self.profile.costs(self.store.expert_bytes))
+            schedule.check(demand)
+        except Exception:  # noqa: BLE001 - the layer still runs, as accelerate would run it
+            log.exception("the %s policy failed at layer %d: its missing experts are loaded on demand",
+                          self.policy.name, self.layers[position])
+            schedule = OnDemand().schedule(demand, self.profile.costs(self.store.expert_bytes))
+        return demand, schedule
+
+    def _demand(self, position, groups, ahead, window, tokens) -> LayerDemand:
+        held = len(self.landed)
+        return LayerDemand(
+            layer=position,
+            pending={g.expert: len(g.tokens) for g in groups},
+            resident=self.on_device(position),
+            ahead=ahead,
+            resident_ahead=[self.on_device(p) for p in window[:len(ahead)]],
+            t_attn=self.profile.t_attn(tokens) if ahead else 0.0,
+            prefetch_slots=max(0, min(self.prefetch_slots, len(self.free_prefetch), PREFETCH_GROUPS * self.prefetch_slots - held)),
+        )
+
+    def _stats(self, demand: LayerDemand, schedule: Schedule) -> OffloadStats:
+        landed = {e for p, e in self.landed if p == demand.layer}
+        copies = len(schedule.load) + len(schedule.prefetch)
+        return OffloadStats(
+            activated=len(demand.pending), hits=len(demand.pending.keys() & demand.resident),
+            prefetched=len(schedule.prefetch), prefetch_used=len(demand.pending.keys() & landed),
+            loaded=len(schedule.load), bytes_copied=copies * self.store.expert_bytes,
+            gpu_tokens=sum(demand.pending[e] for e in schedule.gpu),
+            cpu_tokens=sum(demand.pending[e] for e in schedule.cpu), cpu_experts=len(schedule.cpu))
+
+    def _execute(self, position: int, hidden: torch.Tensor, top_k_weights: torch.Tensor, groups: list[ExpertGroup],
+                 schedule: Schedule, out: torch.Tensor) -> None:
+        layer, store = self.layers[position], self.store
+        by_expert = {g.expert: g for g in groups}
+
+        # 1. The CPU side starts first: it is the slower one per expert.
+        cpu_groups = [by_expert[e] for e in schedule.cpu]
+        futures = []
+        if cpu_groups:
+            inputs = torch.cat([expert_inputs(hidden, top_k_weights, g, self.weight_on_input) for g in cpu_groups])
+            inputs = inputs.cpu()  # [N, H]; waits for this layer's attention and gate, which the gate's read did already
+            parts = inputs.split([len(g.tokens) for g in cpu_groups])
+            futures = [self.cpu.submit((layer, g.expert), x) for g, x in zip(cpu_groups, parts)]
+
+        # 2. Experts already on the device (resident or prefetched).
+        loads = set(schedule.load)
+        for expert in (e for e in schedule.gpu if e not in loads):
+            slot = self.resident_slot.get((position, expert))
+            if slot is None:
+                slot = self.landed[(position, expert)]
+            self._compute(slot, hidden, top_k_weights, by_expert[expert], out)
+
+        # 3. On-demand copies through two alternating slots, then the prefetches behind them.
+        for j, expert in enumerate(schedule.load):
+            slot = self.on_demand[j % ON_DEMAND_BUFFERS]
+            store.copy((layer, expert), slot)
+            self._compute(slot, hidden, top_k_weights, by_expert[expert], out)
+        self._release_landed(position)
+        for target_position, expert in schedule.prefetch:
+            slot = self.free_prefetch.pop()
+            store.copy((self.layers[target_position], expert), slot)
+            self.landed[(target_position, expert)] = slot
+
+        # 4. The CPU outputs join the same output.
+        for group, future in zip(cpu_groups, futures):
+            combine(out, top_k_weights, group, future.result().to(out.device), self.weight_on_input)
+
+    def refresh_hot_table(self) -> int:
+        """Rank the hot table again from the counts so far; copy newly hot experts over cooled ones. -> swaps."""
+        wanted = [(self.position[layer], expert) for layer, expert in self.rerank(self.counter)]
+        entering = [k for k in wanted if k not in self.resident_slot]
+        leaving = [k for k in self.resident_slot if k not in set(wanted)]
+        for old, new in zip(leaving, entering):  # the budget is the same: as many leave as enter
+            slot = self.resident_slot.pop(old)
+            self.store.copy((self.layers[new[0]], new[1]), slot)  # waits for kernels still reading the slot
+            self.resident_slot[new] = slot
+        self._index_resident()
+        if entering:
+            log.info("hot table refreshed: %d of %d resident experts replaced", len(entering), len(self.resident_slot))
+        return len(entering)
+
+    def _compute(self, slot: int, hidden, top_k_weights, group: ExpertGroup, out: torch.Tensor) -> None:
+        self.store.wait_ready(slot)
+        x = expert_inputs(hidden, top_k_weights, group, self.weight_on_input)
+        combine(out, top_k_weights, group, expert_ffn(x, self.store.slot_weights(slot), self.act), self.weight_on_input)
+        self.store.release(slot)
+
+    def _release_landed(self, position: int) -> None:
+        """This layer's prefetch slots are free again (their kernels are queued: the next copy waits for them)."""
+        for key in [k for k in self.landed if k[0] <= position]:
+            self.free_prefetch.append(self.landed.pop(key))
+
+    def _forget_prefetches(self) -> None:
+        for key in list(self.landed):
+            self.free_prefetch.append(self.landed.pop(key))
+        self._left_at = None
+
+    def close(self) -> None:
+        self.cpu.close()
+        self.store.close()

@@ -1,0 +1,218 @@
+"""AsyncIO (LayerScope): every expert's weights in host memory, fixed device slots, chunked copies.
+
+`HostExperts`: one flat tensor per MoE layer, [E, S], each expert laid out gate | up | down (gate_up is the first
+2IH elements as [2I, H], down the rest as [H, I]: `kubemoe.expert.ExpertWeights`), page-locked with
+cudaHostRegister when CUDA is available. Memory that cannot be pinned is logged and stays pageable:
+copies are slower, nothing fails. Several stores may share it (the benchmark runs every policy on one).
+`ExpertStore`: one device tensor [N, S] allocated once and cut into slots of the
+largest expert; what each slot holds is the executor's business (hot table, two on-demand slots,
+prefetch groups). Nothing is allocated per transfer.
+
+A copy is three chunks (gate, up, down), each on its own CUDA stream. Per slot the store keeps the
+events of its last copy (compute waits for those, and only those: `wait_ready`) and the event recorded
+after the last kernel that read it (`release`; the next copy into the slot waits for it), so a copy
+never overwrites weights a kernel still reads. Without CUDA the "device" is the CPU and a copy is a
+plain synchronous copy: the same code runs, without streams or events (what CI exercises).
+Shapes: E = experts per layer, I = expert intermediate size, H = hidden size, S = 3 I H, N = slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from kubemoe.expert import ExpertWeights
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int]  # (layer, expert)
+CHUNKS = ("gate", "up", "down")
+
+
+def pin_host(tensor: torch.Tensor) -> None:
+    """Page-lock `tensor`'s memory in place (exact size; torch's pinned allocator rounds up to a power of two)."""
+    from torch.cuda._pin_memory_utils import pin_memory
+
+    pin_memory(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+def unpin_host(tensor: torch.Tensor) -> None:
+    from torch.cuda._pin_memory_utils import unpin_memory
+
+    unpin_memory(tensor.data_ptr())
+
+
+def pin_all(tensors: list[torch.Tensor], pin: Callable[[torch.Tensor], None] = pin_host,
+            unpin: Callable[[torch.Tensor], None] = unpin_host) -> list[torch.Tensor]:
+    """Pin every tensor, or none: the pinned ones, or [] after a logged failure (pageable memory still works)."""
+    pinned = []
+    try:
+        for tensor in tensors:
+            pin(tensor)
+            pinned.append(tensor)
+        return pinned
+    except Exception as e:  # noqa: BLE001 - any failure to pin leaves pageable memory, which still works
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        log.warning("could not pin %.2f GiB of expert weights in host memory (%s): copies use pageable memory and "
+                    "run slower; free host memory or raise the locked-memory limit (ulimit -l)", size / 2**30, e)
+        for tensor in pinned:
+            unpin(tensor)
+        return []
+
+
+@dataclass
+class _SlotSync:
+    ready: list = field(default_factory=list)  # events of the last copy into the slot, one per chunk stream
+    free: object = None  # event after the last kernel that read the slot
+
+
+@dataclass
+class _CopyTiming:
+    nbytes: int
+    start: object
+    ends: list
+
+
+class HostExperts:
+    """Every expert's weights in host memory, [E, S] per MoE layer, pinned when CUDA is available."""
+
+    def __init__(self, layers: Sequence[int], num_experts: int, hidden_size: int, intermediate_size: int,
+                 dtype: torch.dtype, load: Callable[[int, int], ExpertWeights], pin_memory: bool | None = None,
+                 pin: Callable[[torch.Tensor], None] = pin_host):
+        self.layers, self.num_experts, self.dtype = tuple(layers), num_experts, dtype
+        i, h = intermediate_size, hidden_size
+        self.gate_up_shape, self.down_shape = (2 * i, h), (h, i)
+        self.chunks = ((0, i * h), (i * h, 2 * i * h), (2 * i * h, 3 * i * h))  # gate | up | down, elements
+        self.slot_elems = 3 * i * h
+        self.expert_bytes = self.slot_elems * dtype.itemsize
+        self.rows: dict[int, torch.Tensor] = {}  # layer -> [E, S]
+        for layer in self.layers:
+            self.rows[layer] = torch.empty((num_experts, self.slot_elems), dtype=dtype)
+            for expert in range(num_experts):
+                loaded, held = load(layer, expert), self.weights((layer, expert))
+                held.gate_up.copy_(loaded.gate_up)
+                held.down.copy_(loaded.down)
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self._pinned = pin_all(list(self.rows.values()), pin) if pin_memory else []
+        self.pinned = bool(self._pinned)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.rows.values())
+
+    def views(self, row: torch.Tensor) -> ExpertWeights:  # [S] -> weights viewing it
+        split = self.chunks[1][1]
+        return ExpertWeights(row[:split].view(self.gate_up_shape), row[split:].view(self.down_shape))
+
+    def row(self, key: Key) -> torch.Tensor:  # [S]
+        layer, expert = key
+        return self.rows[layer][expert]
+
+    def weights(self, key: Key) -> ExpertWeights:
+        return self.views(self.row(key))
+
+    def close(self) -> None:
+        for tensor in self._pinned:
+            try:
+                unpin_host(tensor)
+            except Exception:  # noqa: BLE001 - closing must not fail
+                log.exception("unpinning expert memory failed")
+        self._pinned.clear()
+
+
+class ExpertStore:
+    """Device slots for the experts of `host`, and the copies into them."""
+
+    def __init__(self, host: HostExperts, device: torch.device, slots: int, async_io: bool = True,
+                 timing: bool = False):
+        self.host, self.layers, self.dtype = host, host.layers, host.dtype
+        self.expert_bytes = host.expert_bytes
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.slots = torch.empty((slots, host.slot_elems), dtype=host.dtype, device=self.device)  # [N, S]
+        self._sync = [_SlotSync() for _ in range(slots)]
+        if self.cuda:
+            # AsyncIO: a stream per chunk; without it (the ablation) the copies queue on the compute stream.
+            self.streams = ([torch.cuda.Stream(self.device) for _ in CHUNKS] if async_io
+                            else [torch.cuda.default_stream(self.device)] * len(CHUNKS))
+        self.async_io = async_io
+        self.timing = timing and self.cuda
+        self._timings: list[_CopyTiming] = []
+
+    @property
+    def pinned(self) -> bool:
+        return self.host.pinned
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._sync)
+
+    def host_weights(self, key: Key) -> ExpertWeights:
+        return self.host.weights(key)
+
+    def slot_weights(self, slot: int) -> ExpertWeights:
+        return self.host.views(self.slots[slot])
+
+    # -- copies and their events ----------------------------------------------------------------
+
+    def copy(self, key: Key, slot: int) -> None:
+        """Start copying `key`'s weights into `slot`, once every kernel that read the slot is done."""
+        src, dst = self.host.row(key), self.slots[slot]
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        sync = self._sync[slot]
+        start = None
+        if self.timing:
+            start = torch.cuda.Event(enable_timing=True)
+        ready = []
+        for n, (stream, (a, b)) in enumerate(zip(self.streams, self.host.chunks)):
+            if sync.free is not None:
+                stream.wait_event(sync.free)
+            if start is not None:
+                if n == 0:
+                    start.record(stream)
+                else:
+                    stream.wait_event(start)
+            with torch.cuda.stream(stream):
+                dst[a:b].copy_(src[a:b], non_blocking=True)
+            event = torch.cuda.Event(enable_timing=self.timing)
+            event.record(stream)
+            ready.append(event)
+        sync.ready = ready
+        if start is not None:
+            self._timings.append(_CopyTiming(self.expert_bytes, start, ready))
+
+    def wait_ready(self, slot: int) -> None:
+        """The compute stream waits for the last copy into `slot` (and for nothing else)."""
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            for event in self._sync[slot].ready:
+                stream.wait_event(event)
+
+    def release(self, slot: int) -> None:
+        """Every kernel that reads `slot` is queued: the next copy into it waits for them."""
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._sync[slot].free = event
+
+    def copy_seconds(self) -> tuple[int, float]:
+        """(bytes, seconds) of the copies timed since the last call: each copy from its first chunk's start
+        to its last chunk's end (waits for the GPU; with timing on only)."""
+        timings, self._timings = self._timings, []
+        if not timings:
+            return 0, 0.0
+        timings[-1].ends[-1].synchronize()
+        torch.cuda.synchronize(self.device)
+        seconds = sum(max(t.start.elapsed_time(e) for e in t.ends) for t in timings) / 1e3
+        return sum(t.nbytes for t in timings), seconds
+
+    def close(self) -> None:
+        """Wait for the copies in flight (the host memory stays: it may serve another store)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,56 @@
+"""benchmarks/offload_bench.py: the routing replay's expert mapping, and (slow) a tiny run on the CPU."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location("offload_bench", BENCHMARKS / "offload_bench.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["offload_bench"] = module
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("offload_bench", None)
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.mark.parametrize("experts, top_k", [(8, 2), (128, 8), (16, 4)])
+def test_mapped_routing_picks_distinct_experts_and_keeps_the_skew(bench, experts, top_k):
+    g = torch.Generator().manual_seed(0)
+    hot = torch.tensor([[3, 11]] * 300)  # one pair of trace experts takes most tokens
+    rest = torch.stack([torch.randperm(16, generator=g)[:2] for _ in range(100)])
+    choices = torch.cat([hot, rest, torch.tensor([[-1, -1]])])
+    mapped = bench.map_experts(choices, 16, experts, top_k)
+    assert mapped.shape == (401, top_k) and (mapped[-1] == -1).all()
+    valid = mapped[:-1]
+    assert ((valid >= 0) & (valid < experts)).all()
+    assert all(len(set(row)) == top_k for row in valid.tolist())
+    counts = torch.bincount(valid.reshape(-1), minlength=experts)
+    assert counts.topk(top_k).values.sum() >= 300 * top_k  # the hot pair's experts stay the hottest
+    assert torch.equal(bench.map_experts(hot[:1], 16, experts, top_k), mapped[:1])  # a token maps the same every time
+
+
+@pytest.mark.slow
+def test_a_tiny_run_on_the_cpu_writes_every_policy_and_the_goals(tmp_path):
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "offload_bench.py"), "--device", "cpu", "--tiny",
+                           "--presets", "qwen3", "--batches", "2", "--prompt", "8", "--output", "3",
+                           "--ablation-batch", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(next(tmp_path.glob("offload_*.json")).read_text())
+    assert {r["policy"] for r in doc["raw"]} == {"kubemoe", "on-demand", "gpu-prefetch", "fiddler-like", "hybrimoe-like",
+                                                  "static-split", "oracle"}
+    assert {r["policy"] for r in doc["ablations"]} == {"no-hot-table", "no-prediction", "no-asyncio"}
+    assert {"throughput_vs_ondemand", "throughput_vs_hybrimoe", "throughput_vs_fiddler", "step_vs_oracle"} <= set(doc["goals"])
+    assert "REPLAYED" in doc["measured"] and doc["modelled_links"]

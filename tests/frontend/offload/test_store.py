@@ -1,0 +1,136 @@
+"""The expert store: host layout, fixed slots, copies; pinning that fails falls back to pageable memory."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kubemoe.expert import ExpertWeights, expert_ffn
+from kubemoe.frontend.offload.cpu_experts import CpuExperts, choose_cpu_dtype
+from kubemoe.frontend.offload.store import ExpertStore, HostExperts, pin_all
+
+H, I, E = 64, 32, 4
+
+
+def weights(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return {(l, e): ExpertWeights(torch.randn(2 * I, H, generator=g).to(dtype), torch.randn(H, I, generator=g).to(dtype))
+            for l in (1, 3) for e in range(E)}
+
+
+def store(device="cpu", dtype=torch.float32, slots=3, **kwargs):
+    w = weights(dtype)
+    host = HostExperts((1, 3), E, H, I, dtype, lambda l, e: w[(l, e)], pin_memory=device == "cuda")
+    return w, ExpertStore(host, torch.device(device), slots, **kwargs)
+
+
+def test_host_holds_every_expert_and_copies_land_in_fixed_slots():
+    w, s = store()
+    assert s.expert_bytes == 3 * H * I * 4 and s.host.nbytes == 2 * E * s.expert_bytes and not s.pinned
+    for key, expected in w.items():
+        assert torch.equal(s.host_weights(key).gate_up, expected.gate_up) and torch.equal(s.host_weights(key).down, expected.down)
+    slots = s.slots.data_ptr()
+    s.copy((3, 2), 1)
+    s.wait_ready(1)
+    assert torch.equal(s.slot_weights(1).gate_up, w[(3, 2)].gate_up) and torch.equal(s.slot_weights(1).down, w[(3, 2)].down)
+    assert s.slots.data_ptr() == slots and s.num_slots == 3
+
+
+def test_pinning_that_fails_is_logged_and_leaves_pageable_memory(caplog):
+    tensors = [torch.empty(10), torch.empty(10)]
+    pinned, undone = [], []
+
+    def pin(t):
+        if pinned:
+            raise RuntimeError("cudaErrorMemoryAllocation")
+        pinned.append(t)
+
+    with caplog.at_level(logging.WARNING):
+        assert pin_all(tensors, pin, undone.append) == []
+    assert undone == pinned == tensors[:1]  # what was pinned is released again
+    assert "could not pin" in caplog.text and "ulimit -l" in caplog.text
+
+
+def test_cpu_experts_read_host_weights_in_the_chosen_dtype():
+    w, s = store(dtype=torch.bfloat16)
+    cpu = CpuExperts(s.host, F.silu, threads=2)
+    try:
+        assert cpu.dtype in (torch.bfloat16, torch.float32)
+        x = torch.randn(5, H)
+        exact = expert_ffn(x, ExpertWeights(w[(1, 2)].gate_up.float(), w[(1, 2)].down.float()), F.silu)
+        got = cpu.submit((1, 2), x.to(torch.bfloat16)).result().float()
+        torch.testing.assert_close(got, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
+    finally:
+        cpu.close()
+
+
+def test_float32_weights_compute_in_float32_without_timing():
+    assert choose_cpu_dtype(weights()[(1, 0)], F.silu) == torch.float32
+
+
+# -- on a GPU: pinned memory, one stream per chunk, events per slot ----------------------------------
+
+@pytest.mark.gpu
+def test_host_memory_is_pinned_and_chunks_go_on_three_streams():
+    _, s = store("cuda", torch.bfloat16)
+    try:
+        assert s.pinned and all(t.is_pinned() for t in s.host.rows.values())
+        assert len({st.cuda_stream for st in s.streams}) == 3
+        assert torch.cuda.current_stream().cuda_stream not in {st.cuda_stream for st in s.streams}
+    finally:
+        s.close()
+        s.host.close()
+
+
+@pytest.mark.gpu
+def test_compute_waits_only_for_its_own_slots_copy():
+    # A large expert copying into slot 0 must not hold up a kernel on slot 1, already landed.
+    big_h, big_i = 4096, 8192  # 192 MiB in bf16: milliseconds over PCIe
+    experts = {(0, e): ExpertWeights(torch.ones(2 * big_i, big_h, dtype=torch.bfloat16),
+                                     torch.ones(big_h, big_i, dtype=torch.bfloat16)) for e in range(2)}
+    s = ExpertStore(HostExperts((0,), 2, big_h, big_i, torch.bfloat16, lambda l, e: experts[(l, e)]), torch.device("cuda"), 2)
+    try:
+        s.copy((0, 1), 1)
+        torch.cuda.synchronize()
+        s.copy((0, 0), 0)
+        s.wait_ready(1)
+        done = torch.cuda.Event()
+        s.slot_weights(1).down[:1, :8].sum()
+        done.record()
+        done.synchronize()
+        assert not all(e.query() for e in s._sync[0].ready), "the kernel on slot 1 waited for slot 0's copy"
+    finally:
+        s.close()
+        s.host.close()
+
+
+@pytest.mark.gpu
+def test_a_copy_never_overwrites_a_slot_a_kernel_still_reads():
+    w, s = store("cuda", torch.float32, slots=1)
+    try:
+        s.copy((1, 0), 0)
+        s.wait_ready(0)
+        torch.cuda._sleep(200_000_000)  # the compute stream is busy for a while before it reads the slot
+        total = s.slot_weights(0).gate_up.sum()
+        s.release(0)
+        s.copy((1, 1), 0)  # without the release event this would land before the read above
+        torch.testing.assert_close(total.cpu(), w[(1, 0)].gate_up.sum())
+        s.wait_ready(0)
+        torch.testing.assert_close(s.slot_weights(0).gate_up.cpu(), w[(1, 1)].gate_up)
+    finally:
+        s.close()
+        s.host.close()
+
+
+@pytest.mark.gpu
+def test_copy_timing_reports_bandwidth():
+    _, s = store("cuda", torch.bfloat16, timing=True)
+    try:
+        for e in range(E):
+            s.copy((1, e), e % 3)
+        nbytes, seconds = s.copy_seconds()
+        assert nbytes == E * s.expert_bytes and seconds > 0
+    finally:
+        s.close()
+        s.host.close()
