@@ -78,6 +78,7 @@ class NodeInfo:
     taints: tuple[Mapping[str, Any], ...] = ()
     schedulable: bool = True       # Ready and not cordoned
     allocatable: Mapping[str, int] = field(default_factory=dict)  # extended resources (domain/name) -> count
+    pods: int | None = None        # allocatable pods (the kubelet's maxPods, 110 by default); None = unknown
 
     @property
     def physical_gpus(self) -> int:
@@ -96,9 +97,10 @@ class NodeInfo:
         memory = labels.get(GPU_MEMORY_LABEL, "")
         allocatable = status.get("allocatable") or {}
         extended = {k: int(v) for k, v in allocatable.items() if "/" in k and str(v).isdigit()}
+        pods = str(allocatable.get("pods", ""))
         return cls(meta["name"], extended.get(GPU, 0),
                    int(memory) * 2**20 if memory.isdigit() else None, labels, tuple(spec.get("taints", []) or ()),
-                   ready and not spec.get("unschedulable", False), extended)
+                   ready and not spec.get("unschedulable", False), extended, int(pods) if pods.isdigit() else None)
 
 
 @dataclass(frozen=True)
@@ -348,7 +350,8 @@ def _placer_gpus(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str
     exclusive: one "GPU" per node whose memory counts replica slots (allocatable // spec.experts.gpus;
     CPU-only experts never fill a node). Shared: every physical GPU with its memory, a replica being the
     largest bundle plus the function overhead (the last bundle of a layer may be smaller: conservative);
-    a share-counted GPU (timeSlicing, mps) also holds at most its shares.
+    a share-counted GPU (timeSlicing, mps) also holds at most its shares, and every GPU at most its part
+    of the node's pods (one function is one pod; the kubelet runs at most maxPods, 110 by default).
     """
     sharing = spec.experts.sharing
     if not sharing.shared:
@@ -363,6 +366,8 @@ def _placer_gpus(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str
         memory = n.gpu_memory_bytes or 0
         if sharing.mode != "dra":
             memory = min(memory, n.shares_per_gpu(sharing.resource_name) * item)
+        if n.pods is not None:
+            memory = min(memory, n.pods // n.physical_gpus * item)
         gpus += [placer.GPU(gpu_site(n.name, i), n.name, memory) for i in range(n.physical_gpus)]
     return gpus, item
 

@@ -78,7 +78,8 @@ def test_rbac_is_least_privilege(f):
     for needed in [("kubemoe.io", "moedeployments", "watch"), ("kubemoe.io", "moedeployments/status", "patch"),
                    ("serving.knative.dev", "services", "patch"), ("apps", "deployments", "delete"),
                    ("", "pods", "list"), ("", "nodes", "list"), ("", "events", "create"),
-                   ("kopf.dev", "clusterkopfpeerings", "patch"), ("kopf.dev", "kopfpeerings", "patch")]:
+                   ("kopf.dev", "clusterkopfpeerings", "patch"), ("kopf.dev", "kopfpeerings", "patch"),
+                   ("resource.k8s.io", "resourceclaims", "delete")]:
         assert needed in granted, needed
     assert ("", "secrets", "get") not in granted and ("", "pods", "delete") not in granted
     scoped = template(f, "operator.watchNamespaces={a,b}")
