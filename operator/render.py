@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, Iterable, Mapping
 
 from kubemoe import ports
@@ -63,11 +64,14 @@ CLAIM = "gpu"  # the pod's name for its GPU claim
 
 
 def child_name(*parts: str, limit: int = 63) -> str:
-    """A DNS-1123 label from parts; too long -> cut and suffixed with a hash of the whole, so still unique."""
-    name = "-".join(p.strip("-") for p in parts if p).lower()
-    if len(name) <= limit:
+    """A DNS-1035 label from parts (what Services need: a MoEDeployment named phi-3.5-moe is a valid
+    DNS subdomain, but its dots may not reach a Service's name); too long or changed -> cut and suffixed
+    with a hash of the whole, so still unique."""
+    whole = "-".join(p.strip("-") for p in parts if p).lower()
+    name = re.sub(r"[^a-z0-9-]", "-", whole)
+    if len(name) <= limit and name == whole:
         return name
-    return f"{name[:limit - 9].rstrip('-')}-{_digest(name)[:8]}"
+    return f"{name[:limit - 9].rstrip('-')}-{_digest(whole)[:8]}"
 
 
 def _digest(text: str) -> str:

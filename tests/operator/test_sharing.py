@@ -198,6 +198,17 @@ def test_dra_renders_one_shared_claim_per_planned_gpu(f, strategy):
     assert observe(deployment.spec, "distributed", objects).nodes == p.nodes
 
 
+def test_every_kind_the_operator_renders_has_an_api_path_and_rbac(f):
+    from kubemoe.operator.kube import RESOURCES
+    from kubemoe.operator.render import KINDS
+    assert set(KINDS) <= set(RESOURCES)
+    rules = (f.chart / "templates" / "_helpers.tpl").read_text()
+    for kind in KINDS:
+        prefix, plural, _ = RESOURCES[kind]
+        group = prefix.removeprefix("/apis/").rpartition("/")[0] if prefix.startswith("/apis/") else ""
+        assert f"apiGroups: [{group or chr(34) * 2}]" in rules and plural in rules, kind
+
+
 def test_dra_with_knative_and_shared_gpus_above_one_are_refused_by_the_parser(f):
     with pytest.raises(SpecError, match="knative/serving#15332"):
         MoESpec.parse(f.moed_body(experts={"runtime": "knative", "gpuSharing": {"mode": "dra"}})["spec"])
