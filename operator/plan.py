@@ -29,8 +29,11 @@ Notation: L = MoE layers, E = experts per layer, B = bundles, N = eligible nodes
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
+
+from kubernetes.utils import parse_quantity
 
 from kubemoe.bundles import Bundle
 from kubemoe.operator.spec import MoESpec
@@ -45,6 +48,7 @@ GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB, as GPU feature discovery labe
 # The NVIDIA device plugin's label for how a node's GPUs are shared: none | time-slicing | mps.
 SHARING_STRATEGY_LABEL = "nvidia.com/gpu.sharing-strategy"
 STRATEGY_LABEL_VALUES = {"timeSlicing": "time-slicing", "mps": "mps"}
+NVIDIA_DRA_DRIVER = "gpu.nvidia.com"  # the NVIDIA DRA driver: its ResourceSlices list a node's GPUs
 
 
 def gpu_site(node: str, index: int) -> str:
@@ -79,12 +83,21 @@ class NodeInfo:
     schedulable: bool = True       # Ready and not cordoned
     allocatable: Mapping[str, int] = field(default_factory=dict)  # extended resources (domain/name) -> count
     pods: int | None = None        # allocatable pods (the kubelet's maxPods, 110 by default); None = unknown
+    dra_gpus: int = 0              # GPUs the NVIDIA DRA driver published for the node (ResourceSlices)
+    dra_memory_bytes: int | None = None  # the smallest of their memory capacities
 
     @property
     def physical_gpus(self) -> int:
         """GPUs in the node (GFD's count label): allocatable nvidia.com/gpu counts shares when time-sliced."""
         count = self.labels.get(GPU_COUNT_LABEL, "")
         return int(count) if count.isdigit() else self.gpus
+
+    def gpu_count(self, sharing_mode: str) -> int:
+        """GPUs the planner may pack: with dra those a DRA driver offers, else GFD's physical count."""
+        return self.dra_gpus if sharing_mode == "dra" else self.physical_gpus
+
+    def memory_per_gpu(self, sharing_mode: str) -> int | None:
+        return (self.dra_memory_bytes or self.gpu_memory_bytes) if sharing_mode == "dra" else self.gpu_memory_bytes
 
     def shares_per_gpu(self, resource: str) -> int:
         return self.allocatable.get(resource, 0) // self.physical_gpus if self.physical_gpus else 0
@@ -169,6 +182,24 @@ class Plan:
         return {site for _, site in [*self.services(), *self.retired]}
 
 
+def with_dra_devices(nodes: Sequence[NodeInfo], slices: Sequence[Mapping[str, Any]]) -> list[NodeInfo]:
+    """Nodes with the GPUs the NVIDIA DRA driver published for them: whole-GPU devices (attribute type
+    gpu, not MIG slices) of driver gpu.nvidia.com in ResourceSlices, with their memory capacity."""
+    found: dict[str, list[int]] = {}
+    for item in slices:
+        spec = item.get("spec") or {}
+        if spec.get("driver") != NVIDIA_DRA_DRIVER or not spec.get("nodeName"):
+            continue
+        for device in spec.get("devices") or ():
+            if ((device.get("attributes") or {}).get("type") or {}).get("string", "gpu") != "gpu":
+                continue
+            memory = (((device.get("capacity") or {}).get("memory")) or {}).get("value")
+            found.setdefault(spec["nodeName"], []).append(int(parse_quantity(memory)) if memory else 0)
+    return [dataclasses.replace(n, dra_gpus=len(found.get(n.name, ())),
+                                dra_memory_bytes=min(found[n.name]) or None if n.name in found else None)
+            for n in nodes]
+
+
 def eligible_nodes(spec: MoESpec, nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
     """Nodes an expert replica may run on: schedulable, selected, every hard taint tolerated, GPUs enough
     and shared the way spec.experts.gpuSharing asks."""
@@ -183,8 +214,8 @@ def _offers_gpus(spec: MoESpec, node: NodeInfo) -> bool:
     sharing, gpus = spec.experts.sharing, spec.experts.gpus
     if not sharing.shared:
         return node.gpus >= gpus and (gpus == 0 or node.gpus > 0)
-    if not node.physical_gpus or not node.gpu_memory_bytes:
-        return False  # nothing to pack into without GFD's count and memory labels
+    if not node.gpu_count(sharing.mode) or not node.memory_per_gpu(sharing.mode):
+        return False  # nothing to pack into: no DRA GPUs, or no GFD count and memory labels
     if sharing.mode == "dra":
         return True
     # A node whose device plugin shares another way (or not at all, when labelled) gives other guarantees.
@@ -280,7 +311,8 @@ def _offering(spec: MoESpec) -> str:
     if sharing.mode == "exclusive":
         return f"with {spec.experts.gpus} {GPU}"
     if sharing.mode == "dra":
-        return f"with GPUs labelled by GPU feature discovery ({GPU_COUNT_LABEL}, {GPU_MEMORY_LABEL})"
+        return (f"with GPUs in ResourceSlices of the {NVIDIA_DRA_DRIVER} DRA driver (memory from their capacity or "
+                f"GFD's {GPU_MEMORY_LABEL})")
     return (f"advertising {sharing.resource_name} ({STRATEGY_LABEL_VALUES[sharing.mode]} shares of the NVIDIA device "
             f"plugin, {SHARING_STRATEGY_LABEL} {STRATEGY_LABEL_VALUES[sharing.mode]} or unset) with GFD's "
             f"{GPU_COUNT_LABEL} and {GPU_MEMORY_LABEL} labels")
@@ -288,7 +320,7 @@ def _offering(spec: MoESpec) -> str:
 
 def _function_room(spec: MoESpec, node: NodeInfo) -> int:
     """Bytes one function may use on one of the node's GPUs."""
-    memory = node.gpu_memory_bytes or 0
+    memory = node.memory_per_gpu(spec.experts.sharing.mode) or 0
     if spec.experts.sharing.mode == "mps":
         return memory // max(node.shares_per_gpu(spec.experts.sharing.resource_name), 1)
     return memory
@@ -363,12 +395,13 @@ def _placer_gpus(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str
     for n in eligible:
         if item > _function_room(spec, n):
             continue  # an MPS share of this node is too small for a function
-        memory = n.gpu_memory_bytes or 0
+        count = n.gpu_count(sharing.mode)
+        memory = n.memory_per_gpu(sharing.mode) or 0
         if sharing.mode != "dra":
             memory = min(memory, n.shares_per_gpu(sharing.resource_name) * item)
         if n.pods is not None:
-            memory = min(memory, n.pods // n.physical_gpus * item)
-        gpus += [placer.GPU(gpu_site(n.name, i), n.name, memory) for i in range(n.physical_gpus)]
+            memory = min(memory, n.pods // count * item)
+        gpus += [placer.GPU(gpu_site(n.name, i), n.name, memory) for i in range(count)]
     return gpus, item
 
 
@@ -401,7 +434,7 @@ def _capacity_text(spec: MoESpec, bundles: Sequence[Bundle], eligible: Sequence[
         return (f"{len(bundles)} replicas of {spec.experts.gpus} {GPU} do not fit the "
                 f"{sum(n.gpus for n in eligible)} GPUs of {len(eligible)} eligible nodes")
     item = max(function_bytes(spec, b) for b in bundles)
-    gpus = sum(n.physical_gpus for n in eligible)
+    gpus = sum(n.gpu_count(sharing.mode) for n in eligible)
     text = (f"{len(bundles)} functions of up to {item / 2**30:.2f} GiB (bundle plus functionOverhead) do not fit "
             f"the {gpus} GPUs of {len(eligible)} eligible nodes")
     if sharing.mode != "dra":

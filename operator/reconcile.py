@@ -19,7 +19,8 @@ from typing import Any, Callable, Mapping
 from kubemoe.operator import conditions as c
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.kube import ApiError, Kube
-from kubemoe.operator.plan import NO_LOADS, Decisions, Loads, NodeInfo, Plan, PlanError, decisions, plan
+from kubemoe.operator.plan import (NO_LOADS, Decisions, Loads, NodeInfo, Plan, PlanError, decisions, plan,
+                                   with_dra_devices)
 from kubemoe.operator.render import (COMPONENT, EXPERT, FINGERPRINT_ANNOTATION, FRONTEND, KINDS, KNATIVE,
                                      OPTIONAL_KINDS, RETIRED_ANNOTATION, ROUTING, observe, render, selector)
 from kubemoe.operator.spec import MoEDeployment, MoESpec, SpecError
@@ -71,6 +72,8 @@ class Reconciler:
         mode = deployment.spec.mode
         previous = observe(deployment.spec, mode, children.values())
         nodes = [NodeInfo.from_node(n) for n in self.kube.list("v1", "Node")]
+        if deployment.spec.experts.sharing.mode == "dra":  # which nodes a DRA driver offers GPUs on
+            nodes = with_dra_devices(nodes, self._resource_slices())
         try:
             new = plan(deployment.spec, loads, nodes, previous, now)
         except PlanError as e:
@@ -124,6 +127,14 @@ class Reconciler:
                 if any(o.get("uid") == deployment.uid for o in owners):  # never touch what is not ours
                     found[key_of(item)] = item
         return found
+
+    def _resource_slices(self) -> list[Object]:
+        try:
+            return self.kube.list("resource.k8s.io/v1", "ResourceSlice")
+        except ApiError as e:
+            if e.status == 404:
+                return []  # no DRA API (Kubernetes before 1.34): no node offers DRA GPUs
+            raise
 
     def _has_knative(self) -> bool:
         try:

@@ -23,7 +23,8 @@ from kubemoe.bundles import Bundle
 from google.protobuf import json_format
 
 from kubemoe.operator.config import OperatorConfig
-from kubemoe.operator.plan import GPU, GPU_COUNT_LABEL, Plan, Retired, ServiceKey, function_bytes, node_of
+from kubemoe.operator.plan import (GPU, GPU_COUNT_LABEL, NVIDIA_DRA_DRIVER, Plan, Retired, ServiceKey, function_bytes,
+                                   node_of)
 from kubemoe.operator.spec import API_VERSION, KIND, MoEDeployment, MoESpec
 from kubemoe.routing_table import CONFIGMAP_KEY, LOCAL, table_for_bundles
 
@@ -56,8 +57,7 @@ KINDS = (("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"),
          ("apps/v1", "Deployment"), KNATIVE)
 # Kinds whose API a cluster may not serve (Knative not installed, Kubernetes before 1.34): nothing to list.
 OPTIONAL_KINDS = (KNATIVE, RESOURCE_CLAIM)
-# The NVIDIA DRA driver: the driver its opaque GpuConfig is for, and that config's API version.
-NVIDIA_DRA_DRIVER = "gpu.nvidia.com"
+# The API version of the NVIDIA DRA driver's opaque GpuConfig.
 NVIDIA_GPU_CONFIG = "resource.nvidia.com/v1beta1"
 MPS_MEMORY_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"  # an MPS client's device memory limit, "0=<MiB>M"
 CLAIM = "gpu"  # the pod's name for its GPU claim

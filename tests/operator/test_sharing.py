@@ -5,15 +5,17 @@ operator is tested against what it reads on a cluster."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kubemoe.devcluster import GpuSharing, gpu_node
+from kubemoe.devcluster import GpuSharing, gpu_node, gpu_resource_slice
 from kubemoe.operator.config import OperatorConfig
-from kubemoe.operator.plan import Loads, NodeInfo, PlanError, function_bytes, node_of, plan
+from kubemoe.operator.plan import (Loads, NodeInfo, PlanError, function_bytes, node_of, plan,
+                                   with_dra_devices)
 from kubemoe.operator.render import (CLAIM, MPS_MEMORY_LIMIT_ENV, NODE_ANNOTATION, RESOURCE_CLAIM, observe,
                                      render)
 from kubemoe.operator.spec import MoEDeployment, MoESpec, SpecError
@@ -25,13 +27,15 @@ TIME_SLICED = GpuSharing("time-slicing", replicas=48, rename=True)
 
 def nodes(count: int, gpus: int = 4, sharing: GpuSharing = TIME_SLICED, memory_mib: int = H100[1],
           **labels) -> list[NodeInfo]:
-    made = []
+    made, slices = [], []
     for i in range(count):
         node = gpu_node(f"gpu-{i}", gpus, H100[0], memory_mib, sharing=sharing)
         node["metadata"]["labels"].update(labels)
         node["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
         made.append(NodeInfo.from_node(node))
-    return made
+        if sharing.strategy == "dra":
+            slices.append(gpu_resource_slice(f"gpu-{i}", gpus, H100[0], memory_mib))
+    return with_dra_devices(made, slices)
 
 
 def sample_spec(f, name: str, **experts) -> MoESpec:
@@ -83,6 +87,17 @@ def test_a_node_sharing_its_gpus_another_way_is_not_eligible(f):
                            {k: v for k, v in n.labels.items() if k != "nvidia.com/gpu.sharing-strategy"},
                            allocatable=n.allocatable, pods=n.pods) for n in unlabelled]
     assert plan(spec, Loads(), unlabelled, None, NOW).replicas == 64
+
+
+def test_dra_plans_only_the_gpus_a_dra_driver_publishes(f):
+    spec = sample_spec(f, "llama-4-scout")
+    device_plugin_nodes = nodes(2, gpus=8) + [dataclasses.replace(n, name="plain-0") for n in nodes(1, gpus=8, sharing=GpuSharing())]
+    with pytest.raises(PlanError, match="ResourceSlices of the gpu.nvidia.com DRA driver"):
+        plan(spec, Loads(), device_plugin_nodes, None, NOW)
+    dra = [dataclasses.replace(n, name="dra-0") for n in nodes(1, gpus=4, sharing=GpuSharing("dra"))]
+    p = plan(spec, Loads(), [*device_plugin_nodes, *dra], None, NOW)
+    assert p.node_names == {"dra-0"} and p.replicas == 96 and p.gpus_held <= 4
+    assert {site.partition("/")[2] for sites in p.nodes.values() for site in sites} <= {f"gpu{i}" for i in range(4)}
 
 
 def test_shares_bound_the_functions_per_gpu(f):

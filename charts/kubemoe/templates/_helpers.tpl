@@ -109,6 +109,10 @@ RBAC rules for objects in the namespaces the operator serves: exactly what the h
 - apiGroups: [""]
   resources: [nodes]
   verbs: [list]
+# spec.experts.gpuSharing.mode dra: the GPUs a DRA driver publishes per node.
+- apiGroups: [resource.k8s.io]
+  resources: [resourceslices]
+  verbs: [list]
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [list, watch]
