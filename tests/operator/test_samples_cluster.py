@@ -23,7 +23,11 @@ from kubemoe.devcluster import Cluster, ClusterConfig, GpuSharing
 pytestmark = pytest.mark.cluster
 
 MOED = dict(group="kubemoe.io", version="v1alpha1", plural="moedeployments")
-SAMPLES = ["mixtral-8x7b", "phi-3.5-moe", "llama-4-scout", "deepseek-v2-lite", "qwen3-30b-a3b", "moonlight-16b-a3b"]
+# One sample per sharing mechanism in the default suite (about 30 s each); the other time-sliced ones,
+# which add no mechanism, run with -m slow.
+SAMPLES = ["mixtral-8x7b", "qwen3-30b-a3b", "llama-4-scout",
+           *(pytest.param(name, marks=pytest.mark.slow) for name in ("phi-3.5-moe", "deepseek-v2-lite",
+                                                                    "moonlight-16b-a3b"))]
 # The node each sample's experts must land on: what its gpuSharing asks the cluster for.
 POOLS = {"timeSlicing": "kwok-gpu-0", "mps": "kwok-gpu-1", "dra": "kwok-gpu-2"}
 FRONTENDS = "kwok-gpu-3"
