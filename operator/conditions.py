@@ -21,7 +21,7 @@ TYPES = (READY, FRONTEND_READY, EXPERTS_READY, PLAN_APPLIED)
 # Reasons.
 AS_EXPECTED = "AsExpected"                  # the condition holds
 APPLIED = "Applied"                         # PlanApplied: every object applied
-REPLICAS_UNPLACED = "ReplicasUnplaced"      # PlanApplied True: applied, but scaled-out replicas fit on no node
+REPLICAS_UNPLACED = "ReplicasUnplaced"      # True, but scaled-out replicas fit on no GPU (PlanApplied, ExpertsReady, Ready)
 PROGRESSING = "Progressing"                 # pods are starting or loading weights
 NOT_NEEDED = "NotNeeded"                    # ExpertsReady in offload mode: the frontend holds the experts
 INVALID_SPEC = "InvalidSpec"                # the spec passed the schema but cannot be served; fix the spec
@@ -29,6 +29,8 @@ INSUFFICIENT_CAPACITY = "InsufficientCapacity"  # not enough eligible GPU nodes 
 RUNTIME_MISSING = "RuntimeMissing"          # runtime knative without Knative Serving installed
 APPLY_FAILED = "ApplyFailed"                # the API server refused an object; the message names it
 DEPENDENCY_NOT_READY = "DependencyNotReady"  # Ready: names the first condition that is not True
+# A refused plan (InvalidSpec, InsufficientCapacity, RuntimeMissing, ApplyFailed) is the reason of
+# PlanApplied, of Ready, and of FrontendReady/ExpertsReady while what they wait for was never applied.
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,12 @@ class Condition:
 
 
 def ready_from(parts: Iterable[Condition]) -> Condition:
-    """Ready is True when every part is; otherwise it carries the first part that is not."""
+    """Ready is True when every part is; otherwise it carries the first part that is not: its reason when
+    that says what to fix (a refused plan), DependencyNotReady while it is only progressing."""
     for part in parts:
         if part.status is not True:
-            return Condition(READY, False if part.status is False else None, DEPENDENCY_NOT_READY,
+            reason = DEPENDENCY_NOT_READY if part.reason == PROGRESSING else part.reason
+            return Condition(READY, False if part.status is False else None, reason,
                              f"{part.type} is {part.status_text} ({part.reason}): {part.message}")
     return Condition(READY, True, AS_EXPECTED, "frontends and expert functions serve the current plan")
 

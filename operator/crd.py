@@ -17,9 +17,10 @@ from typing import Any
 import yaml
 
 from kubemoe.operator.conditions import READY
-from kubemoe.operator.spec import (API_VERSION, DEFAULTS, DTYPES, DURATION_PATTERN, GROUP, KIND,
-                                   KNATIVE_KEEP_ALIVE_MESSAGE, KNATIVE_MAX_KEEP_ALIVE, MODES, PLURAL, PREDICTORS,
-                                   RUNTIMES, VERSION)
+from kubemoe.operator.spec import (API_VERSION, DEFAULTS, DRA_NEEDS_DEPLOYMENT_MESSAGE, DRA_STRATEGIES, DTYPES,
+                                   DURATION_PATTERN, GROUP, KIND, KNATIVE_KEEP_ALIVE_MESSAGE, KNATIVE_MAX_KEEP_ALIVE,
+                                   MODES, PLURAL, PREDICTORS, RESOURCE_NAME_PATTERN, RUNTIMES, SHARED_GPUS_MESSAGE,
+                                   SHARING_MODES, VERSION)
 
 REPO = Path(__file__).resolve().parents[1]
 # The same bytes in both places: the chart reads its copy with .Files.Get (templates/crds.yaml).
@@ -205,6 +206,47 @@ def _spec_schema() -> Schema:
                                         default_key="experts.knative.containerConcurrency", minimum=0, maximum=1000),
     })
 
+    # Mode-specific fields carry no schema default (the parser fills it): a default would make has() true
+    # and the rules below could no longer tell a field the user wrote for another mode.
+    sharing = obj(
+        "How expert functions share GPUs. Choose what the cluster's GPU nodes are configured for (see the chart's "
+        "README): exclusive gives each replica spec.experts.gpus whole GPUs; timeSlicing and mps pack many "
+        "functions into each GPU's memory, each requesting one share of the NVIDIA device plugin's replicated "
+        "resource; dra gives the functions the plan puts on one GPU one shared ResourceClaim.", {
+            "mode": string("exclusive | timeSlicing | mps | dra.", default_key="experts.gpuSharing.mode",
+                           enum=SHARING_MODES),
+            "resourceName": {
+                "type": "string", "maxLength": 253,
+                "description": "timeSlicing and mps: the extended resource one share is advertised as: nvidia.com/gpu "
+                               "(device plugin sharing with renameByDefault false) or nvidia.com/gpu.shared "
+                               f"(renameByDefault true). Default: {DEFAULTS['experts.gpuSharing.resourceName']}.",
+                "x-kubernetes-validations": [_rule(f"self.matches('{RESOURCE_NAME_PATTERN}')",
+                                                   "spec.experts.gpuSharing.resourceName must be an extended resource "
+                                                   "such as nvidia.com/gpu or nvidia.com/gpu.shared")],
+            },
+            "functionOverhead": quantity("GPU memory a function takes beside its experts' weights (CUDA context, "
+                                         "activation buffers); the planner packs bundle bytes plus this into each "
+                                         "GPU's memory.", default_key="experts.gpuSharing.functionOverhead",
+                                         field="spec.experts.gpuSharing.functionOverhead"),
+            "deviceClassName": {
+                "type": "string", "maxLength": 253,
+                "description": "dra: DeviceClass of the GPU claims (the NVIDIA DRA driver installs gpu.nvidia.com). "
+                               f"Default: {DEFAULTS['experts.gpuSharing.deviceClassName']}.",
+            },
+            "draStrategy": {
+                "type": "string", "enum": list(DRA_STRATEGIES),
+                "description": "dra: how the pods sharing one claim share its GPU (the NVIDIA DRA driver's GpuConfig "
+                               "sharing strategy); MPS also limits each function's memory to its planned size. "
+                               f"Default: {DEFAULTS['experts.gpuSharing.draStrategy']}.",
+            },
+        }, default={}, rules=(
+            _rule("!has(self.resourceName) || self.mode == 'timeSlicing' || self.mode == 'mps'",
+                  "spec.experts.gpuSharing.resourceName is used with mode timeSlicing or mps: remove it or change mode"),
+            _rule("(!has(self.deviceClassName) && !has(self.draStrategy)) || self.mode == 'dra'",
+                  "spec.experts.gpuSharing.deviceClassName and draStrategy are used with mode dra: remove them or "
+                  "set mode: dra"),
+        ))
+
     experts = obj("The expert functions: bundles of routed experts, one service per (bundle, node).", {
         "runtime": string("What runs expert functions: knative (Knative Services, scale per bundle) or "
                           "deployment (Deployments + ClusterIP Services, for clusters without Knative).",
@@ -214,8 +256,9 @@ def _spec_schema() -> Schema:
         "bundleBytes": quantity("Experts of one layer are grouped into bundles of at most this size (at least "
                                 "one expert each).", default_key="experts.bundleBytes",
                                 field="spec.experts.bundleBytes"),
-        "gpus": integer("GPUs (nvidia.com/gpu) per expert-function replica.", default_key="experts.gpus",
-                        minimum=0, maximum=8),
+        "gpus": integer("GPUs (nvidia.com/gpu) per expert-function replica with gpuSharing.mode exclusive "
+                        "(0: CPU only); with sharing it stays 1.", default_key="experts.gpus", minimum=0, maximum=8),
+        "gpuSharing": sharing,
         "resources": resources("expert-function"),
         "scaling": scaling,
         "placement": placement("expert functions"),
@@ -227,6 +270,10 @@ def _spec_schema() -> Schema:
         _rule(f"self.runtime != 'knative' || !has(self.scaling) || !has(self.scaling.keepAlive) || "
               f"!self.scaling.keepAlive.matches('{DURATION_PATTERN}') || "
               f"duration(self.scaling.keepAlive) <= duration('{KNATIVE_MAX_KEEP_ALIVE}')", KNATIVE_KEEP_ALIVE_MESSAGE),
+        _rule("!has(self.gpuSharing) || self.gpuSharing.mode == 'exclusive' || !has(self.gpus) || self.gpus == 1",
+              SHARED_GPUS_MESSAGE),
+        _rule("!has(self.gpuSharing) || self.gpuSharing.mode != 'dra' || self.runtime == 'deployment'",
+              DRA_NEEDS_DEPLOYMENT_MESSAGE),
     ))
 
     offload = obj("The offload path (LayerScope) for single-GPU nodes: the frontend holds every expert.", {

@@ -26,6 +26,8 @@ RESOURCES: dict[tuple[str, str], tuple[str, str, bool]] = {
     ("rbac.authorization.k8s.io/v1", "Role"): ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
     ("serving.knative.dev/v1", "Service"): ("/apis/serving.knative.dev/v1", "services", True),
+    ("resource.k8s.io/v1", "ResourceClaim"): ("/apis/resource.k8s.io/v1", "resourceclaims", True),
+    ("resource.k8s.io/v1", "ResourceSlice"): ("/apis/resource.k8s.io/v1", "resourceslices", False),
     ("kopf.dev/v1", "ClusterKopfPeering"): ("/apis/kopf.dev/v1", "clusterkopfpeerings", False),
     ("kopf.dev/v1", "KopfPeering"): ("/apis/kopf.dev/v1", "kopfpeerings", True),
     (f"{GROUP}/{VERSION}", "MoEDeployment"): (f"/apis/{GROUP}/{VERSION}", PLURAL, True),

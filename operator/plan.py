@@ -14,13 +14,26 @@ warm). Warm services hold their GPUs until then whether reused or not, so the pl
 from the start (`warm_held`); a plan that brings one back reuses it, and one whose keepAlive is over
 is dropped (the operator deletes it).
 
+GPUs are shared as spec.experts.gpuSharing says. With `exclusive` a replica takes spec.experts.gpus
+whole GPUs, so a node holds allocatable // gpus replicas. With `timeSlicing`, `mps` and `dra` the
+placer's GPUs are the physical GPUs (GPU feature discovery's nvidia.com/gpu.count and .memory labels)
+and every replica, one function, takes its bundle's bytes plus spec functionOverhead of one GPU's
+memory; with the device plugin's shares a GPU also holds at most its shares (allocatable of the shared
+resource per physical GPU), and with MPS each share is 1/replicas of the memory, so a function must fit
+that. The device plugin picks which GPU a share lands on, so for timeSlicing/mps the per-GPU packing
+is the planner's model and the service is per node; with dra the plan's GPU is exact: a service runs
+on a *site* `node/gpuN`, one ResourceClaim per site, which every function placed there shares.
+
 Notation: L = MoE layers, E = experts per layer, B = bundles, N = eligible nodes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
+
+from kubernetes.utils import parse_quantity
 
 from kubemoe.bundles import Bundle
 from kubemoe.operator.spec import MoESpec
@@ -32,6 +45,24 @@ WARM_SLACK = 0.5  # see _place
 GPU = "nvidia.com/gpu"
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB, as GPU feature discovery labels it
+# The NVIDIA device plugin's label for how a node's GPUs are shared: none | time-slicing | mps.
+SHARING_STRATEGY_LABEL = "nvidia.com/gpu.sharing-strategy"
+STRATEGY_LABEL_VALUES = {"timeSlicing": "time-slicing", "mps": "mps"}
+NVIDIA_DRA_DRIVER = "gpu.nvidia.com"  # the NVIDIA DRA driver: its ResourceSlices list a node's GPUs
+
+
+def gpu_site(node: str, index: int) -> str:
+    """Where a dra function runs: one physical GPU of a node (no node name holds a '/')."""
+    return f"{node}/gpu{index}"
+
+
+def node_of(site: str) -> str:
+    return site.partition("/")[0]
+
+
+def function_bytes(spec: MoESpec, bundle: Bundle) -> int:
+    """GPU memory one function of `bundle` takes: its experts plus the spec's per-function overhead."""
+    return len(bundle.experts) * spec.layout.expert_bytes + spec.experts.sharing.function_overhead
 
 
 class PlanError(Exception):
@@ -50,6 +81,26 @@ class NodeInfo:
     labels: Mapping[str, str] = field(default_factory=dict)
     taints: tuple[Mapping[str, Any], ...] = ()
     schedulable: bool = True       # Ready and not cordoned
+    allocatable: Mapping[str, int] = field(default_factory=dict)  # extended resources (domain/name) -> count
+    pods: int | None = None        # allocatable pods (the kubelet's maxPods, 110 by default); None = unknown
+    dra_gpus: int = 0              # GPUs the NVIDIA DRA driver published for the node (ResourceSlices)
+    dra_memory_bytes: int | None = None  # the smallest of their memory capacities
+
+    @property
+    def physical_gpus(self) -> int:
+        """GPUs in the node (GFD's count label): allocatable nvidia.com/gpu counts shares when time-sliced."""
+        count = self.labels.get(GPU_COUNT_LABEL, "")
+        return int(count) if count.isdigit() else self.gpus
+
+    def gpu_count(self, sharing_mode: str) -> int:
+        """GPUs the planner may pack: with dra those a DRA driver offers, else GFD's physical count."""
+        return self.dra_gpus if sharing_mode == "dra" else self.physical_gpus
+
+    def memory_per_gpu(self, sharing_mode: str) -> int | None:
+        return (self.dra_memory_bytes or self.gpu_memory_bytes) if sharing_mode == "dra" else self.gpu_memory_bytes
+
+    def shares_per_gpu(self, resource: str) -> int:
+        return self.allocatable.get(resource, 0) // self.physical_gpus if self.physical_gpus else 0
 
     @classmethod
     def from_node(cls, node: Mapping[str, Any]) -> "NodeInfo":
@@ -57,9 +108,12 @@ class NodeInfo:
         labels = meta.get("labels", {}) or {}
         ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []) or [])
         memory = labels.get(GPU_MEMORY_LABEL, "")
-        return cls(meta["name"], int((status.get("allocatable") or {}).get(GPU, 0)),
+        allocatable = status.get("allocatable") or {}
+        extended = {k: int(v) for k, v in allocatable.items() if "/" in k and str(v).isdigit()}
+        pods = str(allocatable.get("pods", ""))
+        return cls(meta["name"], extended.get(GPU, 0),
                    int(memory) * 2**20 if memory.isdigit() else None, labels, tuple(spec.get("taints", []) or ()),
-                   ready and not spec.get("unschedulable", False))
+                   ready and not spec.get("unschedulable", False), extended, int(pods) if pods.isdigit() else None)
 
 
 @dataclass(frozen=True)
@@ -99,12 +153,13 @@ class Plan:
 
     mode: str                                      # distributed | offload (auto resolved)
     bundles: tuple[Bundle, ...]                    # [B]
-    nodes: Mapping[str, tuple[str, ...]]           # bundle -> node of each of its replicas
+    nodes: Mapping[str, tuple[str, ...]]           # bundle -> site of each replica: its node (node/gpuN with dra)
     retired: Mapping[ServiceKey, Retired] = field(default_factory=dict)
     version: int = 1                               # routing-table version
     cv: float = 0.0                                # the largest cv_after of a layer
     unplaced: Mapping[str, int] = field(default_factory=dict)  # bundle -> scaled-out replicas no node had room for
     layers: tuple[LayerSummary, ...] = ()          # [L]; empty for a plan read back from the cluster
+    gpus_held: int = 0                             # GPUs the expert functions hold (placed and warm)
 
     def services(self) -> dict[ServiceKey, int]:
         """Active (bundle, node) services and their replicas, in a stable order."""
@@ -120,16 +175,52 @@ class Plan:
 
     @property
     def node_names(self) -> set[str]:
-        return {node for nodes in self.nodes.values() for node in nodes}
+        return {node_of(site) for sites in self.nodes.values() for site in sites}
+
+    def sites(self) -> set[str]:
+        """Sites of active and retired services: with dra, the GPUs that need a claim."""
+        return {site for _, site in [*self.services(), *self.retired]}
+
+
+def with_dra_devices(nodes: Sequence[NodeInfo], slices: Sequence[Mapping[str, Any]]) -> list[NodeInfo]:
+    """Nodes with the GPUs the NVIDIA DRA driver published for them: whole-GPU devices (attribute type
+    gpu, not MIG slices) of driver gpu.nvidia.com in ResourceSlices, with their memory capacity."""
+    found: dict[str, list[int]] = {}
+    for item in slices:
+        spec = item.get("spec") or {}
+        if spec.get("driver") != NVIDIA_DRA_DRIVER or not spec.get("nodeName"):
+            continue
+        for device in spec.get("devices") or ():
+            if ((device.get("attributes") or {}).get("type") or {}).get("string", "gpu") != "gpu":
+                continue
+            memory = (((device.get("capacity") or {}).get("memory")) or {}).get("value")
+            found.setdefault(spec["nodeName"], []).append(int(parse_quantity(memory)) if memory else 0)
+    return [dataclasses.replace(n, dra_gpus=len(found.get(n.name, ())),
+                                dra_memory_bytes=min(found[n.name]) or None if n.name in found else None)
+            for n in nodes]
 
 
 def eligible_nodes(spec: MoESpec, nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
-    """Nodes an expert replica may run on: schedulable, selected, every hard taint tolerated, GPUs enough."""
-    placement, gpus = spec.experts.placement, spec.experts.gpus
+    """Nodes an expert replica may run on: schedulable, selected, every hard taint tolerated, GPUs enough
+    and shared the way spec.experts.gpuSharing asks."""
+    placement = spec.experts.placement
     return [n for n in nodes
-            if n.schedulable and n.gpus >= gpus and (gpus == 0 or n.gpus > 0)
+            if n.schedulable and _offers_gpus(spec, n)
             and all(n.labels.get(k) == v for k, v in placement.node_selector.items())
             and all(tolerated(t, placement.tolerations) for t in n.taints if t.get("effect") in ("NoSchedule", "NoExecute"))]
+
+
+def _offers_gpus(spec: MoESpec, node: NodeInfo) -> bool:
+    sharing, gpus = spec.experts.sharing, spec.experts.gpus
+    if not sharing.shared:
+        return node.gpus >= gpus and (gpus == 0 or node.gpus > 0)
+    if not node.gpu_count(sharing.mode) or not node.memory_per_gpu(sharing.mode):
+        return False  # nothing to pack into: no DRA GPUs, or no GFD count and memory labels
+    if sharing.mode == "dra":
+        return True
+    # A node whose device plugin shares another way (or not at all, when labelled) gives other guarantees.
+    strategy = node.labels.get(SHARING_STRATEGY_LABEL)
+    return node.shares_per_gpu(sharing.resource_name) > 0 and strategy in (None, STRATEGY_LABEL_VALUES[sharing.mode])
 
 
 def tolerated(taint: Mapping[str, Any], tolerations: Sequence[Mapping[str, Any]]) -> bool:
@@ -147,7 +238,7 @@ def resolve_mode(spec: MoESpec, eligible: Sequence[NodeInfo]) -> str:
     if spec.mode != "auto":
         return spec.mode
     # Expert functions pay off where a node has GPUs to spare; a fleet of single-GPU nodes offloads.
-    return "distributed" if any(n.gpus > 1 for n in eligible) else "offload"
+    return "distributed" if any(n.physical_gpus > 1 for n in eligible) else "offload"
 
 
 def plan(spec: MoESpec, loads: Loads, nodes: Sequence[NodeInfo], previous: Plan | None, now: float) -> Plan:
@@ -159,17 +250,20 @@ def plan(spec: MoESpec, loads: Loads, nodes: Sequence[NodeInfo], previous: Plan 
     keep_alive_s = spec.experts.scaling.keep_alive_s
     placed: dict[str, tuple[str, ...]] = {}
     unplaced: dict[str, int] = {}
+    gpus_held = 0
     if mode != "offload":
         _check_fits(spec, bundles, eligible)
         warm = {**{k: r.replicas for k, r in _kept(previous, now, keep_alive_s).items()}, **previous.services()}
-        placed, unplaced = _place(spec, bundles, _replicas(spec, bundles, loads), loads, eligible, warm)
+        placed, unplaced, gpus_held = _place(spec, bundles, _replicas(spec, bundles, loads), loads, eligible, warm)
     active = {key for key in Plan(mode, bundles, placed).services()}
     retired = {**{k: r for k, r in _kept(previous, now, keep_alive_s).items() if k not in active},
                **{k: Retired(n, now) for k, n in previous.services().items() if k not in active}}
     changed = _placement_of(previous) != {b: tuple(sorted(n)) for b, n in placed.items() if n}
+    if not spec.experts.sharing.shared:  # whole GPUs per replica, retired ones kept warm included
+        gpus_held = spec.experts.gpus * (sum(len(n) for n in placed.values()) + sum(r.replicas for r in retired.values()))
     layers = _layer_summaries(bundles, placed, loads) if mode != "offload" else ()
     return Plan(mode, bundles, placed, retired, previous.version + 1 if changed else max(previous.version, 1),
-                max((x.cv_after for x in layers), default=0.0), unplaced, layers)
+                max((x.cv_after for x in layers), default=0.0), unplaced, layers, gpus_held)
 
 
 def _replicas(spec: MoESpec, bundles: Sequence[Bundle], loads: Loads) -> dict[str, int]:
@@ -187,18 +281,49 @@ def _replicas(spec: MoESpec, bundles: Sequence[Bundle], loads: Loads) -> dict[st
 
 
 def _check_fits(spec: MoESpec, bundles: Sequence[Bundle], eligible: Sequence[NodeInfo]) -> None:
+    sharing = spec.experts.sharing
     if not eligible:
-        raise PlanError("InsufficientCapacity",
-                        f"no node can run expert functions: need schedulable nodes with {spec.experts.gpus} "
-                        f"{GPU} matching spec.experts.placement (nodeSelector {dict(spec.experts.placement.node_selector)}, "
-                        "tolerations for their taints)")
+        raise PlanError("InsufficientCapacity", "no node can run expert functions: need schedulable nodes "
+                        f"{_offering(spec)} matching spec.experts.placement (nodeSelector "
+                        f"{dict(spec.experts.placement.node_selector)}, tolerations for their taints)")
     largest = max(len(b.experts) for b in bundles) * spec.layout.expert_bytes
     memories = [n.gpu_memory_bytes for n in eligible if n.gpu_memory_bytes]
-    if memories and spec.experts.gpus and largest > max(memories) * spec.experts.gpus:
+    if not sharing.shared:
+        if memories and spec.experts.gpus and largest > max(memories) * spec.experts.gpus:
+            raise PlanError("InsufficientCapacity",
+                            f"a bundle of {largest / 2**30:.1f} GiB does not fit the GPU memory of any eligible node "
+                            f"({max(memories) / 2**30:.1f} GiB per GPU): lower spec.experts.bundleBytes or raise "
+                            "spec.experts.gpus")
+        return
+    need = largest + sharing.function_overhead
+    room = max(_function_room(spec, n) for n in eligible)
+    if need > room:
+        split = " (MPS gives each share 1/replicas of a GPU's memory)" if sharing.mode == "mps" else ""
         raise PlanError("InsufficientCapacity",
-                        f"a bundle of {largest / 2**30:.1f} GiB does not fit the GPU memory of any eligible node "
-                        f"({max(memories) / 2**30:.1f} GiB per GPU): lower spec.experts.bundleBytes or raise "
-                        "spec.experts.gpus")
+                        f"a function of {need / 2**30:.2f} GiB (the largest bundle, {largest / 2**30:.2f} GiB, plus "
+                        f"spec.experts.gpuSharing.functionOverhead) does not fit the {room / 2**30:.2f} GiB one "
+                        f"function may use on any eligible node{split}: lower spec.experts.bundleBytes"
+                        + (" or configure fewer MPS replicas per GPU" if sharing.mode == "mps" else ""))
+
+
+def _offering(spec: MoESpec) -> str:
+    sharing = spec.experts.sharing
+    if sharing.mode == "exclusive":
+        return f"with {spec.experts.gpus} {GPU}"
+    if sharing.mode == "dra":
+        return (f"with GPUs in ResourceSlices of the {NVIDIA_DRA_DRIVER} DRA driver (memory from their capacity or "
+                f"GFD's {GPU_MEMORY_LABEL})")
+    return (f"advertising {sharing.resource_name} ({STRATEGY_LABEL_VALUES[sharing.mode]} shares of the NVIDIA device "
+            f"plugin, {SHARING_STRATEGY_LABEL} {STRATEGY_LABEL_VALUES[sharing.mode]} or unset) with GFD's "
+            f"{GPU_COUNT_LABEL} and {GPU_MEMORY_LABEL} labels")
+
+
+def _function_room(spec: MoESpec, node: NodeInfo) -> int:
+    """Bytes one function may use on one of the node's GPUs."""
+    memory = node.memory_per_gpu(spec.experts.sharing.mode) or 0
+    if spec.experts.sharing.mode == "mps":
+        return memory // max(node.shares_per_gpu(spec.experts.sharing.resource_name), 1)
+    return memory
 
 
 def _by_layer(bundles: Sequence[Bundle]) -> dict[int, list[Bundle]]:
@@ -211,45 +336,111 @@ def _by_layer(bundles: Sequence[Bundle]) -> dict[int, list[Bundle]]:
 
 def _place(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str, int], loads: Loads,
            eligible: Sequence[NodeInfo], warm: Mapping[ServiceKey, int]
-           ) -> tuple[dict[str, tuple[str, ...]], dict[str, int]]:
-    """The placer over nodes: each node is one of its "GPUs", its memory counted in replica slots.
+           ) -> tuple[dict[str, tuple[str, ...]], dict[str, int], int]:
+    """The placer over the eligible GPUs -> (sites per bundle, unplaced per bundle, GPUs holding a replica).
 
-    Until expert functions share GPUs, a replica takes spec.experts.gpus whole GPUs, so a node has
-    room for gpus // experts.gpus replicas; its queue in a layer is the load of the layer's replicas
-    on it (capacity 1: replicas on one node share its network and host). A warm
-    service is kept unless its node's queue in the layer exceeds the shortest by more than half the
+    A replica's queue in a layer is the load of the layer's replicas on its GPU (capacity 1). A warm
+    service is kept unless its GPU's queue in the layer exceeds the shortest by more than half the
     replica's load (warm slack 0.5): only then does a cold start elsewhere shorten the longer of the
     two queues by more than that, so small changes in load never cost a cold start (weights loaded
-    again) and a clearly better node still wins.
+    again) and a clearly better GPU still wins.
     """
-    per_replica = spec.experts.gpus
-    unbounded = sum(replicas.values()) + sum(warm.values())  # CPU-only experts: nodes never fill up
-    slots = {n.name: n.gpus // per_replica if per_replica else unbounded for n in eligible}
-    gpus = [placer.GPU(name, name, count) for name, count in slots.items()]
+    gpus, item = _placer_gpus(spec, bundles, replicas, warm, eligible)
     rows = list(_by_layer(bundles).values())
     where = {b.name: (i, j) for i, row in enumerate(rows) for j, b in enumerate(row)}
     warm_previous: dict[placer.ExpertKey, list[str]] = {}
-    for (bundle, node), count in warm.items():
+    for (bundle, gpu), count in _warm_gpus(spec, warm, gpus, item).items():
         if bundle in where:
-            warm_previous.setdefault(where[bundle], []).extend([node] * count)
+            warm_previous.setdefault(where[bundle], []).extend([gpu] * count)
     placement = placer.place([[replicas[b.name] for b in row] for row in rows],
-                             [[loads.of(b) for b in row] for row in rows], gpus, 1, warm_previous,
+                             [[loads.of(b) for b in row] for row in rows], gpus, item, warm_previous,
                              warm_slack=WARM_SLACK, warm_held=True)
+    site = {g.id: g.id if spec.experts.sharing.mode == "dra" else g.node for g in gpus}
     placed: dict[str, list[str]] = {}
-    for (i, j, _), node in placement.gpu_of.items():
-        placed.setdefault(rows[i][j].name, []).append(node)
+    for (i, j, _), gpu in placement.gpu_of.items():
+        placed.setdefault(rows[i][j].name, []).append(site[gpu])
     unplaced: dict[str, int] = {}
     for i, j, _ in placement.unplaced:
         unplaced[rows[i][j].name] = unplaced.get(rows[i][j].name, 0) + 1
     homeless = [b.name for b in bundles if b.name not in placed]
     if homeless:
         raise PlanError("InsufficientCapacity",
-                        f"{len(homeless)} of {len(bundles)} expert bundles (e.g. {homeless[0]}) fit on no node: "
-                        f"{len(bundles)} replicas of {per_replica} {GPU} do not fit the "
-                        f"{sum(n.gpus for n in eligible)} GPUs of {len(eligible)} eligible nodes (warm "
-                        "replicas included): add GPU nodes, raise spec.experts.bundleBytes, or shorten "
-                        "spec.experts.scaling.keepAlive")
-    return {name: tuple(sorted(nodes)) for name, nodes in placed.items()}, unplaced
+                        f"{len(homeless)} of {len(bundles)} expert bundles (e.g. {homeless[0]}) fit on no "
+                        f"{'GPU' if spec.experts.sharing.shared else 'node'}: "
+                        f"{_capacity_text(spec, bundles, eligible)} (warm replicas included): add GPU nodes, "
+                        + ("share GPUs (spec.experts.gpuSharing), " if not spec.experts.sharing.shared else "")
+                        + "raise spec.experts.bundleBytes, or shorten spec.experts.scaling.keepAlive")
+    # Warm services hold their memory from the start (warm_held), so this counts retired ones too.
+    held = sum(1 for used in placement.gpu_memory.values() if used > 0)
+    return {name: tuple(sorted(sites)) for name, sites in placed.items()}, unplaced, held
+
+
+def _placer_gpus(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str, int],
+                 warm: Mapping[ServiceKey, int], eligible: Sequence[NodeInfo]) -> tuple[list[placer.GPU], int]:
+    """The placer's GPUs and the bytes of one replica on them.
+
+    exclusive: one "GPU" per node whose memory counts replica slots (allocatable // spec.experts.gpus;
+    CPU-only experts never fill a node). Shared: every physical GPU with its memory, a replica being the
+    largest bundle plus the function overhead (the last bundle of a layer may be smaller: conservative);
+    a share-counted GPU (timeSlicing, mps) also holds at most its shares, and every GPU at most its part
+    of the node's pods (one function is one pod; the kubelet runs at most maxPods, 110 by default).
+    """
+    sharing = spec.experts.sharing
+    if not sharing.shared:
+        per_replica = spec.experts.gpus
+        unbounded = sum(replicas.values()) + sum(warm.values())
+        return [placer.GPU(n.name, n.name, n.gpus // per_replica if per_replica else unbounded) for n in eligible], 1
+    item = max(function_bytes(spec, b) for b in bundles)
+    gpus = []
+    for n in eligible:
+        if item > _function_room(spec, n):
+            continue  # an MPS share of this node is too small for a function
+        count = n.gpu_count(sharing.mode)
+        memory = n.memory_per_gpu(sharing.mode) or 0
+        if sharing.mode != "dra":
+            memory = min(memory, n.shares_per_gpu(sharing.resource_name) * item)
+        if n.pods is not None:
+            memory = min(memory, n.pods // count * item)
+        gpus += [placer.GPU(gpu_site(n.name, i), n.name, memory) for i in range(count)]
+    return gpus, item
+
+
+def _warm_gpus(spec: MoESpec, warm: Mapping[ServiceKey, int], gpus: Sequence[placer.GPU], item: int
+               ) -> dict[ServiceKey, int]:
+    """Warm services -> (bundle, placer GPU id) -> replicas. exclusive: the GPU id is the node; dra: the
+    site is the GPU. timeSlicing/mps services are per node (the device plugin picked the GPUs), so their
+    replicas are spread over the node's GPUs, each onto the one holding the fewest warm bytes so far."""
+    mode = spec.experts.sharing.mode
+    if mode in ("exclusive", "dra"):
+        return dict(warm)
+    by_node: dict[str, list[str]] = {}
+    for g in gpus:
+        by_node.setdefault(g.node, []).append(g.id)
+    held = {g.id: 0 for g in gpus}
+    out: dict[ServiceKey, int] = {}
+    for (bundle, node), count in sorted(warm.items()):
+        for _ in range(count):
+            if node not in by_node:
+                break  # the node left: nothing warm there to reuse
+            gpu = min(by_node[node], key=lambda g: (held[g], g))
+            held[gpu] += item
+            out[(bundle, gpu)] = out.get((bundle, gpu), 0) + 1
+    return out
+
+
+def _capacity_text(spec: MoESpec, bundles: Sequence[Bundle], eligible: Sequence[NodeInfo]) -> str:
+    sharing = spec.experts.sharing
+    if not sharing.shared:
+        return (f"{len(bundles)} replicas of {spec.experts.gpus} {GPU} do not fit the "
+                f"{sum(n.gpus for n in eligible)} GPUs of {len(eligible)} eligible nodes")
+    item = max(function_bytes(spec, b) for b in bundles)
+    gpus = sum(n.gpu_count(sharing.mode) for n in eligible)
+    text = (f"{len(bundles)} functions of up to {item / 2**30:.2f} GiB (bundle plus functionOverhead) do not fit "
+            f"the {gpus} GPUs of {len(eligible)} eligible nodes")
+    if sharing.mode != "dra":
+        shares = sum(n.allocatable.get(sharing.resource_name, 0) for n in eligible)
+        text += f" ({shares} {sharing.resource_name} shares)"
+    return text
 
 
 def _kept(previous: Plan, now: float, keep_alive_s: float) -> dict[ServiceKey, Retired]:

@@ -19,9 +19,10 @@ from typing import Any, Callable, Mapping
 from kubemoe.operator import conditions as c
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.kube import ApiError, Kube
-from kubemoe.operator.plan import NO_LOADS, Decisions, Loads, NodeInfo, Plan, PlanError, decisions, plan
+from kubemoe.operator.plan import (NO_LOADS, Decisions, Loads, NodeInfo, Plan, PlanError, decisions, plan,
+                                   with_dra_devices)
 from kubemoe.operator.render import (COMPONENT, EXPERT, FINGERPRINT_ANNOTATION, FRONTEND, KINDS, KNATIVE,
-                                     RETIRED_ANNOTATION, ROUTING, observe, render, selector)
+                                     OPTIONAL_KINDS, RETIRED_ANNOTATION, ROUTING, observe, render, selector)
 from kubemoe.operator.spec import MoEDeployment, MoESpec, SpecError
 
 Object = dict[str, Any]
@@ -71,6 +72,8 @@ class Reconciler:
         mode = deployment.spec.mode
         previous = observe(deployment.spec, mode, children.values())
         nodes = [NodeInfo.from_node(n) for n in self.kube.list("v1", "Node")]
+        if deployment.spec.experts.sharing.mode == "dra":  # which nodes a DRA driver offers GPUs on
+            nodes = with_dra_devices(nodes, self._resource_slices())
         try:
             new = plan(deployment.spec, loads, nodes, previous, now)
         except PlanError as e:
@@ -116,14 +119,22 @@ class Reconciler:
             try:
                 items = self.kube.list(api_version, kind, deployment.namespace, selector(deployment, ""))
             except ApiError as e:
-                if e.status == 404 and (api_version, kind) == KNATIVE:
-                    continue  # Knative not installed: nothing of that kind to find
+                if e.status == 404 and (api_version, kind) in OPTIONAL_KINDS:
+                    continue  # Knative not installed, or no DRA API: nothing of that kind to find
                 raise
             for item in items:
                 owners = item["metadata"].get("ownerReferences") or []
                 if any(o.get("uid") == deployment.uid for o in owners):  # never touch what is not ours
                     found[key_of(item)] = item
         return found
+
+    def _resource_slices(self) -> list[Object]:
+        try:
+            return self.kube.list("resource.k8s.io/v1", "ResourceSlice")
+        except ApiError as e:
+            if e.status == 404:
+                return []  # no DRA API (Kubernetes before 1.34): no node offers DRA GPUs
+            raise
 
     def _has_knative(self) -> bool:
         try:
@@ -143,10 +154,14 @@ class Reconciler:
         generation = int(meta.get("generation", 0))
         live = {key_of(o): o for o in children if key_of(o) not in fresh}
         applied = error or _plan_applied(new)
-        parts = [_frontend_ready(live), _experts_ready(new, live), applied]
+        parts = [_frontend_ready(live, error), _experts_ready(new, live, error), applied]
+        # A refused plan is why nothing (more) starts: Ready names it first, not a part still "progressing".
+        ready = c.ready_from([applied, *parts[:2]] if error else parts)
+        if ready.status and new is not None and new.unplaced:
+            ready = c.Condition(c.READY, True, c.REPLICAS_UNPLACED, f"the model serves, but {parts[1].message}")
         status: dict[str, Any] = {
             "observedGeneration": generation,
-            "conditions": c.to_status([c.ready_from(parts), *parts], (body.get("status") or {}).get("conditions"),
+            "conditions": c.to_status([ready, *parts], (body.get("status") or {}).get("conditions"),
                                       generation, dt.datetime.fromtimestamp(self.clock(), dt.timezone.utc)),
             "loads": {"frontends": loads.frontends, "tokensPerSecond": round(loads.tokens_per_second, 3)},
         }
@@ -194,21 +209,28 @@ def _fingerprint(obj: Mapping[str, Any]) -> str | None:
     return (obj["metadata"].get("annotations") or {}).get(FINGERPRINT_ANNOTATION)
 
 
-def _frontend_ready(live: Mapping[ObjectKey, Object]) -> c.Condition:
+def _frontend_ready(live: Mapping[ObjectKey, Object], error: c.Condition | None) -> c.Condition:
     deployment = next((o for (v, k, n), o in live.items() if k == "Deployment"
                        and o["metadata"]["labels"].get(COMPONENT) == FRONTEND), None)
     if deployment is None:
+        if error is not None:  # nothing was applied, so nothing is being created either
+            return c.Condition(c.FRONTEND_READY, False, error.reason,
+                               f"no frontend Deployment: the plan was not applied ({error.message})")
         return c.Condition(c.FRONTEND_READY, False, c.PROGRESSING, "the frontend Deployment is being created")
     want = deployment["spec"].get("replicas", 1)
     ready = _ready_replicas(deployment)
     if ready >= want:
         return c.Condition(c.FRONTEND_READY, True, c.AS_EXPECTED, f"{ready}/{want} frontend pods ready")
-    return c.Condition(c.FRONTEND_READY, False, c.PROGRESSING,
-                       f"{ready}/{want} frontend pods ready (kubectl describe deployment {deployment['metadata']['name']})")
+    return c.Condition(c.FRONTEND_READY, False, error.reason if error else c.PROGRESSING,
+                       f"{ready}/{want} frontend pods ready (kubectl describe deployment {deployment['metadata']['name']})"
+                       + (f"; the plan was not applied: {error.message}" if error else ""))
 
 
-def _experts_ready(new: Plan | None, live: Mapping[ObjectKey, Object]) -> c.Condition:
+def _experts_ready(new: Plan | None, live: Mapping[ObjectKey, Object], error: c.Condition | None) -> c.Condition:
     if new is None:
+        if error is not None:
+            return c.Condition(c.EXPERTS_READY, False, error.reason,
+                               f"no expert functions: the plan was refused ({error.message})")
         return c.Condition(c.EXPERTS_READY, None, c.PROGRESSING, "no plan yet")
     if new.mode == "offload":
         return c.Condition(c.EXPERTS_READY, True, c.NOT_NEEDED, "mode offload: the frontend holds every expert")
@@ -217,10 +239,17 @@ def _experts_ready(new: Plan | None, live: Mapping[ObjectKey, Object]) -> c.Cond
                 and RETIRED_ANNOTATION not in (o["metadata"].get("annotations") or {})]
     want = len(new.services())
     ready = sum(1 for o in services if _service_ready(o))
-    if ready >= want:
-        return c.Condition(c.EXPERTS_READY, True, c.AS_EXPECTED, f"{ready}/{want} expert services ready")
-    return c.Condition(c.EXPERTS_READY, False, c.PROGRESSING,
-                       f"{ready}/{want} expert services ready (pods starting or loading weights)")
+    if error is not None:  # the new plan is not (all) in the cluster: what runs is not what was planned
+        return c.Condition(c.EXPERTS_READY, False, error.reason,
+                           f"{ready}/{want} expert services of the new plan ready; it was not applied: {error.message}")
+    if ready < want:
+        return c.Condition(c.EXPERTS_READY, False, c.PROGRESSING,
+                           f"{ready}/{want} expert services ready (pods starting or loading weights)")
+    if new.unplaced:
+        return c.Condition(c.EXPERTS_READY, True, c.REPLICAS_UNPLACED,
+                           f"{ready}/{want} expert services ready; {sum(new.unplaced.values())} scaled-out replicas "
+                           "fit on no GPU (PlanApplied says which and what to change)")
+    return c.Condition(c.EXPERTS_READY, True, c.AS_EXPECTED, f"{ready}/{want} expert services ready")
 
 
 def _service_ready(obj: Mapping[str, Any]) -> bool:
@@ -239,8 +268,8 @@ def _ready_replicas(deployment: Mapping[str, Any]) -> int:
 
 
 def _cost(spec: MoESpec, new: Plan, loads: Loads) -> dict[str, float]:
-    gpus = spec.frontend.replicas * spec.frontend.gpus + spec.experts.gpus * (
-        new.replicas + sum(r.replicas for r in new.retired.values()))
+    # Expert functions: whole GPUs held, shared ones counted once (a GPU is paid for whoever shares it).
+    gpus = spec.frontend.replicas * spec.frontend.gpus + new.gpus_held
     usd = gpus * spec.gpu_hour_price
     cost = {"gpuHoursPerHour": float(gpus), "usdPerHour": round(usd, 4)}
     if loads.tokens_per_second > 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, Iterable, Mapping
 
 from kubemoe import offload_env, ports
@@ -22,7 +23,8 @@ from kubemoe.bundles import Bundle
 from google.protobuf import json_format
 
 from kubemoe.operator.config import OperatorConfig
-from kubemoe.operator.plan import GPU, GPU_COUNT_LABEL, Plan, Retired, ServiceKey
+from kubemoe.operator.plan import (GPU, GPU_COUNT_LABEL, NVIDIA_DRA_DRIVER, Plan, Retired, ServiceKey, function_bytes,
+                                   node_of)
 from kubemoe.operator.spec import API_VERSION, KIND, MoEDeployment, MoESpec
 from kubemoe.routing_table import CONFIGMAP_KEY, LOCAL, table_for_bundles
 
@@ -34,6 +36,7 @@ PART_OF, MANAGED_BY = "app.kubernetes.io/part-of", "app.kubernetes.io/managed-by
 BUNDLE_LABEL = "kubemoe.io/bundle"
 NODE_LABEL = "kubemoe.io/node-hash"         # node names may exceed the 63 characters of a label value
 NODE_ANNOTATION = "kubemoe.io/node"
+GPU_ANNOTATION = "kubemoe.io/gpu"           # gpuSharing dra: the GPU of the node (site node/gpuN) it runs on
 REPLICAS_ANNOTATION = "kubemoe.io/replicas"
 RETIRED_ANNOTATION = "kubemoe.io/retired-at"  # unix seconds; present = out of the plan, kept warm
 VERSION_ANNOTATION = "kubemoe.io/plan-version"
@@ -46,18 +49,29 @@ HTTP_PORT, GRPC_PORT, EXPERT_PORT, METRICS_PORT = (ports.FRONTEND_HTTP, ports.FR
 KNATIVE_PORT = 80  # a Knative Service's cluster-local address listens on 80 and forwards to the h2c port
 MODEL_MOUNT = "/models"
 KNATIVE = ("serving.knative.dev/v1", "Service")
-# Kinds the operator renders and prunes: (apiVersion, kind) in apply order (a Role before its binding).
+RESOURCE_CLAIM = ("resource.k8s.io/v1", "ResourceClaim")  # GA since Kubernetes 1.34
+# Kinds the operator renders and prunes: (apiVersion, kind) in apply order (a Role before its binding,
+# a GPU's ResourceClaim before the pods that use it).
 KINDS = (("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"),
-         ("rbac.authorization.k8s.io/v1", "RoleBinding"), ("v1", "ConfigMap"), ("v1", "Service"),
+         ("rbac.authorization.k8s.io/v1", "RoleBinding"), RESOURCE_CLAIM, ("v1", "ConfigMap"), ("v1", "Service"),
          ("apps/v1", "Deployment"), KNATIVE)
+# Kinds whose API a cluster may not serve (Knative not installed, Kubernetes before 1.34): nothing to list.
+OPTIONAL_KINDS = (KNATIVE, RESOURCE_CLAIM)
+# The API version of the NVIDIA DRA driver's opaque GpuConfig.
+NVIDIA_GPU_CONFIG = "resource.nvidia.com/v1beta1"
+MPS_MEMORY_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"  # an MPS client's device memory limit, "0=<MiB>M"
+CLAIM = "gpu"  # the pod's name for its GPU claim
 
 
 def child_name(*parts: str, limit: int = 63) -> str:
-    """A DNS-1123 label from parts; too long -> cut and suffixed with a hash of the whole, so still unique."""
-    name = "-".join(p.strip("-") for p in parts if p).lower()
-    if len(name) <= limit:
+    """A DNS-1035 label from parts (what Services need: a MoEDeployment named phi-3.5-moe is a valid
+    DNS subdomain, but its dots may not reach a Service's name); too long or changed -> cut and suffixed
+    with a hash of the whole, so still unique."""
+    whole = "-".join(p.strip("-") for p in parts if p).lower()
+    name = re.sub(r"[^a-z0-9-]", "-", whole)
+    if len(name) <= limit and name == whole:
         return name
-    return f"{name[:limit - 9].rstrip('-')}-{_digest(name)[:8]}"
+    return f"{name[:limit - 9].rstrip('-')}-{_digest(whole)[:8]}"
 
 
 def _digest(text: str) -> str:
@@ -68,9 +82,9 @@ def node_hash(node: str) -> str:
     return _digest(node)[:10]
 
 
-def expert_name(deployment: MoEDeployment, bundle: str, node: str) -> str:
+def expert_name(deployment: MoEDeployment, bundle: str, site: str) -> str:
     # Knative names revisions <ksvc>-00001, and a revision name is a label too: keep 6 characters spare.
-    return child_name(deployment.name, bundle, node_hash(node)[:6], limit=57)
+    return child_name(deployment.name, bundle, node_hash(site)[:6], limit=57)
 
 
 def labels(deployment: MoEDeployment, component: str) -> dict[str, str]:
@@ -87,6 +101,8 @@ def selector(deployment: MoEDeployment, component: str) -> str:
 def render(deployment: MoEDeployment, plan: Plan, config: OperatorConfig) -> list[Object]:
     """Every object of the deployment for this plan: frontend, routing table, expert services."""
     objects = [*_frontend(deployment, plan, config), _routing_configmap(deployment, plan)]
+    if deployment.spec.experts.sharing.mode == "dra" and plan.mode != "offload":
+        objects += [_gpu_claim(deployment, site) for site in sorted(plan.sites())]
     bundles = {b.name: b for b in plan.bundles}
     for (bundle, node), replicas in plan.services().items():
         objects.extend(_expert(deployment, bundles[bundle], node, replicas, None, config))
@@ -201,16 +217,19 @@ def expert_address(deployment: MoEDeployment, bundle: str, node: str) -> str:
 
 # -- expert functions ---------------------------------------------------------------------------------
 
-def _expert(deployment: MoEDeployment, bundle: Bundle, node: str, replicas: int, retired: Retired | None,
+def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int, retired: Retired | None,
             config: OperatorConfig) -> list[Object]:
-    """One (bundle, node) service. A retired one renders exactly as when it was active (so its pods
-    stay warm: changing a Knative template would start a new revision with cold pods) plus a
-    retired-at annotation, and the routing table no longer names it."""
+    """One (bundle, site) service: a site is a node, or one GPU of it (node/gpuN) with gpuSharing dra.
+    A retired one renders exactly as when it was active (so its pods stay warm: changing a Knative
+    template would start a new revision with cold pods) plus a retired-at annotation, and the routing
+    table no longer names it."""
     spec = deployment.spec
-    bundle_name = bundle.name
-    name = expert_name(deployment, bundle_name, node)
-    pod_labels = {**labels(deployment, EXPERT), BUNDLE_LABEL: bundle_name, NODE_LABEL: node_hash(node)}
+    bundle_name, node = bundle.name, node_of(site)
+    name = expert_name(deployment, bundle_name, site)
+    pod_labels = {**labels(deployment, EXPERT), BUNDLE_LABEL: bundle_name, NODE_LABEL: node_hash(site)}
     annotations = {NODE_ANNOTATION: node, REPLICAS_ANNOTATION: str(replicas)}
+    if site != node:
+        annotations[GPU_ANNOTATION] = site.partition("/")[2]
     if retired is not None:
         annotations[RETIRED_ANNOTATION] = f"{retired.since:.0f}"
     meta = {"name": name, "labels": pod_labels, "annotations": annotations}
@@ -222,11 +241,13 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, node: str, replicas: int,
         # Frontends on other nodes connect TCP lanes straight to this pod (expert_fn/frames.py).
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "h2c", "containerPort": EXPERT_PORT}],
-        "resources": _resources(spec.experts.resources, spec.experts.gpus),
+        **_gpu_share(spec, bundle),
     }
     tolerations = spec.experts.placement.tolerations
     pod = _pod_spec(spec, container, {}, tolerations, config)
     pod["affinity"] = _node_affinity("kubernetes.io/hostname", node)  # exact placement: one node per service
+    if spec.experts.sharing.mode == "dra":  # every function on this GPU shares its claim
+        pod["resourceClaims"] = [{"name": CLAIM, "resourceClaimName": claim_name(deployment, site)}]
     pod["automountServiceAccountToken"] = False  # expert functions never talk to the API server
     if spec.experts.runtime == "knative":
         scaling = spec.experts.scaling
@@ -241,7 +262,7 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, node: str, replicas: int,
         return [{"apiVersion": KNATIVE[0], "kind": KNATIVE[1], "metadata": meta, "spec": {"template": {
             "metadata": {"labels": pod_labels, "annotations": template_annotations}, "spec": pod}}}]
     container["readinessProbe"] = {"grpc": {"port": EXPERT_PORT}, "periodSeconds": 5}
-    match = {INSTANCE: deployment.name, COMPONENT: EXPERT, BUNDLE_LABEL: bundle_name, NODE_LABEL: node_hash(node)}
+    match = {INSTANCE: deployment.name, COMPONENT: EXPERT, BUNDLE_LABEL: bundle_name, NODE_LABEL: node_hash(site)}
     return [
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": {
             "replicas": replicas, "selector": {"matchLabels": match},
@@ -250,6 +271,55 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, node: str, replicas: int,
             "selector": match,
             "ports": [{"name": "h2c", "port": EXPERT_PORT, "targetPort": "h2c", "appProtocol": "kubernetes.io/h2c"}]}},
     ]
+
+
+def _gpu_share(spec: MoESpec, bundle: Bundle) -> Object:
+    """The container's resources (and env) for its GPUs, as spec.experts.gpuSharing says."""
+    sharing = spec.experts.sharing
+    resources = _resources(spec.experts.resources, 0 if sharing.shared else spec.experts.gpus)
+    if sharing.mode == "exclusive":
+        return {"resources": resources}
+    if sharing.mode == "dra":
+        resources["claims"] = [{"name": CLAIM}]
+    else:  # one share of the device plugin's replicated resource (a limit: extended resources take no overcommit)
+        resources.setdefault("limits", {})[sharing.resource_name] = "1"
+    out: Object = {"resources": resources}
+    if sharing.mode == "mps" or (sharing.mode == "dra" and sharing.strategy == "MPS"):
+        # The MPS client limits itself to what the plan gave it (device 0: the one GPU the pod sees).
+        out["env"] = [{"name": MPS_MEMORY_LIMIT_ENV, "value": f"0={_mib(function_bytes(spec, bundle))}M"}]
+    return out
+
+
+def _mib(n: int) -> int:
+    return -(-n // 2**20)
+
+
+def claim_name(deployment: MoEDeployment, site: str) -> str:
+    # A claim's spec is immutable: a changed spec (DeviceClass, strategy) gets a new name, and pods move to it.
+    spec_hash = _digest(json.dumps(_claim_spec(deployment.spec), sort_keys=True))[:6]
+    return child_name(deployment.name, "gpu", node_hash(site)[:8], spec_hash)
+
+
+def _claim_spec(spec: MoESpec) -> Object:
+    sharing = spec.experts.sharing
+    config: Object = {"strategy": sharing.strategy}
+    if sharing.strategy == "MPS":
+        largest = max(function_bytes(spec, b) for b in spec.bundles())
+        config["mpsConfig"] = {"defaultPinnedDeviceMemoryLimit": f"{_mib(largest)}Mi"}
+    return {"devices": {
+        "requests": [{"name": CLAIM, "exactly": {"deviceClassName": sharing.device_class}}],
+        "config": [{"requests": [CLAIM], "opaque": {"driver": NVIDIA_DRA_DRIVER, "parameters": {
+            "apiVersion": NVIDIA_GPU_CONFIG, "kind": "GpuConfig", "sharing": config}}}]}}
+
+
+def _gpu_claim(deployment: MoEDeployment, site: str) -> Object:
+    """One GPU of the plan (dra): the pods of every function placed there reference this claim, so the
+    scheduler allocates one device of the node for all of them (the first pod's node: they all have it)."""
+    node, _, gpu = site.partition("/")
+    return {"apiVersion": RESOURCE_CLAIM[0], "kind": RESOURCE_CLAIM[1],
+            "metadata": {"name": claim_name(deployment, site), "labels": labels(deployment, EXPERT),
+                         "annotations": {NODE_ANNOTATION: node, GPU_ANNOTATION: gpu}},
+            "spec": _claim_spec(deployment.spec)}
 
 
 # -- pods ---------------------------------------------------------------------------------------------
@@ -336,6 +406,8 @@ def observe(spec: MoESpec, mode: str, children: Iterable[Object]) -> Plan:
         replicas = int(annotations.get(REPLICAS_ANNOTATION, "1"))
         if not bundle or not node:
             continue
+        if annotations.get(GPU_ANNOTATION):
+            node = f"{node}/{annotations[GPU_ANNOTATION]}"  # the site: one GPU of the node (dra)
         if RETIRED_ANNOTATION in annotations:
             retired[(bundle, node)] = Retired(replicas, float(annotations[RETIRED_ANNOTATION]))
         else:

@@ -24,6 +24,19 @@ RUNTIMES = ("knative", "deployment")
 DTYPES = ("bfloat16", "float16", "float32")
 PREDICTORS = ("llapor", "frequency")
 URI_SCHEMES = ("pvc", "hostpath", "s3", "gs")
+# How expert functions share a GPU (spec.experts.gpuSharing.mode), as clusters configure it:
+# exclusive: whole GPUs per replica (spec.experts.gpus); timeSlicing / mps: one share of the NVIDIA device
+# plugin's replicated resource per function; dra: a ResourceClaim per GPU, shared by the functions on it.
+SHARING_MODES = ("exclusive", "timeSlicing", "mps", "dra")
+DRA_STRATEGIES = ("TimeSlicing", "MPS")  # the NVIDIA DRA driver's GpuConfig sharing strategies
+# An extended resource name (domain/name), what a device plugin advertises.
+RESOURCE_NAME_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?[.])*[a-z0-9]([-a-z0-9]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+DRA_NEEDS_DEPLOYMENT_MESSAGE = ("spec.experts.gpuSharing.mode dra needs spec.experts.runtime: deployment (Knative "
+                                "Serving rejects pods with resourceClaims, knative/serving#15332): set runtime: "
+                                "deployment, or share GPUs with mode timeSlicing or mps")
+SHARED_GPUS_MESSAGE = ("spec.experts.gpus counts whole GPUs per replica and applies to gpuSharing.mode exclusive; "
+                       "with timeSlicing, mps or dra every function takes one share of one GPU: set gpus to 1 "
+                       "(or remove it), or set gpuSharing.mode: exclusive")
 
 # The defaults of every optional field: the CRD schema (`crd.py`) and the parser below both read them.
 DEFAULTS: dict[str, Any] = {
@@ -34,6 +47,11 @@ DEFAULTS: dict[str, Any] = {
     "experts.runtime": "knative",
     "experts.bundleBytes": "256Mi",
     "experts.gpus": 1,
+    "experts.gpuSharing.mode": "exclusive",
+    "experts.gpuSharing.resourceName": "nvidia.com/gpu",
+    "experts.gpuSharing.functionOverhead": "1Gi",
+    "experts.gpuSharing.deviceClassName": "gpu.nvidia.com",
+    "experts.gpuSharing.draStrategy": "TimeSlicing",
     "experts.scaling.cvThreshold": 0.2,
     "experts.scaling.predictionDistance": 1,
     "experts.scaling.keepAlive": "10m",
@@ -140,11 +158,27 @@ class Knative:
 
 
 @dataclass(frozen=True)
+class GpuSharing:
+    """How expert functions share GPUs: what each function requests and what the planner packs into a GPU."""
+
+    mode: str                # exclusive | timeSlicing | mps | dra
+    resource_name: str       # timeSlicing/mps: the device plugin's shared resource, one per function
+    function_overhead: int   # bytes of GPU memory a function takes beside its experts (CUDA context, buffers)
+    device_class: str        # dra: DeviceClass of the claims
+    strategy: str            # dra: how the pods of one claim share its GPU (TimeSlicing | MPS)
+
+    @property
+    def shared(self) -> bool:
+        return self.mode != "exclusive"
+
+
+@dataclass(frozen=True)
 class Experts:
     runtime: str
     image: str | None
     bundle_bytes: int
-    gpus: int                      # nvidia.com/gpu per replica
+    gpus: int                      # nvidia.com/gpu per replica (gpuSharing.mode exclusive)
+    sharing: GpuSharing
     resources: Mapping[str, Any]
     scaling: Scaling
     placement: Placement
@@ -200,6 +234,7 @@ class MoESpec:
             image=experts.get("image"),
             bundle_bytes=parse_bytes(_get(experts, "bundleBytes", "experts"), "spec.experts.bundleBytes"),
             gpus=int(_get(experts, "gpus", "experts")),
+            sharing=_sharing(_section(experts, "gpuSharing")),
             resources=experts.get("resources", {}),
             scaling=Scaling(
                 cv_threshold=float(_get(scaling, "cvThreshold", "experts.scaling")),
@@ -215,6 +250,11 @@ class MoESpec:
         )
         if parsed_experts.runtime not in RUNTIMES:
             raise SpecError(f"spec.experts.runtime {parsed_experts.runtime!r}: choose knative or deployment")
+        sharing = parsed_experts.sharing
+        if sharing.shared and parsed_experts.gpus != 1:
+            raise SpecError(SHARED_GPUS_MESSAGE)
+        if sharing.mode == "dra" and parsed_experts.runtime != "deployment":
+            raise SpecError(DRA_NEEDS_DEPLOYMENT_MESSAGE)
         if parsed_experts.runtime == "knative" and parsed_experts.scaling.keep_alive_s > parse_duration(
                 KNATIVE_MAX_KEEP_ALIVE, "KNATIVE_MAX_KEEP_ALIVE"):
             raise SpecError(KNATIVE_KEEP_ALIVE_MESSAGE)
@@ -264,6 +304,22 @@ def _section(parent: Mapping[str, Any], key: str) -> Mapping[str, Any]:
 
 def _get(section: Mapping[str, Any], key: str, path: str = "") -> Any:
     return section[key] if key in section else DEFAULTS[f"{path}.{key}" if path else key]
+
+
+def _sharing(raw: Mapping[str, Any]) -> GpuSharing:
+    path = "experts.gpuSharing"
+    sharing = GpuSharing(
+        mode=_get(raw, "mode", path), resource_name=_get(raw, "resourceName", path),
+        function_overhead=parse_bytes(_get(raw, "functionOverhead", path), "spec.experts.gpuSharing.functionOverhead"),
+        device_class=_get(raw, "deviceClassName", path), strategy=_get(raw, "draStrategy", path))
+    if sharing.mode not in SHARING_MODES:
+        raise SpecError(f"spec.experts.gpuSharing.mode {sharing.mode!r}: choose one of {', '.join(SHARING_MODES)}")
+    if sharing.strategy not in DRA_STRATEGIES:
+        raise SpecError(f"spec.experts.gpuSharing.draStrategy {sharing.strategy!r}: choose TimeSlicing or MPS")
+    if not re.fullmatch(RESOURCE_NAME_PATTERN, sharing.resource_name):
+        raise SpecError(f"spec.experts.gpuSharing.resourceName {sharing.resource_name!r}: write the extended resource "
+                        "the device plugin advertises, e.g. nvidia.com/gpu or nvidia.com/gpu.shared")
+    return sharing
 
 
 def _placement(section: Mapping[str, Any]) -> Placement:

@@ -4,8 +4,9 @@ kube-controller-manager and kwok (fake GPU nodes), built from the Go module prox
 Standalone on purpose: stdlib, the `kubernetes` client and the stdlib-only `kubemoe.net`; no other kubemoe module.
 """
 
-from .cluster import Cluster, ClusterConfig, ClusterError, gpu_node, wait_for
+from .cluster import (Cluster, ClusterConfig, ClusterError, GpuSharing, gpu_device_class, gpu_node,
+                      gpu_resource_slice, wait_for)
 from .testbin import Testbin, ensure_testbin, find_testbin
 
-__all__ = ["Cluster", "ClusterConfig", "ClusterError", "Testbin", "ensure_testbin", "find_testbin", "gpu_node",
-           "wait_for"]
+__all__ = ["Cluster", "ClusterConfig", "ClusterError", "GpuSharing", "Testbin", "ensure_testbin", "find_testbin", "gpu_device_class",
+           "gpu_node", "gpu_resource_slice", "wait_for"]

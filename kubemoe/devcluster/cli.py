@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from .cluster import Cluster, ClusterConfig
+from .cluster import SHARING_STRATEGIES, Cluster, ClusterConfig, GpuSharing
 from .testbin import ensure_testbin
 
 DEFAULT_STATE_DIR = Path.home() / ".cache" / "kubemoe" / "devcluster"
@@ -58,9 +58,14 @@ def cluster() -> None:
 @click.option("--gpus-per-node", default=8, show_default=True)
 @click.option("--gpu-product", default=ClusterConfig.gpu_product, show_default=True)
 @click.option("--gpu-memory-mib", default=ClusterConfig.gpu_memory_mib, show_default=True)
+@click.option("--gpu-sharing", type=click.Choice(SHARING_STRATEGIES), default="none", show_default=True,
+              help="How the nodes' GPUs are shared: the NVIDIA device plugin's strategies, or dra (ResourceSlices).")
+@click.option("--gpu-replicas", default=1, show_default=True, help="Shares per GPU (time-slicing, mps).")
+@click.option("--gpu-rename/--no-gpu-rename", default=False, show_default=True,
+              help="Advertise shares as nvidia.com/gpu.shared (the device plugin's renameByDefault).")
 @state_dir_option
 def cluster_up(kubeconfig: Path, nodes: int, gpus_per_node: int, gpu_product: str, gpu_memory_mib: int,
-               state_dir: Path) -> None:
+               gpu_sharing: str, gpu_replicas: int, gpu_rename: bool, state_dir: Path) -> None:
     """Start a cluster and keep it running in the foreground until Ctrl-C or `cluster down`."""
     pid_file = state_dir / "up.pid"
     if pid_file.exists() and _alive(int(pid_file.read_text())):
@@ -70,7 +75,8 @@ def cluster_up(kubeconfig: Path, nodes: int, gpus_per_node: int, gpu_product: st
     state_dir.mkdir(parents=True, exist_ok=True)
     pid_file.write_text(str(os.getpid()))
     config = ClusterConfig(nodes=nodes, gpus_per_node=gpus_per_node, gpu_product=gpu_product,
-                           gpu_memory_mib=gpu_memory_mib)
+                           gpu_memory_mib=gpu_memory_mib,
+                           gpu_sharing=GpuSharing(gpu_sharing, gpu_replicas, gpu_rename))
     try:
         with Cluster(config) as running:
             running.write_kubeconfig(kubeconfig)

@@ -34,6 +34,38 @@ from .pki import ADMIN_USER, create_pki
 from .testbin import Testbin, ensure_testbin
 
 KWOK_ANNOTATION = {"kwok.x-k8s.io/node": "fake"}
+SHARING_STRATEGIES = ("none", "time-slicing", "mps", "dra")
+NVIDIA_DRA_DRIVER = "gpu.nvidia.com"  # the NVIDIA DRA driver's name, and the DeviceClass it installs
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSharing:
+    """How a fake node's GPUs are shared, advertised as the NVIDIA components advertise it on a real node.
+
+    none, time-slicing, mps: the device plugin (time-slicing/mps with `sharing.<strategy>.resources:
+    [{name: nvidia.com/gpu, replicas: R}]`) advertises GPUs x R shares as nvidia.com/gpu, or as
+    nvidia.com/gpu.shared with renameByDefault, and GPU feature discovery labels the node
+    nvidia.com/gpu.replicas=R, nvidia.com/gpu.sharing-strategy=<strategy> and the product with -SHARED.
+    dra: no device plugin; the DRA driver publishes the GPUs in a ResourceSlice (DeviceClass gpu.nvidia.com),
+    which the real scheduler allocates claims from.
+    """
+
+    strategy: str = "none"
+    replicas: int = 1              # shares per GPU (time-slicing, mps)
+    rename: bool = False           # renameByDefault: shares advertised as nvidia.com/gpu.shared
+
+    def __post_init__(self):
+        if self.strategy not in SHARING_STRATEGIES:
+            raise ValueError(f"GPU sharing strategy {self.strategy!r}: choose one of {', '.join(SHARING_STRATEGIES)}")
+        if self.replicas < 1 or (self.strategy in ("none", "dra") and self.replicas != 1):
+            raise ValueError(f"replicas {self.replicas}: at least 1, and 1 unless the strategy is time-slicing or mps")
+
+    @property
+    def resource_name(self) -> str | None:
+        """What the device plugin advertises (None with dra: no device plugin)."""
+        if self.strategy == "dra":
+            return None
+        return "nvidia.com/gpu.shared" if self.rename and self.strategy != "none" else "nvidia.com/gpu"
 KNATIVE_NAMESPACE = "knative-serving"
 SERVICE_CIDR = "10.0.0.0/24"  # allocation only: no proxy runs, so nothing routes to these addresses
 
@@ -46,6 +78,7 @@ class ClusterConfig:
     gpus_per_node: int = 8
     gpu_product: str = "NVIDIA-H100-80GB-HBM3"
     gpu_memory_mib: int = 81559
+    gpu_sharing: GpuSharing = GpuSharing()
     scheduler: bool = True
     controller_manager: bool = True
     kwok: bool = True              # without it nodes never become Ready and pods never run
@@ -101,31 +134,58 @@ def wait_for(check: Callable[[], object], timeout_s: float, what: str, interval_
         time.sleep(interval_s)
 
 
-def gpu_node(name: str, gpus: int, product: str, memory_mib: int, taints: Sequence[dict] = ()) -> dict:
+def gpu_node(name: str, gpus: int, product: str, memory_mib: int, taints: Sequence[dict] = (),
+             sharing: GpuSharing = GpuSharing()) -> dict:
     """A Node that kwok manages, labelled like GPU feature discovery labels a real GPU node."""
-    resources = {"cpu": "64", "memory": "512Gi", "pods": "110", "ephemeral-storage": "1Ti",
-                 "nvidia.com/gpu": str(gpus)}
+    resources = {"cpu": "64", "memory": "512Gi", "pods": "110", "ephemeral-storage": "1Ti"}
+    if sharing.resource_name:
+        resources[sharing.resource_name] = str(gpus * sharing.replicas)
+    shared = sharing.strategy in ("time-slicing", "mps")
+    labels = {
+        "type": "kwok",
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64",
+        "nvidia.com/gpu.present": "true",
+        "nvidia.com/gpu.product": f"{product}-SHARED" if shared else product,
+        "nvidia.com/gpu.memory": str(memory_mib),
+        "nvidia.com/gpu.count": str(gpus),
+    }
+    if sharing.strategy != "dra":  # the device plugin's labels
+        labels |= {"nvidia.com/gpu.replicas": str(sharing.replicas), "nvidia.com/gpu.sharing-strategy": sharing.strategy}
+    if sharing.strategy == "mps":
+        labels["nvidia.com/mps.capable"] = "true"
     return {
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {
             "name": name,
             "annotations": {**KWOK_ANNOTATION, "node.alpha.kubernetes.io/ttl": "0"},
-            "labels": {
-                "type": "kwok",
-                "kubernetes.io/hostname": name,
-                "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": "amd64",
-                "nvidia.com/gpu.present": "true",
-                "nvidia.com/gpu.product": product,
-                "nvidia.com/gpu.memory": str(memory_mib),
-                "nvidia.com/gpu.count": str(gpus),
-            },
+            "labels": labels,
         },
         "spec": {"taints": list(taints)},
         # kwok's node-initialize stage keeps capacity/allocatable as created and adds the rest.
         "status": {"capacity": resources, "allocatable": resources},
     }
+
+
+def gpu_device_class() -> dict:
+    """The DeviceClass the NVIDIA DRA driver installs for whole GPUs."""
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": NVIDIA_DRA_DRIVER},
+            "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{NVIDIA_DRA_DRIVER}' && "
+                                                          f"device.attributes['{NVIDIA_DRA_DRIVER}'].type == 'gpu'"}}]}}
+
+
+def gpu_resource_slice(node: str, gpus: int, product: str, memory_mib: int) -> dict:
+    """A node's GPUs as the NVIDIA DRA driver publishes them: one pool per node, one device per GPU."""
+    devices = [{"name": f"gpu-{i}",
+                "attributes": {"type": {"string": "gpu"}, "index": {"int": i}, "productName": {"string": product},
+                               "uuid": {"string": f"GPU-{node}-{i}"}},
+                "capacity": {"memory": {"value": f"{memory_mib}Mi"}}} for i in range(gpus)]
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": f"{node}-{NVIDIA_DRA_DRIVER}"},
+            "spec": {"driver": NVIDIA_DRA_DRIVER, "nodeName": node,
+                     "pool": {"name": node, "generation": 1, "resourceSliceCount": 1}, "devices": devices}}
 
 
 class Cluster:
@@ -197,7 +257,8 @@ class Cluster:
             wait_for(lambda: self._get(url, verify=False) == "ok", cfg.timeout_s, f"{name} {url}",
                      detail=lambda: self._log_tail(name))
         if cfg.nodes:
-            self.add_gpu_nodes(cfg.nodes, cfg.gpus_per_node, cfg.gpu_product, cfg.gpu_memory_mib)
+            self.add_gpu_nodes(cfg.nodes, cfg.gpus_per_node, cfg.gpu_product, cfg.gpu_memory_mib,
+                               sharing=cfg.gpu_sharing)
 
     def stop(self) -> None:
         """Kill every component (SIGTERM, then SIGKILL after 10s) and remove the temp data dir."""
@@ -350,6 +411,15 @@ class Cluster:
         """Run the kubectl built with this control plane (no version skew) as cluster admin."""
         return self._run("kubectl", *args, check=check, timeout_s=timeout_s)
 
+    def apply_objects(self, objects: Sequence[dict]) -> None:
+        """Server-side apply of objects of any kind (built-in kinds the Python client has no API class for)."""
+        path = self.data_dir / f"apply-{time.monotonic_ns()}.json"
+        path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects)}))
+        try:
+            self.kubectl("apply", "--server-side", f"--filename={path}")
+        finally:
+            path.unlink()
+
     def helm(self, *args: str, check: bool = True, timeout_s: float | None = None) -> subprocess.CompletedProcess:
         """Run helm against this cluster, with its config/cache/data kept inside the data dir."""
         home = self.data_dir / "helm"
@@ -360,18 +430,25 @@ class Cluster:
     # -- nodes -------------------------------------------------------------------------------
 
     def add_gpu_nodes(self, count: int, gpus_per_node: int = 8, product: str = "NVIDIA-H100-80GB-HBM3",
-                      memory_mib: int = 81559, taints: Sequence[dict] = (), wait: bool = True) -> list[str]:
-        """Create `count` kwok-managed GPU nodes named kwok-gpu-<n>; wait until they are Ready."""
+                      memory_mib: int = 81559, taints: Sequence[dict] = (), wait: bool = True,
+                      sharing: GpuSharing = GpuSharing()) -> list[str]:
+        """Create `count` kwok-managed GPU nodes named kwok-gpu-<n> whose GPUs are shared as `sharing` says
+        (with dra: the DeviceClass once and a ResourceSlice per node); wait until they are Ready."""
         from kubernetes import client
         if count < 1 or gpus_per_node < 0:
             raise ValueError(f"need count >= 1 and gpus_per_node >= 0, got {count}, {gpus_per_node}")
         core = client.CoreV1Api(self.api_client())
         names = []
+        dra = []
         for _ in range(count):
             name = f"kwok-gpu-{self._node_count}"
             self._node_count += 1
-            core.create_node(gpu_node(name, gpus_per_node, product, memory_mib, taints))
+            core.create_node(gpu_node(name, gpus_per_node, product, memory_mib, taints, sharing))
             names.append(name)
+            if sharing.strategy == "dra":
+                dra.append(gpu_resource_slice(name, gpus_per_node, product, memory_mib))
+        if dra:
+            self.apply_objects([gpu_device_class(), *dra])
         if wait:
             def all_ready():
                 nodes = {n.metadata.name: n for n in core.list_node(label_selector="type=kwok").items}

@@ -64,13 +64,17 @@ def sample(name: str) -> dict:
 
 # -- cluster --------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="session")
-def chart(cluster):
+def install_chart(cluster) -> str:
     """The chart installed as users install it: CRDs, ServiceAccount, RBAC, operator Deployment."""
     cluster.kubectl("create", "namespace", SYSTEM_NAMESPACE)
     cluster.helm("install", RELEASE, str(CHART), f"--namespace={SYSTEM_NAMESPACE}", "--set=operator.loadsInterval=1")
     cluster.kubectl("wait", "--for=condition=Established", "crd/moedeployments.kubemoe.io", "--timeout=60s")
     return RELEASE
+
+
+@pytest.fixture(scope="session")
+def chart(cluster):
+    return install_chart(cluster)
 
 
 class OperatorProcess:
@@ -108,17 +112,21 @@ class OperatorProcess:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
 
 
-@pytest.fixture(scope="session")
-def operator(cluster, chart, tmp_path_factory):
+def start_operator(cluster, folder: Path) -> OperatorProcess:
+    """The operator process on `cluster` (chart installed) with the chart's ServiceAccount token."""
     sa = f"{RELEASE}"  # the chart's fullname when the release is named like the chart
     token = cluster.kubectl("create", "token", sa, f"--namespace={SYSTEM_NAMESPACE}", "--duration=2h").stdout.strip()
     config = json.loads(cluster.kubeconfig.read_text())
     config["users"] = [{"name": "operator", "user": {"token": token}}]
     config["contexts"][0]["context"]["user"] = "operator"
-    folder = tmp_path_factory.mktemp("operator")
     kubeconfig = folder / "kubeconfig"
     kubeconfig.write_text(json.dumps(config))
-    running = OperatorProcess(cluster, kubeconfig, folder / "operator.log").start()
+    return OperatorProcess(cluster, kubeconfig, folder / "operator.log").start()
+
+
+@pytest.fixture(scope="session")
+def operator(cluster, chart, tmp_path_factory):
+    running = start_operator(cluster, tmp_path_factory.mktemp("operator"))
     yield running
     running.kill(signal.SIGTERM)
 
@@ -144,6 +152,8 @@ class Factories:
     gpu_nodes = staticmethod(gpu_nodes)
     sample = staticmethod(sample)
     apply = staticmethod(apply)
+    install_chart = staticmethod(install_chart)
+    start_operator = staticmethod(start_operator)
     wait = staticmethod(wait)
     repo = REPO
     chart = CHART

@@ -78,14 +78,15 @@ def test_rbac_is_least_privilege(f):
     for needed in [("kubemoe.io", "moedeployments", "watch"), ("kubemoe.io", "moedeployments/status", "patch"),
                    ("serving.knative.dev", "services", "patch"), ("apps", "deployments", "delete"),
                    ("", "pods", "list"), ("", "nodes", "list"), ("", "events", "create"),
-                   ("kopf.dev", "clusterkopfpeerings", "patch"), ("kopf.dev", "kopfpeerings", "patch")]:
+                   ("kopf.dev", "clusterkopfpeerings", "patch"), ("kopf.dev", "kopfpeerings", "patch"),
+                   ("resource.k8s.io", "resourceclaims", "delete")]:
         assert needed in granted, needed
     assert ("", "secrets", "get") not in granted and ("", "pods", "delete") not in granted
     scoped = template(f, "operator.watchNamespaces={a,b}")
     assert [d["metadata"]["namespace"] for d in scoped if d["kind"] == "Role"] == ["a", "b"]
     cluster_role = next(d for d in scoped if d["kind"] == "ClusterRole")
     assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
-        "nodes", "customresourcedefinitions", "namespaces", "clusterkopfpeerings"}
+        "nodes", "resourceslices", "customresourcedefinitions", "namespaces", "clusterkopfpeerings"}
     operator = next(d for d in scoped if d["kind"] == "Deployment")
     assert "--namespace=a" in operator["spec"]["template"]["spec"]["containers"][0]["args"]
 

@@ -116,3 +116,82 @@ def test_replicas_that_fit_nowhere_are_in_the_status_and_warned_about_once(f):
     clock.now += 30
     _, found = step(body, reconciler, kube, Loads({(0, 0): 1000.0, (0, 1): 1.0}, 10.0, 1))
     assert c.REPLICAS_UNPLACED not in found  # nothing changed: no second warning
+
+
+# -- conditions of every failure the operator knows (issue 16 item 7) --------------------------------------
+
+class RefusingKube(MemoryKube):
+    """The API server refuses every write (a webhook, a quota): the reconcile's ApplyFailed."""
+
+    def apply(self, obj):
+        from kubemoe.operator.kube import ApiError
+        raise ApiError(403, f"{obj['kind']} {obj['metadata']['name']} is forbidden: exceeded quota")
+
+
+class NoKnativeKube(MemoryKube):
+    def request(self, *_):
+        from kubemoe.operator.kube import ApiError
+        raise ApiError(404, "the server could not find the requested resource")
+
+
+def conditions(kube):
+    return {x["type"]: x for x in kube.status["conditions"]}
+
+
+def failures(f):
+    """(reason, body, kube, what the message must tell the user): every way a plan is refused."""
+    deployment = {"runtime": "deployment", "bundleBytes": "128Mi"}
+    no_layout = f.moed_body(experts=deployment)
+    del no_layout["spec"]["model"]["layout"]
+    return [
+        (c.INVALID_SPEC, no_layout, MemoryKube(api_nodes(2)), "spec.model.layout is required"),
+        (c.INSUFFICIENT_CAPACITY, f.moed_body(experts=deployment), MemoryKube([]), "no node can run expert functions"),
+        (c.INSUFFICIENT_CAPACITY, f.moed_body(experts={**deployment, "gpuSharing": {"mode": "timeSlicing"}}),
+         MemoryKube(api_nodes(2)), "advertising nvidia.com/gpu (time-slicing shares"),
+        (c.INSUFFICIENT_CAPACITY, f.moed_body(experts={**deployment, "gpus": 8}), MemoryKube(api_nodes(1)),
+         "fit on no node"),
+        (c.RUNTIME_MISSING, f.moed_body(experts={"runtime": "knative"}), NoKnativeKube(api_nodes(2)),
+         "install it (see the chart's README) or set spec.experts.runtime: deployment"),
+        (c.APPLY_FAILED, f.moed_body(experts=deployment), RefusingKube(api_nodes(2)), "exceeded quota"),
+    ]
+
+
+def test_a_refused_plan_is_what_ready_frontend_and_experts_report(f):
+    for reason, body, kube, fix in failures(f):
+        Reconciler(kube, OperatorConfig(), Clock()).reconcile(body, Loads())
+        found = conditions(kube)
+        for kind in (c.READY, c.PLAN_APPLIED, c.EXPERTS_READY, c.FRONTEND_READY):
+            assert (found[kind]["status"], found[kind]["reason"]) == ("False", reason), (reason, kind, found[kind])
+            assert fix in found[kind]["message"], (reason, kind, found[kind]["message"])
+        assert "being created" not in found[c.FRONTEND_READY]["message"] and "no plan yet" not in str(found)
+
+
+def test_a_refused_update_keeps_the_running_plan_and_says_the_new_one_was_refused(f):
+    body, kube, clock, reconciler = setup(f, nodes=2)
+    step(body, reconciler, kube, Loads())
+    for (v, k, n), o in kube.objects.items():  # every pod ready, as the controllers would report
+        if k == "Deployment":
+            o["status"] = {"observedGeneration": 0, "readyReplicas": o["spec"]["replicas"]}
+    assert conditions(kube)[c.PLAN_APPLIED]["status"] == "True"
+    kube.nodes = []  # every GPU node gone: the next plan is refused
+    clock.now += 30
+    step(body, reconciler, kube, Loads())
+    found = conditions(kube)
+    assert (found[c.READY]["status"], found[c.READY]["reason"]) == ("False", c.INSUFFICIENT_CAPACITY)
+    experts = found[c.EXPERTS_READY]
+    assert (experts["status"], experts["reason"]) == ("False", c.INSUFFICIENT_CAPACITY)
+    assert found[c.FRONTEND_READY]["status"] == "True"  # the frontend that runs still serves
+    assert services(kube, retired=False), "a refused plan deletes nothing"
+
+
+def test_unplaced_replicas_leave_the_model_ready_and_say_so(f):
+    body, kube, clock, reconciler = setup(f, nodes=5, gpus=4)  # 10 slots for 8 bundles and a hot one
+    step(body, reconciler, kube, Loads({(0, 0): 1000.0, (0, 1): 1.0}, 10.0, 1))
+    for (v, k, n), o in kube.objects.items():
+        if k == "Deployment":
+            o["status"] = {"observedGeneration": 0, "readyReplicas": o["spec"]["replicas"]}
+    step(body, reconciler, kube, Loads({(0, 0): 1000.0, (0, 1): 1.0}, 10.0, 1))
+    found = conditions(kube)
+    for kind in (c.READY, c.EXPERTS_READY, c.PLAN_APPLIED):
+        assert (found[kind]["status"], found[kind]["reason"]) == ("True", c.REPLICAS_UNPLACED), found[kind]
+    assert "1 scaled-out replicas fit on no GPU" in found[c.READY]["message"]

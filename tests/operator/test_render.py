@@ -172,6 +172,9 @@ def test_object_store_checkpoint_is_copied_by_an_init_container(f):
 def test_long_names_are_cut_with_a_hash_and_stay_unique():
     a, b = child_name("x" * 60, "bundle-a"), child_name("x" * 60, "bundle-b")
     assert len(a) == 63 and len(b) == 63 and a != b
+    # A MoEDeployment name may hold dots (a DNS subdomain); a Service name may not (a DNS-1035 label).
+    dotted, dashed = child_name("phi-3.5-moe", "l0-e0-7"), child_name("phi-3-5-moe", "l0-e0-7")
+    assert "." not in dotted and dotted != dashed and dotted.startswith("phi-3-5-moe-l0-e0-7-")
 
 
 def test_the_operator_never_imports_the_data_plane():

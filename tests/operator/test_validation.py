@@ -67,6 +67,23 @@ BAD_SPECS = [
     ("tolerations-not-list", "spec.experts.placement.tolerations", {"key": "x"}, "must be of type array"),
     ("knative-keepalive-over-1h", "spec.experts", {"runtime": "knative", "scaling": {"keepAlive": "1h30m"}},
      "spec.experts.scaling.keepAlive is at most 1h with runtime knative"),
+    ("unknown-gpu-sharing", "spec.experts.gpuSharing", {"mode": "mig"},
+     'supported values: "exclusive", "timeSlicing", "mps", "dra"'),
+    ("shared-gpus-above-one", "spec.experts", {"runtime": "deployment", "gpus": 2, "gpuSharing": {"mode": "mps"}},
+     "spec.experts.gpus counts whole GPUs per replica and applies to gpuSharing.mode exclusive"),
+    ("dra-with-knative", "spec.experts", {"runtime": "knative", "gpuSharing": {"mode": "dra"}},
+     "gpuSharing.mode dra needs spec.experts.runtime: deployment"),
+    ("resource-name-with-dra", "spec.experts", {"runtime": "deployment", "gpuSharing": {
+        "mode": "dra", "resourceName": "nvidia.com/gpu.shared"}},
+     "resourceName is used with mode timeSlicing or mps"),
+    ("resource-name-not-extended", "spec.experts.gpuSharing", {"mode": "timeSlicing", "resourceName": "gpu"},
+     "resourceName must be an extended resource such as nvidia.com/gpu"),
+    ("dra-strategy-with-time-slicing", "spec.experts.gpuSharing", {"mode": "timeSlicing", "draStrategy": "MPS"},
+     "deviceClassName and draStrategy are used with mode dra"),
+    ("unknown-dra-strategy", "spec.experts", {"runtime": "deployment", "gpuSharing": {
+        "mode": "dra", "draStrategy": "MIG"}}, 'supported values: "TimeSlicing", "MPS"'),
+    ("function-overhead-not-quantity", "spec.experts.gpuSharing", {"mode": "mps", "functionOverhead": "a lot"},
+     "functionOverhead must be a positive quantity"),
 ]
 
 

@@ -78,6 +78,10 @@ RBAC rules for objects in the namespaces the operator serves: exactly what the h
 - apiGroups: [serving.knative.dev]
   resources: [services]
   verbs: [get, list, create, patch, delete]
+# spec.experts.gpuSharing.mode dra: one ResourceClaim per planned GPU, shared by the functions on it.
+- apiGroups: [resource.k8s.io]
+  resources: [resourceclaims]
+  verbs: [get, list, create, patch, delete]
 # The frontends' Role and RoleBinding (read the routing ConfigMap). The operator holds that permission
 # itself (configmaps get/list above; watch below), so granting it is no escalation.
 - apiGroups: [rbac.authorization.k8s.io]
@@ -104,6 +108,10 @@ RBAC rules for objects in the namespaces the operator serves: exactly what the h
 {{- define "kubemoe.clusterRules" -}}
 - apiGroups: [""]
   resources: [nodes]
+  verbs: [list]
+# spec.experts.gpuSharing.mode dra: the GPUs a DRA driver publishes per node.
+- apiGroups: [resource.k8s.io]
+  resources: [resourceslices]
   verbs: [list]
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
