@@ -1,9 +1,11 @@
 """Per-call overhead of an expert function: gRPC round trip minus the server's own compute time.
 
 For one expert at Mixtral size (hidden 4096 x intermediate 14336) and at Qwen3-30B-A3B size
-(2048 x 768), and 1, 16, 64 and 256 tokens, it measures over loopback three ways of calling:
-unary (`Forward`), streaming with tensors inline, and streaming with tensors in shared memory
-(`shm`: what ExpertClient does by default when the expert function is on its node):
+(2048 x 768), and 1, 16, 64 and 256 tokens, it measures over loopback four ways of calling:
+unary (`Forward`), streaming with tensors inline, streaming with tensors in shared memory
+(`shm`: what ExpertClient does by default when the expert function is on its node), and
+streaming over a TCP lane (`tcp`: its default towards a function on another node, frames.py),
+the latter also against the loopback bandwidth one TCP connection reaches here:
 - rtt: the client's round trip of ExpertClient.call (encode, send, server, receive, decode);
 - compute: the server-reported ServerTiming.compute_seconds (the expert FFN itself);
 - overhead = rtt - compute, and the transport rate (request + response bytes) / overhead;
@@ -75,7 +77,7 @@ async def start_server(checkpoint: Path, device: str, shm_dir: Path, settings: l
     process = await asyncio.create_subprocess_exec(
         sys.executable, *program, "--checkpoint", str(checkpoint), "--bundle", "0:0",
         "--port", "0", "--host", "127.0.0.1", "--metrics-port", "-1", "--device", device, "--model", "bench",
-        "--shm-dir", str(shm_dir), *settings, stderr=asyncio.subprocess.PIPE,
+        "--shm-dir", str(shm_dir), "--data-port", "0", *settings, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "KUBEMOE_STAMPS": str(stamps)} if stamps else None)
     port = None
     while True:
@@ -284,6 +286,35 @@ async def time_timeline(checkpoint: Path, device: str, x: torch.Tensor, shm_dir:
     return {**steps, "whole_call": statistics.median(r[TIMELINE[-1]] - r[TIMELINE[0]] for r in rows) * 1e6}
 
 
+def loopback_bandwidth(total_bytes: int = 1 << 30, chunk: int = 4 << 20) -> float:
+    """Bytes per second one TCP connection moves over loopback, one way: a thread sends, another
+    receives into one preallocated buffer (the bound for the TCP lane's frames)."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    sender = socket.create_connection(listener.getsockname())
+    receiver, _ = listener.accept()
+    listener.close()
+    data, into = memoryview(bytearray(chunk)), memoryview(bytearray(chunk))
+
+    def receive() -> None:
+        left = total_bytes
+        while left:
+            left -= receiver.recv_into(into[:min(chunk, left)])
+
+    reader = threading.Thread(target=receive)
+    started = time.perf_counter()
+    reader.start()
+    for _ in range(total_bytes // chunk):
+        sender.sendall(data)
+    reader.join()
+    seconds = time.perf_counter() - started
+    sender.close()
+    receiver.close()
+    return total_bytes / seconds
+
+
 # -- main -------------------------------------------------------------------------------------------
 
 async def bench_size(name: str, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype,
@@ -298,8 +329,8 @@ async def bench_size(name: str, hidden: int, intermediate: int, device: torch.de
     process, address = await start_server(checkpoint, str(device), shm_dir, settings)
     rows, breakdown = [], {}
     try:
-        modes = {"unary": dict(streaming=False), "streaming": dict(streaming=True),
-                 "shm": dict(streaming=True, shm_dir=shm_dir)}
+        modes = {"unary": dict(streaming=False, tcp=False), "streaming": dict(streaming=True, tcp=False),
+                 "shm": dict(streaming=True, shm_dir=shm_dir), "tcp": dict(streaming=True, tcp=True)}
         for n in tokens:
             x, inproc = bench_input(n, hidden, dtype), inprocs[n]
             payload = 2 * x.numel() * x.element_size()
@@ -307,8 +338,9 @@ async def bench_size(name: str, hidden: int, intermediate: int, device: torch.de
                 # One client at a time, as a frontend has: no idle streams of the other modes meanwhile.
                 async with ExpertClient(address, model="bench", **options) as client:
                     remote = await time_remote(client, x, budget)
-                    if mode == "shm" and not client.shared_memory:
-                        raise RuntimeError(f"the expert function did not attach the segment in {shm_dir}")
+                    if mode in ("shm", "tcp") and client.transport != mode:
+                        raise RuntimeError(f"the {mode} call travelled {client.transport}: the expert function "
+                                           f"did not attach the segment in {shm_dir} / open a TCP lane")
                 rows.append({"size": name, "hidden": hidden, "intermediate": intermediate, "tokens": n, "mode": mode,
                              "dtype": str(dtype).removeprefix("torch."), **remote, "inproc_us": inproc * 1e6,
                              "ratio": remote["rtt_us"] / (inproc * 1e6), "bytes": payload,
@@ -373,12 +405,24 @@ async def main(args: argparse.Namespace) -> None:
               ", ".join(f"{k.removesuffix('_us')} {v:.0f}" for k, v in breakdown.items() if k != "shm_call_timeline_us"))
         print("one shared-memory call, stamp to stamp (us):", ", ".join(f"{k} {v:.0f}" for k, v in timeline.items()))
     goals = {}
-    # The goal is for the default path: a frontend on the expert function's node streams through shared memory.
-    key = [r for r in rows if r["size"] == "mixtral" and r["tokens"] == 64 and r["mode"] == "shm"]
-    if key:
+    loopback = loopback_bandwidth()
+    print(f"loopback TCP, one connection one way: {loopback / 1e9:.2f} GB/s")
+
+    def row(mode: str, tokens: int) -> dict | None:
+        return next((r for r in rows if r["size"] == "mixtral" and r["tokens"] == tokens and r["mode"] == mode), None)
+
+    # The goals are for the default paths: a frontend on the expert function's node streams through
+    # shared memory; one on another node through a TCP lane.
+    if row("shm", 64):
         goal_name, bound = ("overhead_ms_64tok_h200", "<= 0.3") if device.type == "cuda" else ("overhead_ms_64tok_cpu", "<= 1.0")
-        goals[goal_name] = Goal(key[0]["overhead_us"] / 1e3, bound)
+        goals[goal_name] = Goal(row("shm", 64)["overhead_us"] / 1e3, bound)
+    if row("tcp", 64) and device.type == "cuda":
+        goals["overhead_ms_64tok_tcp_h200"] = Goal(row("tcp", 64)["overhead_us"] / 1e3, "<= 0.5")
+    if row("tcp", 256):  # the request's and the reply's bytes, each at loopback speed
+        need_us = row("tcp", 256)["bytes"] / loopback * 1e6
+        goals["tcp_overhead_vs_loopback_256tok"] = Goal(row("tcp", 256)["overhead_us"] / need_us, "<= 2.0")
     path = write_results("expert_fn", device, rows, goals, args.out, breakdown_64tok_mixtral=breakdown,
+                         loopback_tcp_bytes_per_second=loopback,
                          settings={"batch_wait_ms": args.batch_wait_ms, "busy_poll_us": args.busy_poll_us,
                                    "client_busy_poll_us": args.client_busy_poll_us,
                                    "cuda_graph_tokens": args.cuda_graph_tokens,
