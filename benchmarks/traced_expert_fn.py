@@ -50,10 +50,9 @@ def trace_messages(stamps: dict, received: type, received_stamp: str, sent: type
 
     try_send = lane._Packets.try_send
 
-    def traced_send(packets, data: bytes) -> bool:
-        sent_at = time.perf_counter()
-        stamps.setdefault(sent.FromString(data).request_id, {})[sent_stamp] = sent_at
-        return try_send(packets, data)
+    def traced_send(packets, message) -> bool:
+        stamps.setdefault(message.request_id, {})[sent_stamp] = time.perf_counter()
+        return try_send(packets, message)
 
     lane.pb, lane._Packets.try_send = Messages(), traced_send
     try:

@@ -91,6 +91,7 @@ def test_compute_waits_only_for_its_own_slots_copy():
                                      torch.ones(big_h, big_i, dtype=torch.bfloat16)) for e in range(2)}
     s = ExpertStore(HostExperts((0,), 2, big_h, big_i, torch.bfloat16, lambda l, e: experts[(l, e)]), torch.device("cuda"), 2)
     try:
+        assert s.pinned, "copies from pageable memory are synchronous: nothing here could overlap"
         s.copy((0, 1), 1)
         torch.cuda.synchronize()
         s.copy((0, 0), 0)
