@@ -52,14 +52,16 @@ async def test_a_cuda_expert_function_matches_the_cpu_one(dtype, tolerance, fold
         client = cpu.client(streaming=False)
         want = await client.forward(LAYER, EXPERTS, COUNTS, x)
         await client.close()
-    async with serve(checkpoint, dtype=dtype, device="cuda", shm_dir=tmp_path, cuda_graph_tokens=cuda_graph_tokens) as gpu:
-        for transport, options in {"unary": dict(streaming=False), "stream": {}, "shm": dict(shm_dir=tmp_path)}.items():
+    async with serve(checkpoint, dtype=dtype, device="cuda", shm_dir=tmp_path, cuda_graph_tokens=cuda_graph_tokens,
+                     data_port=0) as gpu:
+        for transport, options in {"unary": dict(streaming=False), "inline": dict(tcp=False),
+                                   "shm": dict(shm_dir=tmp_path), "tcp": {}}.items():
             client = gpu.client(**options)
             got = await client.forward(LAYER, EXPERTS, COUNTS, x)
             assert rel_err(got.float(), want.float()) < tolerance, transport
-            from_cuda = await client.forward(LAYER, EXPERTS, COUNTS, x.cuda())
+            from_cuda = await client.forward(LAYER, EXPERTS, COUNTS, x.cuda())  # a TCP lane's arena pins here
             assert from_cuda.device.type == "cuda" and torch.equal(from_cuda.cpu(), got), transport
-            assert client.shared_memory == (transport == "shm")
+            assert client.transport == (transport if transport != "unary" else None)
             await client.close()
 
 
