@@ -98,7 +98,7 @@ class Frontend:
         self.max_context = self.checkpoint.config.max_position_embeddings
         self.engine = Engine(self.model, self.tokenizer, eos_ids, self.max_context,
                              SchedulerConfig(config.max_batch, config.max_waiting),
-                             before_step=self.dispatcher.apply_pending, metrics=self.metrics, loads=self.loads,
+                             before_step=self.dispatcher.before_step, metrics=self.metrics, loads=self.loads,
                              micro_batches=config.micro_batches,
                              on_forward=self.recorder.start_forward if self.recorder else None)
         self._watch: asyncio.Task | None = None
