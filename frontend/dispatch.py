@@ -264,8 +264,12 @@ class Dispatcher:
                     combine(out, top_k_weights, g, y, weight_on_input)
         for name, parts in remote.items():
             call = calls[name]
-            pieces = sorted((p.row, y) for rows, future in parts for p, y in zip(rows, future.result().split(
-                [p.count for p in rows])))
+            try:
+                results = [future.result() for _, future in parts]
+            except DispatchError as e:  # name the tokens that went without their experts: their requests fail
+                raise DispatchError(str(e), torch.cat([g.tokens for g in call.groups]).unique().tolist()) from e
+            pieces = sorted((p.row, y) for (rows, _), result in zip(parts, results)
+                            for p, y in zip(rows, result.split([p.count for p in rows])))
             joined = pieces[0][1] if len(pieces) == 1 else torch.cat([y for _, y in pieces])  # [N, H], call order
             for g, y in zip(call.groups, joined.split(call.counts)):
                 combine(out, top_k_weights, g, y, weight_on_input)

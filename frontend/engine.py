@@ -154,28 +154,38 @@ class Engine:
                 continue
             try:
                 self.step(plan)
-            except Exception as e:  # noqa: BLE001 - fail the step's requests loudly, keep serving others
+            except Exception as e:  # noqa: BLE001 - a fault outside any one forward pass (a bug): end the
+                # step's requests loudly, with fresh micro-batches, and keep serving the queue
                 log.exception("engine step failed")
-                self._fail(plan.decode + plan.prefill, f"{type(e).__name__}: {e}")
+                with self._wake:
+                    self.micro = [MicroBatch() for _ in self.micro]
+                self._fail([(seq, _message(e)) for seq in plan.decode + plan.prefill])
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> None:
+        """Decode the running micro-batches, then prefill the admitted sequences. A forward pass that
+        fails ends only the requests it names (`failed_rows`); the rest of its batch is rolled back and
+        decodes again at the next step. Sampling that fails ends only its own request."""
         if self.before_step:
             self.before_step()
-        finished = []
+        finished, failed = [], []
         busy = [mb for mb in self.micro if mb.seqs]
         if busy:
             run = self._pool.map if self._pool and len(busy) > 1 else map
-            for mb, logits in zip(busy, list(run(self._decode, busy))):
+            for mb, result in zip(busy, list(run(self._decode, busy))):
+                if isinstance(result, Exception):
+                    failed += self._decode_failed(mb, result)
+                    continue
                 if self.loads:
                     self.loads.record_tokens(len(mb.seqs))
-                finished += [seq for i, seq in enumerate(mb.seqs) if self._advance(seq, logits[i], mb, i)]
+                finished += self._advance_all(mb.seqs, result, mb, range(len(mb.seqs)), failed)
         for seq in plan.prefill:
-            cache = DynamicCache()
-            ids = torch.tensor([seq.prompt_ids], device=self.device)
-            if self.on_forward:
-                self.on_forward(ForwardRows((seq.request_id,), (0,), (len(seq.prompt_ids),)))
-            logits = self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+            try:
+                logits, cache = self._prefill(seq)
+            except Exception as e:  # noqa: BLE001 - this prompt's forward pass failed: only it ends
+                log.exception("prefill of request %s failed", seq.request_id)
+                failed.append((seq, _message(e)))
+                continue
             if self.loads:
                 self.loads.record_tokens(len(seq.prompt_ids))
             mb = min(self.micro, key=lambda m: len(m.seqs))
@@ -184,20 +194,54 @@ class Engine:
             mb.tokens.append(0)
             if self.metrics:
                 self.metrics.ttft.observe(time.monotonic() - seq.started)
-            if self._advance(seq, logits, mb, len(mb.seqs) - 1):
-                finished.append(seq)
+            finished += self._advance_all([seq], logits[None], mb, [len(mb.seqs) - 1], failed)
+        if failed:
+            self._fail(failed)
         if finished:
             self._remove(finished)
 
-    def _decode(self, mb: MicroBatch) -> torch.Tensor:  # -> logits [B, V] of the micro-batch
+    def _prefill(self, seq: Sequence) -> tuple[torch.Tensor, DynamicCache]:  # -> logits [V], its cache
+        cache = DynamicCache()
+        ids = torch.tensor([seq.prompt_ids], device=self.device)
+        if self.on_forward:
+            self.on_forward(ForwardRows((seq.request_id,), (0,), (len(seq.prompt_ids),)))
+        return self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1], cache
+
+    def _decode(self, mb: MicroBatch) -> torch.Tensor | Exception:  # -> logits [B, V] of the micro-batch
         with torch.inference_mode():  # inference mode is per thread: micro-batches run on pool threads
             if self.on_forward:  # each sequence feeds its last token, at position prompt + generated - 1
                 self.on_forward(ForwardRows(tuple(s.request_id for s in mb.seqs),
                                             tuple(len(s.prompt_ids) + len(s.generated) - 1 for s in mb.seqs),
                                             (1,) * len(mb.seqs)))
-            inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                      for k, v in mb.state.decode_inputs(mb.tokens).items()}
-            return self.model(**inputs, use_cache=True).logits[:, -1]
+            try:
+                inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                          for k, v in mb.state.decode_inputs(mb.tokens).items()}
+                return self.model(**inputs, use_cache=True).logits[:, -1]
+            except Exception as e:  # noqa: BLE001 - handed back: the step decides whom it ends
+                return e
+
+    def _decode_failed(self, mb: MicroBatch, error: Exception) -> list[tuple[Sequence, str]]:
+        """Roll the micro-batch back to before the failed step; its named rows' requests fail."""
+        log.error("decode of %d sequences failed: %s", len(mb.seqs), _message(error), exc_info=error)
+        rows = failed_rows(error, len(mb.seqs), 1)
+        try:
+            mb.state.undo_decode()
+        except Exception:  # noqa: BLE001 - a cache that cannot be rolled back takes its whole micro-batch
+            log.exception("the failed step's cache could not be rolled back; its micro-batch ends")
+            rows = range(len(mb.seqs))
+        return [(mb.seqs[i], _message(error)) for i in sorted(set(rows))]
+
+    def _advance_all(self, seqs: list[Sequence], logits: torch.Tensor, mb: MicroBatch, indices,
+                     failed: list) -> list[Sequence]:  # logits [len(seqs), V] -> the sequences that finished
+        done = []
+        for seq, row, index in zip(seqs, logits, indices):
+            try:
+                if self._advance(seq, row, mb, index):
+                    done.append(seq)
+            except Exception as e:  # noqa: BLE001 - e.g. a row of NaN logits: only its request ends
+                log.exception("sampling for request %s failed", seq.request_id)
+                failed.append((seq, _message(e)))
+        return done
 
     def _advance(self, seq: Sequence, logits: torch.Tensor, mb: MicroBatch, index: int) -> bool:
         """Sample one token for `seq`, stream it, and say whether the sequence is done."""
@@ -237,11 +281,21 @@ class Engine:
         if aborted:
             self._remove(aborted)
 
-    def _fail(self, seqs: list[Sequence], message: str) -> None:
-        """A step failed: its caches may hold half a step, so every running sequence ends with the error."""
-        with self._wake:
-            failed = list({id(s): s for s in seqs + self.scheduler.running}.values())
-            self.scheduler.remove(failed)
-            self.micro = [MicroBatch() for _ in self.micro]
-        for seq in failed:
+    def _fail(self, failed: list[tuple[Sequence, str]]) -> None:
+        """These requests end with their error; every other sequence goes on."""
+        self._remove([seq for seq, _ in failed])
+        for seq, message in failed:
             seq.emit(Delta([], "", "error", len(seq.prompt_ids), len(seq.generated), error=message))
+
+
+def _message(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def failed_rows(error: BaseException, sequences: int, tokens_per_sequence: int) -> range | list[int]:
+    """The sequences a failed forward pass must end: those whose token rows the error names
+    (a DispatchError's `rows`: [B * S] flattened, as MoE blocks see the batch), else all of them."""
+    rows = getattr(error, "rows", None)
+    if rows is None:
+        return range(sequences)
+    return sorted({row // tokens_per_sequence for row in rows})
