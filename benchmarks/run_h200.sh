@@ -55,6 +55,8 @@ case "${1:-all}" in
   offload)  # issue 15 item 8: every offload policy in the engine on Mixtral- and Qwen3-30B-A3B-size layers, routing
     # replayed from the base model's trace; the accelerate peer runs when its wheel is in .whl (accelerate-1.15.0)
     python3 benchmarks/offload_bench.py --device cuda --out "$OUT" "${@:2}" ;;
-  frontend) python3 benchmarks/frontend_decode.py --device cuda --preset mixtral-4l --layers 2 --steps 30 --warmup 5 --out "$OUT" "${@:2}" ;;
+  frontend)  # issue 17: decode and TTFT against the roofline, transformers / in process / expert functions (shm),
+    # batch 1-64, 512-token prompts, torch.profiler summaries; Mixtral sizes cut to 2 layers to fit one run
+    python3 benchmarks/frontend_decode.py --device cuda --preset mixtral-4l --layers 2 --steps 20 --warmup 5 --out "$OUT" "${@:2}" ;;
   *) echo "usage: $0 expert_fn|frontend|predictor|llapor|offload|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
 esac

@@ -14,6 +14,7 @@ from kubemoe.checkpoint import Checkpoint, default_model_id
 from kubemoe.devices import resolve_device, resolve_dtype
 from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher
 from kubemoe.frontend.engine import Engine
+from kubemoe.frontend.kv_cache import KVCacheConfig
 from kubemoe.frontend.loads import LoadRecorder
 from kubemoe.errors import KubemoeError
 from kubemoe.frontend.metrics import FrontendMetrics
@@ -45,6 +46,8 @@ class FrontendConfig:
     max_batch: int = 32
     max_waiting: int = 256
     micro_batches: int = 1  # 2: two-batch overlap of attention and remote expert calls
+    kv_cache_bytes: int | None = None  # the KV cache's budget; None: a fraction of free GPU memory, unbounded on CPU
+    kv_cache_fraction: float = 0.9  # see frontend/kv_cache.py
     load_window_seconds: float = 30.0
     streaming: bool = True
     call_timeout: float = 30.0
@@ -98,8 +101,9 @@ class Frontend:
         self.max_context = self.checkpoint.config.max_position_embeddings
         self.engine = Engine(self.model, self.tokenizer, eos_ids, self.max_context,
                              SchedulerConfig(config.max_batch, config.max_waiting),
-                             before_step=self.dispatcher.apply_pending, metrics=self.metrics, loads=self.loads,
+                             before_step=self.dispatcher.before_step, metrics=self.metrics, loads=self.loads,
                              micro_batches=config.micro_batches,
+                             kv_cache=KVCacheConfig(config.kv_cache_bytes, config.kv_cache_fraction),
                              on_forward=self.recorder.start_forward if self.recorder else None)
         self._watch: asyncio.Task | None = None
         if self.offload and not (config.routing_table or config.routing_configmap):

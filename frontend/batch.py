@@ -24,6 +24,7 @@ class BatchState:
         self.cache = None  # a transformers DynamicCache holding [B, heads, L, head_dim] per layer
         self.mask: torch.Tensor | None = None  # [B, L], 1 = real token
         self.lengths: list[int] = []  # real tokens per sequence (its next position)
+        self._before_decode: tuple | None = None  # (mask, lengths) before the last decode step
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -63,6 +64,7 @@ class BatchState:
 
     def decode_inputs(self, tokens: list[int]) -> dict:
         """Model inputs for one decode step feeding `tokens` (one per sequence, batch order)."""
+        self._before_decode = (self.mask, self.lengths)
         self.mask = F.pad(self.mask, (0, 1), value=1)
         inputs = {
             "input_ids": torch.tensor(tokens).view(-1, 1),
@@ -72,3 +74,11 @@ class BatchState:
         }
         self.lengths = [n + 1 for n in self.lengths]
         return inputs
+
+    def undo_decode(self) -> None:
+        """Forget the last decode step, which failed part-way: the layers it reached had grown by one
+        column, so every layer is cut back to the width before it (DynamicCache.crop cuts every layer)."""
+        self.mask, self.lengths = self._before_decode
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[:, :, :self.width]
+            layer.values = layer.values[:, :, :self.width]

@@ -14,6 +14,25 @@ from kubemoe.expert_fn.cli import busy_poll_option, shm_dir_option
 from kubemoe.frontend.offload.config import POLICIES
 
 
+class ByteSize(click.ParamType):
+    """A size as Kubernetes writes quantities (20Gi, 512Mi, 1G) or in bytes."""
+
+    name = "SIZE"
+
+    def convert(self, value, param, ctx) -> int:
+        from kubernetes.utils import parse_quantity
+
+        if isinstance(value, int):
+            return value
+        try:
+            size = int(parse_quantity(value))
+        except (ValueError, TypeError):
+            self.fail(f"{value!r} is not a size: write e.g. 20Gi, 512Mi or a number of bytes", param, ctx)
+        if size <= 0:
+            self.fail(f"{value!r}: the size must be positive", param, ctx)
+        return size
+
+
 checkpoint_option = click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
                                  help="Checkpoint folder (safetensors, config.json, tokenizer).")
 _SERVING_OPTIONS = (  # what both commands serve with, in --help order
@@ -24,6 +43,12 @@ _SERVING_OPTIONS = (  # what both commands serve with, in --help order
     click.option("--micro-batches", type=click.IntRange(1, 2), default=1, show_default=True,
                  help="2 decodes two half-batches on two threads so one's attention overlaps the other's remote "
                       "expert calls (experimental: slower than 1 in benchmarks/results/frontend_*.json so far)."),
+    click.option("--kv-cache-bytes", type=ByteSize(), default=None,
+                 help="Memory for the running batch's KV cache (20Gi, 512Mi or bytes): requests are admitted while "
+                      "it has room and the latest are preempted (recomputed later) when it runs out. Default: "
+                      "--kv-cache-fraction of the GPU memory free after the first prompt; unbounded on CPU."),
+    click.option("--kv-cache-fraction", type=click.FloatRange(0, 1, min_open=True), default=0.9, show_default=True,
+                 help="Share of the free GPU memory the KV cache may take when --kv-cache-bytes is not given."),
     shm_dir_option("expert functions"),
     click.option("--predictor", default="router", show_default=True, metavar="router|none|FILE",
                  help="Expert-load predictor: the next layers' routers unchanged, none, or a file from "
@@ -45,25 +70,6 @@ _SERVING_OPTIONS = (  # what both commands serve with, in --help order
 )
 
 
-
-
-class ByteSize(click.ParamType):
-    """A size as Kubernetes writes quantities (20Gi, 512Mi, 1G) or in bytes."""
-
-    name = "SIZE"
-
-    def convert(self, value, param, ctx) -> int:
-        from kubernetes.utils import parse_quantity
-
-        if isinstance(value, int):
-            return value
-        try:
-            size = int(parse_quantity(value))
-        except (ValueError, TypeError):
-            self.fail(f"{value!r} is not a size: write e.g. 20Gi, 512Mi or a number of bytes", param, ctx)
-        if size <= 0:
-            self.fail(f"{value!r}: the size must be positive", param, ctx)
-        return size
 
 
 _OFFLOAD_OPTIONS = (  # the operator renders them as environment (kubemoe/offload_env.py)
@@ -122,17 +128,19 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's).")
 def frontend_command(checkpoint, routing_table, routing_configmap, host, port, grpc_port, max_batch, micro_batches,
-                     shm_dir, predictor, prediction_distance, split_min_tokens, record_routing, record_max_mb,
+                     kv_cache_bytes, kv_cache_fraction, shm_dir, predictor, prediction_distance, split_min_tokens, record_routing, record_max_mb,
                      busy_poll_us, offload, gpu_budget, offload_predictor, offload_policy, model, name, device, dtype):
     """Serve a model: attention and routing here, routed experts per the routing table (or, with --offload,
     every expert here from host memory through a GPU cache)."""
-    config = frontend_config(checkpoint, routing_table, routing_configmap, max_batch, micro_batches, shm_dir, predictor,
+    config = frontend_config(checkpoint, routing_table, routing_configmap, max_batch, micro_batches, kv_cache_bytes,
+                             kv_cache_fraction, shm_dir, predictor,
                              prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us,
                              offload, gpu_budget, offload_predictor, offload_policy, model, name, device, dtype)
     _serve(config, host, port, grpc_port, _banner)
 
 
-def frontend_config(checkpoint, routing_table, routing_configmap, max_batch, micro_batches, shm_dir, predictor,
+def frontend_config(checkpoint, routing_table, routing_configmap, max_batch, micro_batches, kv_cache_bytes,
+                    kv_cache_fraction, shm_dir, predictor,
                     prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us, offload,
                     gpu_budget, offload_predictor, offload_policy, model, name, device, dtype):
     """`kubemoe frontend`'s arguments -> its FrontendConfig (raises click.UsageError)."""
@@ -146,7 +154,8 @@ def frontend_config(checkpoint, routing_table, routing_configmap, max_batch, mic
     return FrontendConfig(checkpoint=checkpoint, model=model, name=name, routing_table=routing_table,
                           routing_configmap=routing_configmap, dtype=dtype, device=device, max_batch=max_batch,
                           micro_batches=micro_batches, shm_dir=shm_dir, busy_poll_us=busy_poll_us,
-                          split_min_tokens=split_min_tokens,
+                          split_min_tokens=split_min_tokens, kv_cache_bytes=kv_cache_bytes,
+                          kv_cache_fraction=kv_cache_fraction,
                           offload=_offload_config(offload, gpu_budget, offload_predictor, offload_policy),
                           **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
 
@@ -162,7 +171,8 @@ def _prediction_fields(predictor, prediction_distance, record_routing, record_ma
               help="Architecture of the generated tiny checkpoint used when --checkpoint is not given.")
 @click.option("--experts", default=2, show_default=True, help="Local expert-function processes.")
 @serving_options
-def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, micro_batches, shm_dir, predictor,
+def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, micro_batches, kv_cache_bytes,
+                  kv_cache_fraction, shm_dir, predictor,
                   prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us, offload,
                   gpu_budget, offload_predictor, offload_policy):
     """Run everything locally: a frontend and expert functions over gRPC on loopback (with --offload: the
@@ -178,6 +188,7 @@ def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, m
     checkpoint = checkpoint or default_checkpoint(arch)
     if offload_config:
         config = FrontendConfig(checkpoint=checkpoint, max_batch=max_batch, micro_batches=micro_batches,
+                                kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction,
                                 offload=offload_config,
                                 **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
         _serve(config, host, port, grpc_port, lambda fe, h, g: _banner(fe, h, g, ", experts offloaded in this process"))
@@ -191,7 +202,8 @@ def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, m
         table = Path(tmp) / "routing.json"
         table.write_text(to_json(table_for_bundles(model, bundles, experts.addresses)))
         config = FrontendConfig(checkpoint=checkpoint, routing_table=table, max_batch=max_batch,
-                                micro_batches=micro_batches, shm_dir=shm_dir, busy_poll_us=busy_poll_us,
+                                micro_batches=micro_batches, kv_cache_bytes=kv_cache_bytes,
+                                kv_cache_fraction=kv_cache_fraction, shm_dir=shm_dir, busy_poll_us=busy_poll_us,
                                 split_min_tokens=split_min_tokens, **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
         _serve(config, host, port, grpc_port,
                lambda fe, h, g: _banner(fe, h, g, f", experts in {len(bundles)} local processes"))

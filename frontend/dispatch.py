@@ -1,6 +1,8 @@
 """The dispatcher: runs a layer's routed experts wherever the routing table says they live.
 
-Per MoE layer it groups the batch's tokens by expert, sends each bundle's tokens to its replicas
+A layer whose experts all run in this process is one grouped computation over its stacked
+weights (`kubemoe.moe.grouped_ffn`) that never waits for the device; its loads are counted on the
+device (`tally.py`). Otherwise, per MoE layer it groups the batch's tokens by expert, sends each bundle's tokens to its replicas
 (all bundles of the layer at once), computes in-process bundles on the calling thread while remote
 calls are in flight, and adds the outputs back with the routing weights. A hot expert's tokens are
 split across several of its bundle's warm replicas in the same step (`kubemoe.planning.split`): how
@@ -33,7 +35,8 @@ from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.frontend.loads import LoadRecorder
 from kubemoe.frontend.loop_thread import LoopThread
-from kubemoe.moe import combine, expert_inputs, group_tokens
+from kubemoe.frontend.tally import DeviceTally
+from kubemoe.moe import StackedExperts, can_group, combine, expert_counts, expert_inputs, grouped_ffn, group_tokens
 from kubemoe.planning.split import split
 from kubemoe.routing_table import LOCAL, BundleRoute, RouteMap
 
@@ -43,7 +46,12 @@ NOT_RETRYABLE = {grpc.StatusCode.INVALID_ARGUMENT}  # a malformed request fails 
 
 
 class DispatchError(RuntimeError):
-    """No replica of a bundle could run a layer's experts."""
+    """No replica of a bundle could run a layer's experts. `rows`: the batch's token rows whose
+    experts did not run (the requests they belong to fail; the others' need not), None if unknown."""
+
+    def __init__(self, message: str, rows: Sequence[int] | None = None):
+        super().__init__(message)
+        self.rows = rows
 
 
 @dataclass
@@ -126,6 +134,10 @@ class Dispatcher:
         self._routes: RouteMap | None = None
         self._pending: RouteMap | None = None
         self._local: dict[tuple[int, int], ExpertWeights] = {}
+        # Layers with every expert in this process: their weights stacked for one grouped computation.
+        self._stacked: dict[int, StackedExperts] = {}
+        self.tally = DeviceTally(adapter.num_experts, self._record_counts)
+        loads.before_report.append(self.tally.flush)
         self._replicas: dict[str, Replica] = {}
         self._clients: dict[str, object] = {}
         self._ids = itertools.count()
@@ -153,6 +165,7 @@ class Dispatcher:
         if routes is None:
             return
         wanted = {k for k, r in routes.routes.items() if LOCAL in r.addresses} if self.offload is None else set()
+        self._stack_layers(wanted)
         for key in wanted - self._local.keys():
             self._local[key] = self.adapter.load_expert(self.checkpoint, *key, dtype=self.dtype, device=self.device)
         for key in self._local.keys() - wanted:
@@ -167,6 +180,43 @@ class Dispatcher:
         if self._pending is routes:  # cleared only now: `ready` never reads False while a table loads
             self._pending = None
 
+    def _stack_layers(self, wanted: set[tuple[int, int]]) -> None:
+        """Stack the weights of layers whose experts all run here; unstack layers that no longer do.
+
+        An expert already held (alone or in a stack) is copied, not read again; each expert of a
+        stack is an `ExpertWeights` view of it, so the per-expert path shares the same memory.
+        """
+        experts = range(self.adapter.num_experts)
+        whole = {layer for layer in self.adapter.moe_layers if all((layer, e) in wanted for e in experts)}
+        for layer in self._stacked.keys() - whole:  # keep what stays wanted, in memory of its own
+            del self._stacked[layer]
+            for e in experts:
+                if (layer, e) in self._local:
+                    w = self._local[(layer, e)]
+                    self._local[(layer, e)] = ExpertWeights(w.gate_up.clone(), w.down.clone())
+        shape = (self.adapter.hidden_size, self.adapter.expert_intermediate_size)
+        if not can_group(self.dtype, self.device, *shape):
+            return  # the per-expert path computes every layer
+        for layer in sorted(whole - self._stacked.keys()):
+            stack = StackedExperts.empty(self.adapter.num_experts, *shape, self.dtype, self.device)
+            for e in experts:
+                held = self._local.get((layer, e)) or self.adapter.load_expert(
+                    self.checkpoint, layer, e, dtype=self.dtype, device=self.device)
+                stack.gate_up[e].copy_(held.gate_up)
+                stack.down[e].copy_(held.down)
+                self._local[(layer, e)] = stack.expert(e)  # the separate copy, if any, is freed here
+            self._stacked[layer] = stack
+
+    def before_step(self) -> None:
+        """Between engine steps: take a new routing table, flush the device tallies now and then."""
+        self.apply_pending()
+        self.tally.step()
+
+    def _record_counts(self, layer: int, counts: list[tuple[int, int]]) -> None:
+        self.loads.record(layer, counts)
+        if self.metrics:
+            self.metrics.record_expert_tokens(layer, counts)
+
     # -- the layer ------------------------------------------------------------------------------
 
     def layer_module(self, layer: int) -> torch.nn.Module:
@@ -179,18 +229,15 @@ class Dispatcher:
             if self._routes is None:
                 raise DispatchError("no routing table yet: the frontend is not ready")
         weight_on_input = self.adapter.routing.weight_on_input
+        stack = self._stacked.get(layer)
+        if stack is not None:  # every expert here: nothing in this branch waits for the device
+            counts = expert_counts(top_k_index, self.adapter.num_experts)  # [E]
+            self.tally.add(layer, counts)
+            self._observe(layer, hidden, top_k_index, top_k_weights)
+            return grouped_ffn(hidden, top_k_index, top_k_weights, stack, self.adapter.act, weight_on_input, counts)
         groups = group_tokens(top_k_index)
-        counts = [(g.expert, len(g.tokens)) for g in groups]
-        self.loads.record(layer, counts)
-        if self.metrics:
-            self.metrics.record_expert_tokens(layer, counts)
-        for observer in list(self.observers):
-            try:
-                observer.on_layer(layer, hidden, top_k_index, top_k_weights)
-            except Exception:  # noqa: BLE001 - observing must never fail a request
-                log.exception("%s failed at layer %d and is switched off; serving goes on without it",
-                              type(observer).__name__, layer)
-                self.observers.remove(observer)
+        self._record_counts(layer, [(g.expert, len(g.tokens)) for g in groups])
+        self._observe(layer, hidden, top_k_index, top_k_weights)
         calls: dict[str, _BundleCall] = {}
         for g in groups:
             route = self._routes.routes[(layer, g.expert)]
@@ -217,12 +264,25 @@ class Dispatcher:
                     combine(out, top_k_weights, g, y, weight_on_input)
         for name, parts in remote.items():
             call = calls[name]
-            pieces = sorted((p.row, y) for rows, future in parts for p, y in zip(rows, future.result().split(
-                [p.count for p in rows])))
+            try:
+                results = [future.result() for _, future in parts]
+            except DispatchError as e:  # name the tokens that went without their experts: their requests fail
+                raise DispatchError(str(e), torch.cat([g.tokens for g in call.groups]).unique().tolist()) from e
+            pieces = sorted((p.row, y) for (rows, _), result in zip(parts, results)
+                            for p, y in zip(rows, result.split([p.count for p in rows])))
             joined = pieces[0][1] if len(pieces) == 1 else torch.cat([y for _, y in pieces])  # [N, H], call order
             for g, y in zip(call.groups, joined.split(call.counts)):
                 combine(out, top_k_weights, g, y, weight_on_input)
         return out
+
+    def _observe(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        for observer in list(self.observers):
+            try:
+                observer.on_layer(layer, hidden, top_k_index, top_k_weights)
+            except Exception:  # noqa: BLE001 - observing must never fail a request
+                log.exception("%s failed at layer %d and is switched off; serving goes on without it",
+                              type(observer).__name__, layer)
+                self.observers.remove(observer)
 
     def _predicted(self, layer: int) -> Sequence[int] | None:
         if self.predictions is None:

@@ -21,7 +21,8 @@ from transformers import DynamicCache
 from kubemoe.frontend.batch import BatchState
 from kubemoe.frontend.records import ForwardRows
 from kubemoe.frontend.sampling import SamplingParams, sample_next
-from kubemoe.frontend.scheduler import QueueFull, Scheduler, SchedulerConfig, StepPlan
+from kubemoe.frontend.kv_cache import KVCacheConfig
+from kubemoe.frontend.scheduler import QueueFull, Scheduler, SchedulerConfig, StepPlan, cached_tokens
 from kubemoe.frontend.text import TextStream
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,11 @@ class Sequence:
     aborted: bool = False
     started: float = field(default_factory=time.monotonic)
 
+    @property
+    def context_length(self) -> int:
+        """Tokens its cache holds once this step has run: the prompt and everything generated."""
+        return len(self.prompt_ids) + len(self.generated)
+
 
 @dataclass
 class MicroBatch:
@@ -82,13 +88,17 @@ class MicroBatch:
 class Engine:
     def __init__(self, model, tokenizer, eos_ids: set[int], max_context: int,
                  scheduler: SchedulerConfig = SchedulerConfig(), before_step=None, metrics=None, loads=None,
-                 micro_batches: int = 1, on_forward=None):
+                 micro_batches: int = 1, on_forward=None, kv_cache: KVCacheConfig = KVCacheConfig()):
         self.model, self.tokenizer, self.eos_ids, self.max_context = model, tokenizer, eos_ids, max_context
         self.scheduler = Scheduler(scheduler)
         self.before_step = before_step  # e.g. the dispatcher switching routing tables between steps
         self.metrics, self.loads = metrics, loads
         self.on_forward = on_forward  # callable(ForwardRows) before each forward pass: whose rows it computes
         self.device = next(model.parameters()).device
+        self.kv_cache = kv_cache
+        self.kv_bytes_per_token: int | None = None  # measured on the first prefill (every architecture caches its own way)
+        self.kv_budget: int | None = None  # bytes; None: unbounded
+        self.scheduler.measuring = kv_cache.bounded(self.device)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         # Two micro-batches overlap: while one waits for its remote experts, the other runs its
         # attention (the two-batch overlap of DeepSeek-V3 and SGLang). One is plain batching.
@@ -112,11 +122,17 @@ class Engine:
         if len(prompt_ids) >= self.max_context:
             raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_context} "
                                 "tokens (prompt plus at least one generated token): shorten the prompt")
+        capacity = self.scheduler.kv_capacity
+        if capacity is not None and len(prompt_ids) >= capacity:
+            raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; this frontend's KV cache holds {capacity} "
+                                "(prompt plus at least one generated token): shorten the prompt, or give the frontend "
+                                "a larger --kv-cache-bytes")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta] = asyncio.Queue()
         seq = Sequence(request_id, list(prompt_ids), params, TextStream(self.tokenizer, params.stop),
                        lambda d: loop.call_soon_threadsafe(queue.put_nowait, d), params.generator(),
                        min(params.max_tokens, self.max_context - len(prompt_ids)))
+        self._cap_generation(seq)
         with self._wake:
             self.scheduler.add(seq)  # QueueFull propagates to the caller
             self._wake.notify()
@@ -154,50 +170,165 @@ class Engine:
                 continue
             try:
                 self.step(plan)
-            except Exception as e:  # noqa: BLE001 - fail the step's requests loudly, keep serving others
+            except Exception as e:  # noqa: BLE001 - a fault outside any one forward pass (a bug): end the
+                # step's requests loudly, with fresh micro-batches, and keep serving the queue
                 log.exception("engine step failed")
-                self._fail(plan.decode + plan.prefill, f"{type(e).__name__}: {e}")
+                with self._wake:
+                    self.micro = [MicroBatch() for _ in self.micro]
+                self._fail([(seq, _message(e)) for seq in plan.decode + plan.prefill])
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> None:
+        """Decode the running micro-batches, then prefill the admitted sequences. A forward pass that
+        fails ends only the requests it names (`failed_rows`); the rest of its batch is rolled back and
+        decodes again at the next step. Sampling that fails ends only its own request."""
         if self.before_step:
             self.before_step()
-        finished = []
+        finished, failed = [], [(seq, self._too_long(seq)) for seq in plan.rejected]
+        if plan.preempted:
+            self._leave_batch(plan.preempted)  # back in the queue; prefilled again (recompute) when there is room
         busy = [mb for mb in self.micro if mb.seqs]
         if busy:
             run = self._pool.map if self._pool and len(busy) > 1 else map
-            for mb, logits in zip(busy, list(run(self._decode, busy))):
+            for mb, result in zip(busy, list(run(self._decode, busy))):
+                if isinstance(result, Exception):
+                    failed += self._decode_failed(mb, result)
+                    continue
                 if self.loads:
                     self.loads.record_tokens(len(mb.seqs))
-                finished += [seq for i, seq in enumerate(mb.seqs) if self._advance(seq, logits[i], mb, i)]
+                finished += self._advance_all(mb.seqs, result, mb, range(len(mb.seqs)), failed)
         for seq in plan.prefill:
-            cache = DynamicCache()
-            ids = torch.tensor([seq.prompt_ids], device=self.device)
-            if self.on_forward:
-                self.on_forward(ForwardRows((seq.request_id,), (0,), (len(seq.prompt_ids),)))
-            logits = self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+            try:
+                logits, cache = self._prefill(seq)
+            except torch.OutOfMemoryError as e:
+                if self._out_of_memory(e):
+                    self._leave_batch([seq], requeue=True)
+                else:
+                    failed.append((seq, _message(e)))
+                continue
+            except Exception as e:  # noqa: BLE001 - this prompt's forward pass failed: only it ends
+                log.exception("prefill of request %s failed", seq.request_id)
+                failed.append((seq, _message(e)))
+                continue
+            if self.kv_bytes_per_token is None:
+                self._measure_cache(cache, seq.context_length)
             if self.loads:
-                self.loads.record_tokens(len(seq.prompt_ids))
+                self.loads.record_tokens(seq.context_length)
             mb = min(self.micro, key=lambda m: len(m.seqs))
-            mb.state.join(cache, len(seq.prompt_ids))
+            mb.state.join(cache, seq.context_length)
             mb.seqs.append(seq)
             mb.tokens.append(0)
-            if self.metrics:
+            if self.metrics and not seq.generated:  # a preempted sequence had its first token long ago
                 self.metrics.ttft.observe(time.monotonic() - seq.started)
-            if self._advance(seq, logits, mb, len(mb.seqs) - 1):
-                finished.append(seq)
+            finished += self._advance_all([seq], logits[None], mb, [len(mb.seqs) - 1], failed)
+        if failed:
+            self._fail(failed)
         if finished:
             self._remove(finished)
+        self._record_cache(len(plan.preempted))
 
-    def _decode(self, mb: MicroBatch) -> torch.Tensor:  # -> logits [B, V] of the micro-batch
+    def _prefill(self, seq: Sequence) -> tuple[torch.Tensor, DynamicCache]:  # -> logits [V], its cache
+        """The prompt, and after a preemption what the sequence had generated (recomputed into a new cache)."""
+        cache = DynamicCache()
+        context = seq.prompt_ids + seq.generated
+        ids = torch.tensor([context], device=self.device)
+        if self.on_forward:
+            self.on_forward(ForwardRows((seq.request_id,), (0,), (len(context),)))
+        return self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1], cache
+
+    # -- the KV cache's bound -------------------------------------------------------------------
+
+    def _measure_cache(self, cache: DynamicCache, tokens: int) -> None:
+        """Bytes per cached token from a real cache, then the capacity in tokens from the budget."""
+        self.kv_bytes_per_token = max(1, sum(l.keys.nbytes + l.values.nbytes for l in cache.layers
+                                             if getattr(l, "keys", None) is not None) // tokens)
+        self.kv_budget = self.kv_cache.budget(self.device)
+        if self.kv_budget is not None:
+            capacity = self.kv_budget // self.kv_bytes_per_token
+            with self._wake:
+                self.scheduler.kv_capacity = capacity
+                for seq in self.scheduler.running + list(self.scheduler.waiting):
+                    self._cap_generation(seq)
+            log.info("KV cache: %d bytes per token, budget %d bytes = %d token positions", self.kv_bytes_per_token,
+                     self.kv_budget, capacity)
+        self.scheduler.measuring = False
+        if self.metrics and self.kv_budget is not None:
+            self.metrics.kv_cache_budget_bytes.set(self.kv_budget)
+
+    def _cap_generation(self, seq: Sequence) -> None:
+        """A sequence alone must fit the cache: its generation ends ("length") where it would not."""
+        capacity = self.scheduler.kv_capacity
+        if capacity is not None:
+            seq.max_new = max(1, min(seq.max_new, capacity - len(seq.prompt_ids)))
+
+    def _out_of_memory(self, error: BaseException) -> bool:
+        """The device ran out despite the budget (other memory grew, e.g. experts loaded later): shrink the
+        cache's capacity below what the batch holds now, so the scheduler preempts; False where that cannot help."""
+        with self._wake:
+            held = cached_tokens(self.scheduler.running)
+            if self.kv_bytes_per_token is None or len(self.scheduler.running) < 2:
+                return False
+            self.scheduler.kv_capacity = int(held * 0.9)
+        log.warning("out of device memory with %d cached tokens (%s): the KV cache's capacity is now %d tokens",
+                    held, error, self.scheduler.kv_capacity)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
+
+    def _record_cache(self, preempted: int) -> None:
+        if not self.metrics or self.kv_bytes_per_token is None:
+            return
+        used = sum(len(mb.state) * mb.state.width for mb in self.micro) * self.kv_bytes_per_token
+        self.metrics.kv_cache_used_bytes.set(used)
+        if preempted:
+            self.metrics.preemptions.inc(preempted)
+
+    def _too_long(self, seq: Sequence) -> str:
+        return (f"the request needs {seq.context_length + 1} cache positions; this frontend's KV cache holds "
+                f"{self.scheduler.kv_capacity}: give the frontend a larger --kv-cache-bytes")
+
+    def _decode(self, mb: MicroBatch) -> torch.Tensor | Exception:  # -> logits [B, V] of the micro-batch
         with torch.inference_mode():  # inference mode is per thread: micro-batches run on pool threads
             if self.on_forward:  # each sequence feeds its last token, at position prompt + generated - 1
                 self.on_forward(ForwardRows(tuple(s.request_id for s in mb.seqs),
                                             tuple(len(s.prompt_ids) + len(s.generated) - 1 for s in mb.seqs),
                                             (1,) * len(mb.seqs)))
-            inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                      for k, v in mb.state.decode_inputs(mb.tokens).items()}
-            return self.model(**inputs, use_cache=True).logits[:, -1]
+            try:
+                inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                          for k, v in mb.state.decode_inputs(mb.tokens).items()}
+                return self.model(**inputs, use_cache=True).logits[:, -1]
+            except Exception as e:  # noqa: BLE001 - handed back: the step decides whom it ends
+                return e
+
+    def _decode_failed(self, mb: MicroBatch, error: Exception) -> list[tuple[Sequence, str]]:
+        """Roll the micro-batch back to before the failed step; its named rows' requests fail (none
+        when the device ran out of memory and a smaller cache can make room: the scheduler preempts)."""
+        if isinstance(error, torch.OutOfMemoryError) and self._out_of_memory(error):
+            try:
+                mb.state.undo_decode()
+                return []
+            except Exception:  # noqa: BLE001 - falls through to ending the micro-batch
+                log.exception("the failed step's cache could not be rolled back")
+        log.error("decode of %d sequences failed: %s", len(mb.seqs), _message(error), exc_info=error)
+        rows = failed_rows(error, len(mb.seqs), 1)
+        try:
+            mb.state.undo_decode()
+        except Exception:  # noqa: BLE001 - a cache that cannot be rolled back takes its whole micro-batch
+            log.exception("the failed step's cache could not be rolled back; its micro-batch ends")
+            rows = range(len(mb.seqs))
+        return [(mb.seqs[i], _message(error)) for i in sorted(set(rows))]
+
+    def _advance_all(self, seqs: list[Sequence], logits: torch.Tensor, mb: MicroBatch, indices,
+                     failed: list) -> list[Sequence]:  # logits [len(seqs), V] -> the sequences that finished
+        done = []
+        for seq, row, index in zip(seqs, logits, indices):
+            try:
+                if self._advance(seq, row, mb, index):
+                    done.append(seq)
+            except Exception as e:  # noqa: BLE001 - e.g. a row of NaN logits: only its request ends
+                log.exception("sampling for request %s failed", seq.request_id)
+                failed.append((seq, _message(e)))
+        return done
 
     def _advance(self, seq: Sequence, logits: torch.Tensor, mb: MicroBatch, index: int) -> bool:
         """Sample one token for `seq`, stream it, and say whether the sequence is done."""
@@ -225,23 +356,41 @@ class Engine:
 
     def _remove(self, gone: list[Sequence]) -> None:
         """Finished or aborted sequences leave their micro-batch and the scheduler."""
+        with self._wake:
+            self._leave_batch(gone)
+            self.scheduler.remove(gone)
+
+    def _leave_batch(self, gone: list[Sequence], requeue: bool = False) -> None:
+        """Sequences leave their micro-batch (their cache is freed); `requeue`: back to the head of the queue."""
         gone_ids = {id(s) for s in gone}
         with self._wake:
             for mb in self.micro:
                 if any(id(s) in gone_ids for s in mb.seqs):
                     mb.keep([i for i, s in enumerate(mb.seqs) if id(s) not in gone_ids])
-            self.scheduler.remove(gone)
+            if requeue:
+                self.scheduler.remove(gone)
+                self.scheduler.waiting.extendleft(reversed(gone))
 
     def _drop_aborted(self) -> None:
         aborted = [s for s in list(self.scheduler.waiting) + self.scheduler.running if s.aborted]
         if aborted:
             self._remove(aborted)
 
-    def _fail(self, seqs: list[Sequence], message: str) -> None:
-        """A step failed: its caches may hold half a step, so every running sequence ends with the error."""
-        with self._wake:
-            failed = list({id(s): s for s in seqs + self.scheduler.running}.values())
-            self.scheduler.remove(failed)
-            self.micro = [MicroBatch() for _ in self.micro]
-        for seq in failed:
+    def _fail(self, failed: list[tuple[Sequence, str]]) -> None:
+        """These requests end with their error; every other sequence goes on."""
+        self._remove([seq for seq, _ in failed])
+        for seq, message in failed:
             seq.emit(Delta([], "", "error", len(seq.prompt_ids), len(seq.generated), error=message))
+
+
+def _message(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def failed_rows(error: BaseException, sequences: int, tokens_per_sequence: int) -> range | list[int]:
+    """The sequences a failed forward pass must end: those whose token rows the error names
+    (a DispatchError's `rows`: [B * S] flattened, as MoE blocks see the batch), else all of them."""
+    rows = getattr(error, "rows", None)
+    if rows is None:
+        return range(sequences)
+    return sorted({row // tokens_per_sequence for row in rows})

@@ -304,6 +304,7 @@ class HttpApi:
         return web.json_response({"status": "not ready", "reason": NOT_READY, **details}, status=503)
 
     async def metrics(self, request: web.Request) -> web.Response:
+        self.frontend.loads.refresh()  # expert token counts held on the device
         return web.Response(body=generate_latest(self.frontend.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -32,7 +32,8 @@ class LoadRecorder:
         self.predictor, self.prediction_distance = "", 0  # what predicts, set by the frontend
         self.offload_policy = ""  # set by a frontend in offload mode: the report then carries its counts
         self._offload = OffloadStats()
-        self.before_report = None  # callable run before each report: the predictor flushes its tallies
+        # Run before each report (and metrics scrape): device-side tallies (dispatcher, predictor) flush into it.
+        self.before_report: list = []
 
     def record(self, layer: int, expert_counts: list[tuple[int, int]]) -> None:
         with self._lock:
@@ -72,9 +73,13 @@ class LoadRecorder:
             self._roll()
             self._tokens += count
 
+    def refresh(self) -> None:
+        """Bring in the counts still held on the device (a report or a metrics scrape is about to be read)."""
+        for flush in self.before_report:
+            flush()
+
     def report(self) -> pb.LoadReport:
-        if self.before_report:
-            self.before_report()
+        self.refresh()
         with self._lock:
             self._roll()
             if self._last is not None:

@@ -15,6 +15,12 @@ class FrontendMetrics:
         self.queue_depth = Gauge("kubemoe_frontend_queue_depth", "Requests waiting to join the batch", registry=r)
         self.ttft = Histogram("kubemoe_frontend_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.kv_cache_used_bytes = Gauge("kubemoe_frontend_kv_cache_used_bytes",
+                                         "KV cache the running batch holds (padded positions x bytes per token)", registry=r)
+        self.kv_cache_budget_bytes = Gauge("kubemoe_frontend_kv_cache_budget_bytes",
+                                           "KV cache budget (unset while unbounded)", registry=r)
+        self.preemptions = Counter("kubemoe_frontend_preemptions", "Sequences that left the batch for lack of KV "
+                                   "cache and were prefilled again later (recompute)", registry=r)
         self.expert_tokens = Counter("kubemoe_expert_tokens", "Tokens routed to each expert",
                                      ["deployment", "layer", "expert"], registry=r)
         self.expert_predicted_tokens = Counter(

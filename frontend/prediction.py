@@ -90,7 +90,7 @@ class OnlinePredictor:
         self.predictor = predictor.to(device)
         self.loads, self.metrics, self.refresh, self.flush_every = loads, metrics, refresh, flush_every
         loads.predictor, loads.prediction_distance = predictor.kind, predictor.distance
-        loads.before_report = self.flush  # /loads is always current
+        loads.before_report.append(self.flush)  # /loads is always current
         self._pending = threading.local()  # per forward pass: {target: (predicted [T, K], hidden [T, H])}
         self._layers = {t: _Layer(s, predictor.shape.num_experts, torch.device(device))
                         for t, s in predictor.targets.items()}

@@ -3,7 +3,10 @@
 This is the part of an MoE layer that does not depend on where the experts run: split a batch's
 tokens by expert, and add each expert's output back to its tokens with the routing weight. The
 in-process experts, the expert-function server and the frontend's remote dispatcher all use it.
-Shapes: T = tokens, H = hidden size, K = experts per token, N_e = tokens routed to expert e.
+Where a layer's experts all live in one process, `grouped_ffn` computes them at once from a
+`StackedExperts`, without a per-expert loop and without waiting for the device.
+Shapes: T = tokens, H = hidden size, K = experts per token, N_e = tokens routed to expert e,
+E = experts, I = expert intermediate size.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from kubemoe.expert import ExpertWeights, expert_ffn
 
@@ -70,3 +74,78 @@ class LocalExperts(torch.nn.Module):
             x = expert_inputs(hidden_states, top_k_weights, group, self.weight_on_input)
             combine(out, top_k_weights, group, expert_ffn(x, self.weights[group.expert], self.act), self.weight_on_input)
         return out
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """Every routed expert of one layer in one pair of tensors, expert e at index e."""
+
+    gate_up: torch.Tensor  # [E, 2I, H]
+    down: torch.Tensor  # [E, H, I]
+
+    @classmethod
+    def empty(cls, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+              device: str | torch.device) -> "StackedExperts":
+        return cls(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype, device=device),
+                   torch.empty(num_experts, hidden, intermediate, dtype=dtype, device=device))
+
+    def expert(self, e: int) -> ExpertWeights:  # views: the expert shares the stack's memory
+        return ExpertWeights(self.gate_up[e], self.down[e])
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+
+def expert_counts(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:  # [T, K] -> [E] int64
+    """Tokens per expert, computed where the index lives. index_add_, not bincount: bincount sizes
+    its output from the largest id, which a CUDA tensor can only tell the host by waiting for the GPU."""
+    flat = top_k_index.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+
+
+def can_group(dtype: torch.dtype, device: torch.device, hidden: int, intermediate: int) -> bool:
+    """Whether `grouped_ffn` runs here: torch's grouped GEMM, on CPU any dtype; on CUDA bfloat16 (its
+    kernels' dtype) on Ampere or newer, with rows of whole 16-byte units (the kernel's alignment)."""
+    device = torch.device(device)
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda" or dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    return all(n * dtype.itemsize % 16 == 0 for n in (hidden, 2 * intermediate, intermediate))
+
+
+def grouped_ffn(
+    hidden: torch.Tensor,  # [T, H]
+    top_k_index: torch.Tensor,  # [T, K]
+    top_k_weights: torch.Tensor,  # [T, K]
+    experts: StackedExperts,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    weight_on_input: bool,
+    counts: torch.Tensor | None = None,  # [E] from `expert_counts`, if the caller has it already
+) -> torch.Tensor:  # [T, H]
+    """A layer's routed experts as two grouped GEMMs over the (token, choice) pairs sorted by expert.
+
+    Nothing here waits for the device: the group boundaries stay a device tensor, and a group of no
+    rows costs the kernel nothing (its expert's weights are not read). The K outputs of a token are
+    summed in a fixed order (deterministic, unlike index_add_'s atomics on CUDA), as transformers'
+    grouped_mm experts do. S = T * K (token, choice) pairs.
+    """
+    k = top_k_index.shape[1]
+    experts_sorted, order = top_k_index.reshape(-1).sort(stable=True)  # [S]
+    x = hidden[order // k]  # [S, H]
+    weights = top_k_weights.reshape(-1)[order, None]  # [S, 1]
+    if weight_on_input:
+        x = x * weights.to(x.dtype)
+    if counts is None:
+        counts = expert_counts(experts_sorted, experts.num_experts)
+    offsets = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert's group
+    gate, up = F.grouped_mm(x, experts.gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)  # [S, I] each
+    y = F.grouped_mm(act(gate) * up, experts.down.transpose(-2, -1), offs=offsets)  # [S, H]
+    if not weight_on_input:
+        y = y * weights  # float32, as `combine` weighs
+    unsorted = torch.empty_like(y)
+    unsorted[order] = y
+    return unsorted.view(-1, k, y.shape[-1]).sum(dim=1).to(hidden.dtype)

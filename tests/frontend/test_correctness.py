@@ -52,6 +52,7 @@ def test_logits_and_greedy_generation_match_transformers(arch, tiny_checkpoint):
     fe = local_frontend(path)
     try:
         fe.dispatcher.apply_pending()
+        assert fe.dispatcher._stacked.keys() == set(fe.adapter.moe_layers)  # the grouped path is what is compared
         ids = torch.tensor([PROMPTS[0], PROMPTS[2] + PROMPTS[1] + [1, 2]])
         with torch.no_grad():
             assert rel_err(fe.model(ids).logits, reference(ids).logits) < 1e-4
