@@ -63,6 +63,13 @@ class _Stream:
         self.segment, self.transport = segment, transport
         self.allocator = Allocator(HEADER_BYTES, segment.size)
 
+    def end(self) -> None:
+        """The stream is over: a TCP lane's arena is this process's own memory, registered with CUDA if
+        a call pinned it; unregister it before the mapping can go (CUDA would keep the range, and a
+        later mapping at the same address could not be pinned). Replies still held stay readable."""
+        if self.transport == "tcp" and self.segment is not None:
+            self.segment.unpin()
+
     def region_of_reply(self, response: pb.ForwardResponse) -> tuple[int, int]:
         """Where a TCP lane reply's tensor goes: the region its request was sent in, nowhere else."""
         offset, nbytes = tensor_region(response, self.segment.size)
@@ -315,6 +322,7 @@ class ExpertClient:
         finally:
             if self._stream is stream:
                 self._stream = None  # the next call opens a new stream
+            stream.end()
             self._fail_pending(stream, error or rpc_error(grpc.StatusCode.UNAVAILABLE,
                                                           f"the server at {self.address} ended the stream"))
 

@@ -62,7 +62,9 @@ async def test_a_cuda_expert_function_matches_the_cpu_one(dtype, tolerance, fold
             from_cuda = await client.forward(LAYER, EXPERTS, COUNTS, x.cuda())  # a TCP lane's arena pins here
             assert from_cuda.device.type == "cuda" and torch.equal(from_cuda.cpu(), got), transport
             assert client.transport == (transport if transport != "unary" else None)
+            arena = client._stream.segment if transport == "tcp" else None
             await client.close()
+            assert arena is None or (arena.tried_pinning and not arena.pinned)  # unregistered with the stream
 
 
 def test_graphed_rounds_match_eager_ones_from_pinned_regions_too_and_follow_reloaded_weights(tmpfs):
