@@ -142,6 +142,8 @@ class ExpertClient:
         self.address, self.model, self.streaming = address, model, streaming
         self.shm_dir, self.shm_bytes, self.tcp = shm_dir, shm_bytes, tcp
         self._options = grpc_options(max_message_bytes)
+        # A call's tensor is at most this large; a larger one (a long prefill) goes as several calls.
+        self.max_call_bytes = max_message_bytes - CALL_HEADROOM_BYTES
         self._channel: grpc.aio.Channel | None = None  # made on first use, inside the event loop
         self._stream: _Stream | None = None
         self._open_lock = asyncio.Lock()
@@ -179,7 +181,17 @@ class ExpertClient:
 
     async def call(self, layer: int, experts: Sequence[int], counts: Sequence[int], hidden: torch.Tensor, *,
                    request_id: str = "", timeout: float | None = None) -> tuple[torch.Tensor, pb.ServerTiming]:
-        """forward(), and the server's timing of the call (for benchmarks and tools)."""
+        """forward(), and the server's timing of the call (for benchmarks and tools). A tensor larger than
+        one message may carry goes as several calls at once, cut at row boundaries (the timing is the
+        first's); their outputs are joined in order."""
+        rows = max(1, self.max_call_bytes // max(1, hidden[:1].nbytes))
+        if hidden.shape[0] > rows:
+            rid = request_id or next(self._ids)
+            parts = await asyncio.gather(*(
+                self.call(layer, part_experts, part_counts, hidden[start:start + sum(part_counts)],
+                          request_id=f"{rid}/{n}", timeout=timeout)
+                for n, (start, part_experts, part_counts) in enumerate(split_rows(experts, counts, rows))))
+            return torch.cat([out for out, _ in parts]), parts[0][1]
         request = pb.ForwardRequest(model=self.model, request_id=request_id or next(self._ids), layer=layer,
                                     experts=experts, counts=counts)
         if self.streaming:
@@ -373,6 +385,25 @@ _PASS_THROUGH = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTIC
 
 
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+CALL_HEADROOM_BYTES = 64 << 10  # a message's fields besides its tensor
+
+
+def split_rows(experts: Sequence[int], counts: Sequence[int], rows: int) -> list[tuple[int, list[int], list[int]]]:
+    """Groups (expert, count), in order, cut into parts of at most `rows` rows: [(first row, experts, counts)].
+    A group may be cut across parts: its expert then appears in both."""
+    parts, start, experts_now, counts_now, filled = [], 0, [], [], 0
+    for expert, count in zip(experts, counts):
+        while count:
+            take = min(count, rows - filled)
+            experts_now.append(expert)
+            counts_now.append(take)
+            filled, count = filled + take, count - take
+            if filled == rows:
+                parts.append((start, experts_now, counts_now))
+                start, experts_now, counts_now, filled = start + rows, [], [], 0
+    if filled:
+        parts.append((start, experts_now, counts_now))
+    return parts
 LANE_CONNECT_SECONDS = 5.0
 
 

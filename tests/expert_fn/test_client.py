@@ -106,3 +106,25 @@ async def test_server_gone_is_unavailable_and_a_new_server_on_the_port_is_used(t
     finally:
         await client.close()
         await again.stop(None)
+
+
+def test_split_rows_keeps_every_row_in_order_and_no_part_over_the_limit():
+    from kubemoe.expert_fn.client import split_rows
+
+    parts = split_rows([3, 5, 1], [4, 7, 2], rows=5)
+    assert parts == [(0, [3, 5], [4, 1]), (5, [5], [5]), (10, [5, 1], [1, 2])]
+    assert split_rows([2], [3], rows=8) == [(0, [2], [3])]
+    assert split_rows([], [], rows=4) == []
+
+
+async def test_a_call_larger_than_a_message_goes_as_several_with_the_same_result(tiny_checkpoint, serve):
+    """A long prefill's call (more bytes than --max-message-bytes) is cut at row boundaries, not refused."""
+    async with serve(tiny_checkpoint("mixtral"), max_message_bytes=1 << 20) as server:
+        x = torch.randn(3000, H)  # 1.5 MiB of float32: two messages' worth
+        plain = server.client(streaming=False)
+        want = torch.cat([await plain.forward(1, [2], [1000], x[:1000]), await plain.forward(1, [5], [2000], x[1000:])])
+        client = server.client(max_message_bytes=1 << 20, tcp=False)
+        got = await client.forward(1, [2, 5], [1000, 2000], x)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        await client.close()
+        await plain.close()
