@@ -38,10 +38,10 @@ from kubernetes.utils import parse_quantity
 from kubemoe.bundles import Bundle
 from kubemoe.operator.spec import MoESpec
 from kubemoe.planning import placer
+from kubemoe.planning.placer import WARM_SLACK
 from kubemoe.planning.scaler import layer_cv, scale
 
 ServiceKey = tuple[str, str]  # (bundle name, node name): one expert service
-WARM_SLACK = 0.5  # see _place
 GPU = "nvidia.com/gpu"
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB, as GPU feature discovery labels it
@@ -340,10 +340,7 @@ def _place(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str, int]
     """The placer over the eligible GPUs -> (sites per bundle, unplaced per bundle, GPUs holding a replica).
 
     A replica's queue in a layer is the load of the layer's replicas on its GPU (capacity 1). A warm
-    service is kept unless its GPU's queue in the layer exceeds the shortest by more than half the
-    replica's load (warm slack 0.5): only then does a cold start elsewhere shorten the longer of the
-    two queues by more than that, so small changes in load never cost a cold start (weights loaded
-    again) and a clearly better GPU still wins.
+    service is kept within the placer's WARM_SLACK.
     """
     gpus, item = _placer_gpus(spec, bundles, replicas, warm, eligible)
     rows = list(_by_layer(bundles).values())
