@@ -1,9 +1,9 @@
 """The routing table contract: which endpoints serve each (layer, expert), as the operator writes it.
 
-The operator renders it into a ConfigMap key `routing.json`; `kubemoe serve` writes it to a file; the
-frontend watches either (`kubemoe.frontend.routing_table`) and validates what it reads here. Its
-format is the protobuf JSON form of `kubemoe.v1.RoutingTable`. Both sides import this module, never
-each other.
+The operator renders it into a ConfigMap key `routing.json`; `kubemoe serve` writes it to a file;
+frontends, and expert functions that load experts in place, watch either (`kubemoe.routing_watch`)
+and validate what they read here. Its format is the protobuf JSON form of `kubemoe.v1.RoutingTable`.
+Every side imports this module, never another side.
 """
 
 from __future__ import annotations

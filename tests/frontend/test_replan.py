@@ -87,3 +87,32 @@ def test_an_expert_moves_between_running_functions_while_the_frontend_serves(tin
     finally:
         fe.close()
         servers.stop()
+
+
+def test_a_replica_the_table_names_before_it_has_loaded_loses_no_token(tiny_checkpoint):
+    """The cluster's in-place path: a function named for an expert it is still loading answers
+    NOT_FOUND or UNAVAILABLE; the dispatcher retries that part on the expert's loaded replica."""
+    path = tiny_checkpoint("mixtral")
+    fe = Frontend(FrontendConfig(checkpoint=path, predictor="none", split_min_tokens=1))
+    layer, experts = fe.adapter.moe_layers[0], fe.adapter.num_experts
+    bundles = per_expert(fe.adapter.moe_layers, experts)
+    servers = ExpertServers(path, [Bundle("all", tuple(k for b in bundles for k in b.experts)),
+                                   Bundle("one", ((layer, experts - 1),))])
+    loaded, empty = servers.addresses["all"][0], servers.addresses["one"][0]
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(32, fe.adapter.hidden_size, generator=generator)
+    weights, index = torch.randn(32, experts, generator=generator).softmax(-1).topk(2, dim=-1)
+    index[:, 0] = 0  # every token at expert 0: split over both replicas, one of which lacks it
+    try:
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
+        fe.dispatcher.apply_pending()
+        reference = fe.dispatcher.run_layer(layer, hidden, index, weights)
+        addresses = {b.name: [empty, loaded] if b.experts[0] == (layer, 0) else [loaded] for b in bundles}
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, addresses, version=2))
+        fe.dispatcher.apply_pending()
+        out = fe.dispatcher.run_layer(layer, hidden, index, weights)
+        assert fe.dispatcher._replicas[empty].picks >= 1 and fe.dispatcher._replicas[empty].failed_until > 0
+    finally:
+        fe.close()
+        servers.stop()
+    torch.testing.assert_close(out, reference, rtol=1.3e-6, atol=1e-5)
