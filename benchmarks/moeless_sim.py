@@ -483,6 +483,26 @@ def gains_by_tokens(results: dict, tokens: np.ndarray) -> list[dict]:
     return bins
 
 
+# Why the two latency goals stay unmet, as the runs show it (raw, sweeps and by_tokens hold the figures).
+WHY_UNMET = {
+    "latency_vs_eplb": (
+        "EPLB here gets kubemoe's average replica budget and is re-planned at the same cadence (every window) "
+        "from the window just before, while popularity drifts slowly, so its history is nearly the future; both "
+        "replicate the heaviest expert per replica first and pack by load. kubemoe's only edges left are the "
+        "prediction for the coming window and per-layer replica counts; what remains is how each packs whole "
+        "replicas onto GPUs (EPLB's balanced packing, at most ceil(slots / GPUs) a GPU, against the placer's "
+        "join-the-shortest-queue). With the truth in place of the predictor (sweeps, prediction 'truth') the "
+        "ratio barely moves: the gap is not the predictor. MoEless's -22% is against EPLB rebalanced rarely; "
+        "production systems rebalance every thousands of iterations, which this comparison does not impose."),
+    "latency_vs_oracle": (
+        "The oracle spreads every layer's tokens evenly over all GPUs with no expert granularity (lossy: a "
+        "bound). kubemoe balances whole replicas (2-4 a GPU at 8 GPUs; at 1000 GPUs fewer replicas than GPUs in "
+        "a layer, so some GPUs idle in every layer), plans on a window's mean while each iteration's loads "
+        "fluctuate (by_tokens), and below the expert curve's knee keeps a hot expert's tokens on one GPU: another "
+        "replica would cost a whole weight read more than the copy time it saves."),
+}
+
+
 @dataclass(frozen=True)
 class Workload:
     source: str                      # generated | recorded | file
@@ -530,7 +550,7 @@ def main() -> None:
     for w in found:
         print(f"--- {w.source} {w.layout.name} {w.regime}: {w.trace.shape[0]} iterations", flush=True)
         row, results = run_regime(w.layout, w.regime, w.trace, base, args.seed, w.predicted)
-        row["source"] = w.source
+        row["source"], row["prediction"] = w.source, "recorded d=1 predictor" if w.predicted is not None else "modelled"
         rows.append(row)
         bucket = combined.setdefault(f"{w.source}/{w.layout.name}", {p: [] for p in results})
         for p, r in results.items():
@@ -544,6 +564,9 @@ def main() -> None:
             for variant in variants:
                 swept = run_regime(w.layout, w.regime, w.trace, variant, args.seed, w.predicted)[0]
                 sweeps.append({**swept, "source": w.source})
+            if w.predicted is not None:  # what a perfect predictor would change: plan and split on the truth
+                truth = run_regime(w.layout, w.regime, w.trace, replace(base, error_per_distance=0.0), args.seed)[0]
+                sweeps.append({**truth, "source": w.source, "prediction": "truth"})
 
     columns = [("source", "source", ""), ("layout", "layout", ""), ("regime", "regime", ""),
                ("kubemoe_mean_ms", "kubemoe ms", ".3f"), ("static_mean_ms", "static ms", ".3f"),
@@ -561,7 +584,8 @@ def main() -> None:
         overall[name] = {f"latency_vs_{b}": means["kubemoe"] / means[b] for b in ("static", "eplb", "oracle")}
         print(f"{name}, decode and prefill together: " + ", ".join(f"{k} {v:.3f}" for k, v in overall[name].items()))
     if sweeps:
-        print_table(sweeps, [("source", "source", ""), ("regime", "regime", ""), ("cv", "V", ".1f"),
+        print_table(sweeps, [("source", "source", ""), ("prediction", "prediction", ""), ("regime", "regime", ""),
+                             ("cv", "V", ".1f"),
                              ("distance", "d", "d"), ("warm_slack", "warm slack", ""),
                              ("kubemoe_mean_ms", "kubemoe ms", ".3f"), ("latency_vs_static", "vs static", ".3f"),
                              ("latency_vs_eplb", "vs eplb", ".3f"), ("kubemoe_replicas_per_layer", "repl/layer", ".1f"),
@@ -589,7 +613,7 @@ def main() -> None:
                          replay=replay_rows.__doc__.split("\n\n", 1)[1].strip().replace("\n    ", " "),
                          goals_taken_at=f"{at}, decode and prefill iterations together (ratio of mean MoE-layer "
                                         "latency; cost: pay-per-use vs held, per iteration)",
-                         overall=overall, sweeps=sweeps, sim=asdict(base),
+                         overall=overall, sweeps=sweeps, sim=asdict(base), why_unmet=WHY_UNMET,
                          layouts={l.name: asdict(l) for l in {w.layout for w in found}},
                          latency_model="kubemoe.planning.latency defaults (H200 Mixtral curve, 0.25 ms a call, "
                                        "23 GB/s copies); generated traces: prediction error exp(N(0, (0.1 d)^2)); "
