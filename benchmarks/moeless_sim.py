@@ -563,7 +563,7 @@ def main() -> None:
                         [replace(base, warm_slack=slack) for slack in (math.inf, 0.0)])
             for variant in variants:
                 swept = run_regime(w.layout, w.regime, w.trace, variant, args.seed, w.predicted)[0]
-                sweeps.append({**swept, "source": w.source})
+                sweeps.append({**swept, "source": w.source, "prediction": row["prediction"]})
             if w.predicted is not None:  # what a perfect predictor would change: plan and split on the truth
                 truth = run_regime(w.layout, w.regime, w.trace, replace(base, error_per_distance=0.0), args.seed)[0]
                 sweeps.append({**truth, "source": w.source, "prediction": "truth"})
