@@ -4,8 +4,9 @@ Where the next plan only moves replicas between functions that already run, noth
 each function Loads the experts the new table sends it (`kubemoe.routing_table.moves_between`),
 then the frontend switches to the new table (at a step boundary), then each function Unloads what
 no table sends it any more. No token reaches a replica before its weights are in, and none is sent
-to one after they are out. `kubemoe serve`-style local deployments and the live benchmark re-plan
-this way; in a cluster each expert function follows the table itself (`kubemoe.expert_fn.follow`).
+to one after they are out. A driver that holds both the table and the functions (the live
+benchmark) re-plans this way; in a cluster each expert function follows the table itself
+(`kubemoe.expert_fn.follow`), as the operator cannot reach every frontend's step boundary.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ with the spec's cvThreshold, layerMemoryCap and maxReplicasPerExpert, and the Ex
 first, then join-the-shortest-queue by the layer's load. A replica no node has room for is listed
 in `Plan.unplaced`, which the status and an event report.
 
-*In place*: a scale-out replica the placer puts on a node where a running function (a service of
-another bundle, active before and after this plan) has GPU memory to spare is hosted by that
+*In place*: a scale-out replica the placer puts at a site where a running function (a service of
+another bundle, active before and after this plan) has memory to spare is hosted by that
 function instead of a new service: the routing table names the function for the bundle too, and the
 function Loads it (expert functions follow the table, `kubemoe.expert_fn.follow`), the cheapest warm
 start. A new service (a cold start) is made only where no running function there has room, and for
