@@ -1,22 +1,32 @@
 """MoEless in simulation: kubemoe's scaler + placer + per-iteration split against static EP, EPLB and the oracle.
 
-    python benchmarks/moeless_sim.py                       # generated traces, both scales
-    python benchmarks/moeless_sim.py --scales 8            # Mixtral on 8 GPUs only
-    python benchmarks/moeless_sim.py --traces loads.json   # recorded per-iteration loads (Mixtral layout)
+    python benchmarks/moeless_sim.py                       # recorded and generated loads, 8 and 1000 GPUs
+    python benchmarks/moeless_sim.py --scales 8            # MoEless's scale only
+    python benchmarks/moeless_sim.py --sources recorded    # the trained model's routing only
+    python benchmarks/moeless_sim.py --traces loads.json   # per-iteration loads from elsewhere
 
-Scales: 8 GPUs with Mixtral's layout (32 MoE layers x 8 experts of 336 MiB, bf16, top-2; MoEless's
-scale) and 1000 GPUs with DeepSeek-V3's (58 MoE layers x 256 experts of 42 MiB, fp8 as it ships,
-top-8, 8 expert groups; EPLB then runs its global policy, as 125 nodes do not divide 8 groups).
+Two sources of per-iteration expert loads, each as decode-sized iterations (a batch of sequences,
+one token each) and prefill-sized ones (the prompts that arrived), reported separately:
+- recorded: the trained model's routing (benchmarks/results/routing_trace_base_h200.safetensors,
+  written by predictor_accuracy.py on the H200: 64 held-out requests of 256 tokens, 8 MoE layers x
+  16 experts, top-2, with the fine-tuned d=1 predictor's guesses). At 8 GPUs it replays on the
+  trained layout itself (8 x 16, top-2) with Mixtral-sized experts and hidden states (no mapping);
+  at 1000 GPUs it is mapped onto DeepSeek-V3's layout (`recorded_trace` says how). Iterations are
+  made of recorded rows (`replay_rows`), with the generated traces' bursty arrivals. kubemoe plans
+  and splits on the real predictor's counts (layer 0, which it does not predict: the previous
+  window's observed loads, the step's own counts).
+- generated, seeded and made here: per layer a Zipf-like expert popularity (a random permutation
+  of ranks), drifting (a random walk of the log-popularities, and every `shift_every` iterations two
+  experts trade places), and bursty Azure-like arrivals (a log-normal AR(1) rate, so quiet stretches
+  and bursts alternate); prompt lengths log-normal; each token picks top-k experts from the layer's
+  popularity (multinomial, the top-k overlap ignored). A prediction at distance d is the truth times
+  exp(N(0, (error_per_distance * d)^2)), per expert, per window and per iteration.
+Layouts: Mixtral's (32 MoE layers x 8 experts of 336 MiB, bf16, top-2) on 8 GPUs for generated loads,
+the trained one above on 8 GPUs for recorded ones, and DeepSeek-V3's (58 x 256 experts of 42 MiB,
+fp8 as it ships, top-8, 8 expert groups; EPLB runs its global policy, as 125 nodes do not divide 8
+groups) on 1000 GPUs for both.
 
-Loads. Generated traces are seeded and made here: per layer a Zipf-like expert popularity (a random
-permutation of ranks), drifting (a random walk of the log-popularities, and every `shift_every`
-iterations two experts trade places), and bursty Azure-like arrivals (a log-normal AR(1) rate, so
-quiet stretches and bursts alternate). Decode-sized iterations carry a batch of sequences (one token
-each); prefill-sized iterations carry the prompts that arrived (log-normal lengths). Each token picks
-top-k experts from the layer's popularity (multinomial, the top-k overlap ignored). The two regimes
-are simulated and reported separately.
-
-`--traces FILE` replays recorded loads instead: either JSON
+`--traces FILE` replays loads from elsewhere instead: either JSON
     {"layout": "mixtral-8gpu" | "deepseek-v3-1000gpu",          # which layout's sizes to use
      "decode":  [[[tokens of expert e] for e in E] for l in L] for each iteration],   # [T][L][E]
      "prefill": [...same...]}                                    # either key may be missing
@@ -24,27 +34,29 @@ or safetensors with integer tensors `decode` and/or `prefill` of shape [T, L, E]
 {"layout": ...}). L and E must match the layout.
 
 Policies, re-planned every `window` iterations (the first window is history only):
-- kubemoe: the scaler on the loads predicted for the coming window, the placer (warm replicas from
-  the previous window first), and per iteration `split` over the warm replicas with the predicted
-  tokens (JSQ on the tokens each replica's GPU already has queued in the layer).
+- kubemoe, as the operator and the dispatcher run it: the scaler on the loads predicted for the
+  coming window, the placer (warm replicas from the previous window first, within the operator's
+  WARM_SLACK), both knowing the expert curve's knee (no replica for less than a knee of tokens, and
+  a replica queues at least a weight read); per iteration `split` with the predicted tokens, as the
+  dispatcher does it: no replica has tokens in flight when a layer starts, so parts are even.
 - static EP: one replica per expert, round-robin, never changes.
 - EPLB: `rebalance_experts` on the previous window's observed loads, with as many redundant slots
   per layer as kubemoe used on average; tokens split evenly over an expert's replicas.
-- oracle: every layer perfectly balanced over all GPUs (a bound only).
-kubemoe reuses every warm replica (the placer's default, as MoEless does); the sweep adds warm_slack
-1 and 0, because nothing here charges a cold start (the operator starts new replicas before the
-routing table points at them), so what warm reuse costs in balance shows, and what it saves does not.
+- oracle: every layer perfectly balanced over all GPUs (a bound only: lossy, no memory, and it
+  uses every GPU in every layer where a plan uses one per replica).
+Nothing here charges a cold start (the operator starts new replicas before the routing table points
+at them); what moving replicas costs shows as weights loaded per re-plan, for kubemoe and EPLB.
 maxReplicasPerExpert is G (at most one replica of an expert a GPU); the layer memory cap is off.
-Sensitivity sweeps (V 0.2..1.0, d 1..5, warm slack) run at the smaller scale only.
-Predictions: until a trained predictor's records exist, a prediction at distance d is the truth
-times exp(N(0, (error_per_distance * d)^2)), per expert, per window and per iteration.
+Sensitivity sweeps (V 0.2..1.0, d 1..5 where predictions are modelled, warm slack inf and 0) run
+at the smaller scale only.
 
 Latency: `kubemoe.planning.latency` (the H200's measured expert curve, per-call overhead, beta per
 token). Cost, as MoEless bills it: kubemoe pays for each replica's memory while its call runs
 (`busy_byte_seconds`); static EP and EPLB hold every replica's memory for the layer's whole time
 (`held_byte_seconds`). kubemoe's warm pool held the same way is reported too (`cost_held`).
-Goals are taken at MoEless's scale (8 GPUs), over decode and prefill iterations together (ratio of
-mean MoE-layer latencies); every scale and regime is in `raw`.
+Where the gains appear: per regime, and within each by quartiles of tokens per iteration (`by_tokens`).
+Goals are taken at MoEless's scale (8 GPUs) on the recorded routing, over decode and prefill
+iterations together (ratio of mean MoE-layer latencies); every source, scale and regime is in `raw`.
 """
 
 from __future__ import annotations
@@ -54,6 +66,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -66,9 +79,8 @@ from common import Goal, print_table, write_results  # noqa: E402
 from kubemoe.planning.baselines import eplb, oracle_layer_seconds, static_ep  # noqa: E402
 from kubemoe.planning.latency import (MIXTRAL_EXPERT_BYTES, MIXTRAL_FLOPS_PER_TOKEN, ExpertCurve,  # noqa: E402
                                       LatencyModel, held_byte_seconds)
-from kubemoe.planning.placer import GPU, Placement, place  # noqa: E402
+from kubemoe.planning.placer import GPU, WARM_SLACK, Placement, place  # noqa: E402
 from kubemoe.planning.scaler import scale  # noqa: E402
-from kubemoe.planning.split import split  # noqa: E402
 
 H200_MEMORY = 141 * 10**9
 PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9)
@@ -96,7 +108,12 @@ MIXTRAL_8 = Layout("mixtral-8gpu", 32, 8, 2, MIXTRAL_EXPERT_BYTES, MIXTRAL_FLOPS
                    decode_tokens=256, prefill_tokens=8192, iterations=400)
 DEEPSEEK_V3_1000 = Layout("deepseek-v3-1000gpu", 58, 256, 8, 3 * 7168 * 2048, 2 * 3 * 7168 * 2048, 7168 * 2, 8, 1000, 8,
                           1000, decode_tokens=32 * 1000, prefill_tokens=512 * 1000, iterations=100)
+# The trained model's own layout (8 MoE layers x 16 experts, top-2) with Mixtral-sized experts and
+# hidden states: the recorded routing replayed without any mapping, at MoEless's scale.
+TRAINED_8 = replace(MIXTRAL_8, name="trained-8gpu", layers=8, experts=16)
 LAYOUTS = {8: MIXTRAL_8, 1000: DEEPSEEK_V3_1000}
+RECORDED_LAYOUTS = {8: TRAINED_8, 1000: DEEPSEEK_V3_1000}
+ROUTING_TRACE = Path(__file__).resolve().parent / "results" / "routing_trace_base_h200.safetensors"
 
 
 @dataclass(frozen=True)
@@ -115,7 +132,17 @@ class SimConfig:
     distance: int = 1
     error_per_distance: float = 0.1
     window: int = 50
-    warm_slack: float = math.inf   # the placer's: inf reuses every warm replica (MoEless)
+    warm_slack: float = WARM_SLACK  # the placer's, as the operator runs it
+
+
+def arrival_rate(iterations: int, shape: TraceShape, rng: np.random.Generator) -> np.ndarray:
+    """[T] relative arrival rate, mean 1: a log-normal AR(1), bursts and lulls with spread burst_sigma."""
+    rate = np.zeros(iterations)
+    level = 0.0
+    for t in range(iterations):
+        level = shape.burst_memory * level + np.sqrt(1 - shape.burst_memory ** 2) * rng.normal(0, shape.burst_sigma)
+        rate[t] = np.exp(level - shape.burst_sigma ** 2 / 2)
+    return rate
 
 
 def generate_trace(layout: Layout, regime: str, iterations: int, shape: TraceShape, seed: int) -> np.ndarray:
@@ -124,11 +151,7 @@ def generate_trace(layout: Layout, regime: str, iterations: int, shape: TraceSha
     L, E = layout.layers, layout.experts
     ranks = np.argsort(rng.random((L, E)), axis=1) + 1
     log_pop = -shape.zipf * np.log(ranks.astype(np.float64))
-    rate = np.zeros(iterations)
-    level = 0.0
-    for t in range(iterations):  # log-normal AR(1): bursts and lulls, stationary spread burst_sigma
-        level = shape.burst_memory * level + np.sqrt(1 - shape.burst_memory ** 2) * rng.normal(0, shape.burst_sigma)
-        rate[t] = np.exp(level - shape.burst_sigma ** 2 / 2)
+    rate = arrival_rate(iterations, shape, rng)
     trace = np.zeros((iterations, L, E), dtype=np.int64)
     for t in range(iterations):
         log_pop += rng.normal(0, shape.drift_sigma, (L, E))
@@ -171,6 +194,101 @@ def load_traces(path: Path) -> tuple[Layout, dict[str, np.ndarray]]:
     return layout, traces
 
 
+# -- the trained model's routing, replayed ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RoutingTrace:
+    """predictor_accuracy.py's routing trace: R requests of P token rows each, in request order.
+    Shapes: L0 = the trained model's MoE layers, E0 its experts, K0 experts per token."""
+
+    experts: np.ndarray    # [R * P, L0, K0] the router's choices
+    predicted: np.ndarray  # [R * P, L0, K0] the fine-tuned d=1 predictor's guesses, -1 where it has none
+    requests: int          # R
+    positions: int         # P
+    num_experts: int       # E0
+
+
+def read_routing_trace(path: Path) -> RoutingTrace:
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    with safe_open(str(path), "np") as f:
+        meta = f.metadata() or {}
+    tensors = load_file(str(path))
+    if not {"experts", "predicted_d1", "request"} <= tensors.keys() or "num_experts" not in meta:
+        raise SystemExit(f"{path}: not a routing trace (benchmarks/predictor_accuracy.py writes them: "
+                         "experts, predicted_d1, request and the model shape in the metadata)")
+    per_request = np.bincount(tensors["request"])
+    if (np.diff(tensors["request"]) < 0).any() or len(set(per_request.tolist())) != 1:
+        raise SystemExit(f"{path}: expected requests of equal length, their rows in order")
+    return RoutingTrace(tensors["experts"].astype(np.int64), tensors["predicted_d1"].astype(np.int64),
+                        len(per_request), int(per_request[0]), int(meta["num_experts"]))
+
+
+def replay_rows(trace: RoutingTrace, layout: Layout, regime: str, iterations: int, shape: TraceShape,
+                seed: int) -> list[np.ndarray]:
+    """Which recorded rows make up each iteration ([T] arrays of row indices), arrivals bursty as generated.
+
+    Decode: slot i of the batch decodes request i mod R, one position further each iteration (from
+    an offset of 37 x (i div R) positions, wrapping around: a new request), so consecutive iterations
+    see the same requests' next tokens, as a continuous batch does. A batch larger than R slots x P
+    positions repeats rows. Prefill: whole recorded requests as prompts, in turn.
+    """
+    rng = np.random.default_rng(seed)
+    R, P = trace.requests, trace.positions
+    rate = arrival_rate(iterations, shape, rng)
+    rows, prompted = [], 0
+    for t in range(iterations):
+        if regime == "decode":
+            slots = np.arange(max(1, rng.poisson(layout.decode_tokens * rate[t])))
+            request, position = slots % R, (t + 37 * (slots // R)) % P
+        else:
+            prompts = max(1, rng.poisson(layout.prefill_tokens / P * rate[t]))
+            request = np.repeat((prompted + np.arange(prompts)) % R, P)
+            position = np.tile(np.arange(P), prompts)
+            prompted += prompts
+        rows.append(request * P + position)
+    return rows
+
+
+def recorded_trace(trace: RoutingTrace, layout: Layout, regime: str, iterations: int, shape: TraceShape,
+                   seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """-> loads [T, L, E] int and the predictor's counts [T, L, E] (NaN for layers it does not predict).
+
+    The trained layout replays as recorded. A larger layout (DeepSeek-V3's 58 x 256, top-8) maps
+    MoE layer l to trained layer l mod L0 and each trained expert to a group of E / E0 experts: a
+    token's trained choice becomes K / K0 choices within that group, spread uniformly (multinomial;
+    predicted counts get the group's expected share). The trained model's skew across groups stays;
+    within a group there is none, which understates a real DeepSeek-V3's skew.
+    """
+    _, L0, K0 = trace.experts.shape
+    E0, L, E = trace.num_experts, layout.layers, layout.experts
+    same = (L, E, layout.top_k) == (L0, E0, K0)
+    if not same and (E % E0 or layout.top_k % K0 or layout.top_k // K0 > E // E0):
+        raise SystemExit(f"cannot map the trace's {L0} x {E0} top-{K0} routing onto {layout.name}")
+    rng = np.random.default_rng(seed + 1)
+    offsets = (np.arange(L0) * E0)[None, :, None]
+    predicts = (trace.predicted >= 0).any(axis=(0, 2))  # [L0]
+
+    def counts(choices: np.ndarray, rows: np.ndarray) -> np.ndarray:  # -> [L0, E0]
+        picked = choices[rows]
+        return np.bincount((picked + offsets)[picked >= 0], minlength=L0 * E0).reshape(L0, E0)
+
+    loads = np.zeros((iterations, L, E), dtype=np.int64)
+    predicted = np.full((iterations, L, E), np.nan)
+    group, per = E // E0, layout.top_k // K0
+    for t, rows in enumerate(replay_rows(trace, layout, regime, iterations, shape, seed)):
+        actual, guess = counts(trace.experts, rows), counts(trace.predicted, rows).astype(np.float64)
+        guess[~predicts] = np.nan
+        if same:
+            loads[t], predicted[t] = actual, guess
+            continue
+        source = np.arange(L) % L0
+        loads[t] = rng.multinomial(actual[source] * per, np.full(group, 1 / group)).reshape(L, E)  # [L, E0, group]
+        predicted[t] = np.repeat(guess[source] * per / group, group, axis=1)
+    return loads, predicted
+
+
 # -- policies ---------------------------------------------------------------------------------------
 
 def gpus_of(layout: Layout) -> list[GPU]:
@@ -197,25 +315,26 @@ def even_tokens(tokens: np.ndarray, experts: np.ndarray, num_experts: int) -> np
     return base + (nth < tokens[:, experts] % counts[experts])
 
 
-def split_tokens(tokens: np.ndarray, predicted: np.ndarray, experts: np.ndarray, gpus: np.ndarray,
-                 knee: int) -> np.ndarray:
-    """kubemoe's per-iteration dispatch: tokens, predicted [T, E] -> [T, R] through `split`, with each
-    replica's in-flight tokens being what its GPU already has queued in this layer."""
+def split_tokens(tokens: np.ndarray, predicted: np.ndarray, experts: np.ndarray, knee: int) -> np.ndarray:
+    """kubemoe's per-iteration dispatch as the frontend's dispatcher runs it (`split`, one expert a
+    bundle): tokens, predicted [T, E] -> [T, R]. One frontend runs a layer's calls together and the
+    layers one after another, so no replica has tokens in flight when a layer starts: an expert's
+    tokens go in even parts to its first ceil(predicted / knee) replicas (at least one, at most all;
+    NaN: no prediction, the step's own count).
+    The dispatcher knows replicas, not GPUs: two replicas on one GPU look as idle as on two."""
+    tokens = np.asarray(tokens, dtype=np.int64)
     out = np.zeros((tokens.shape[0], len(experts)), dtype=np.int64)
-    replicas_of = [np.flatnonzero(experts == e) for e in range(tokens.shape[1])]
-    single = [e for e, r in enumerate(replicas_of) if len(r) == 1]
-    multi = [e for e, r in enumerate(replicas_of) if len(r) > 1]
-    if single:
-        idx = np.array([replicas_of[e][0] for e in single])
-        out[:, idx] = tokens[:, single]
-    for t in range(tokens.shape[0]):
-        queue = np.bincount(gpus, weights=out[t], minlength=gpus.max() + 1)
-        for e in sorted(multi, key=lambda e: -tokens[t, e]):
-            replicas = replicas_of[e]
-            for part in split(int(tokens[t, e]), queue[gpus[replicas]].tolist(), float(predicted[t, e]), knee):
-                r = replicas[part.replica]
-                out[t, r] = part.count
-                queue[gpus[r]] += part.count
+    for e in range(tokens.shape[1]):
+        replicas = np.flatnonzero(experts == e)
+        if len(replicas) == 0:
+            continue
+        count = tokens[:, e]
+        guess = np.where(np.isnan(predicted[:, e]), count, predicted[:, e])  # no prediction: the step's own count
+        wanted = np.ceil(np.maximum(guess, 0.0) / knee)
+        parts = np.minimum(np.maximum(wanted, 1), np.minimum(len(replicas), np.maximum(count, 1))).astype(np.int64)
+        base, extra = np.divmod(count, parts)
+        for i, r in enumerate(replicas):
+            out[:, r] = np.where(i < parts, base + (i < extra), 0)
     return out
 
 
@@ -225,8 +344,13 @@ def lost_tokens(tokens: np.ndarray, experts: np.ndarray, num_experts: int) -> in
     return int(tokens[:, missing].sum())
 
 
-def simulate(layout: Layout, trace: np.ndarray, sim: SimConfig, seed: int, redundant: int | None = None) -> dict:
-    """Every policy over `trace` [T, L, E]; returns per-policy latency [T', L] and cost [T'] arrays."""
+def simulate(layout: Layout, trace: np.ndarray, sim: SimConfig, seed: int, redundant: int | None = None,
+             predicted: np.ndarray | None = None) -> dict:
+    """Every policy over `trace` [T, L, E]; returns per-policy latency [T', L] and cost [T'] arrays.
+
+    `predicted` [T, L, E]: a real predictor's counts (NaN for a layer it does not predict: the
+    operator then plans on the previous window's observed loads, the dispatcher splits on the step's
+    own counts); None: the truth with log-normal error (`SimConfig.error_per_distance`)."""
     rng = np.random.default_rng(seed)
     model = LatencyModel(ExpertCurve(layout.expert_bytes, layout.flops_per_token), layout.token_bytes)
     knee = model.curve.knee_tokens
@@ -239,31 +363,43 @@ def simulate(layout: Layout, trace: np.ndarray, sim: SimConfig, seed: int, redun
 
     static = layer_replicas(static_ep(np.ones((L, E)).tolist(), gpus, layout.expert_bytes), L, gpu_index)
     results = {p: {"latency": [], "cost": [], "replicas": []} for p in ("kubemoe", "static", "eplb", "oracle")}
-    results["kubemoe"].update(cost_held=[], warm_reused=0, unplaced=0, lost_tokens=0)
-    warm = None
+    results["kubemoe"].update(cost_held=[], warm_reused=0, unplaced=0, lost_tokens=0, replicas_loaded=0)
+    results["eplb"].update(replicas_loaded=0)
+    warm, eplb_before = None, None
     plans = []
     for w in range(1, windows):
         now = trace[w * W:(w + 1) * W]                      # [W, L, E]
         history = trace[(w - 1) * W:w * W].mean(axis=0)     # [L, E] what EPLB saw
-        predicted_window = noisy(now.mean(axis=0))
-        replicas = scale(predicted_window.tolist(), layout.expert_bytes, sim.cv, None, layout.max_per_expert)
-        placement = place(replicas, predicted_window.tolist(), gpus, layout.expert_bytes, warm, sim.warm_slack)
+        if predicted is None:
+            predicted_window, predicted_now = noisy(now.mean(axis=0)), noisy(now.astype(np.float64))
+        else:
+            told = predicted[w * W:(w + 1) * W]
+            predicted_window = np.where(np.isnan(told[0]), history, told.mean(axis=0))
+            predicted_now = np.where(np.isnan(told), now, told)
+        replicas = scale(predicted_window.tolist(), layout.expert_bytes, sim.cv, None, layout.max_per_expert, knee)
+        placement = place(replicas, predicted_window.tolist(), gpus, layout.expert_bytes, warm, sim.warm_slack,
+                          min_replica_load=knee)
         warm = placement.locations()
         results["kubemoe"]["warm_reused"] += placement.warm_reused
         results["kubemoe"]["unplaced"] += len(placement.unplaced)
+        if w > 1:  # replicas whose weights a window's plan loads anew (the first plan loads everything)
+            results["kubemoe"]["replicas_loaded"] += len(placement.gpu_of) - placement.warm_reused
         plans.append(replicas)
         ours = layer_replicas(placement, L, gpu_index)
-        predicted_now = noisy(now.astype(np.float64))
         slots = redundant if redundant is not None else 0
-        theirs = layer_replicas(eplb(history.tolist(), gpus, layout.expert_bytes, slots, layout.groups,
-                                     layout.gpus_per_node), L, gpu_index)
+        rebalanced = eplb(history.tolist(), gpus, layout.expert_bytes, slots, layout.groups, layout.gpus_per_node)
+        theirs = layer_replicas(rebalanced, L, gpu_index)
+        slots_now = Counter((layer, e, g) for (layer, e, _), g in rebalanced.gpu_of.items())
+        if eplb_before is not None:
+            results["eplb"]["replicas_loaded"] += sum((slots_now - eplb_before).values())
+        eplb_before = slots_now
         lat = {p: np.zeros((W, L)) for p in results}
         cost = {p: np.zeros(W) for p in results}
         held = np.zeros(W)
         for layer in range(L):
             tokens = now[:, layer, :]
             experts, on = ours[layer]
-            mine = split_tokens(tokens, predicted_now[:, layer, :], experts, on, knee)
+            mine = split_tokens(tokens, predicted_now[:, layer, :], experts, knee)
             results["kubemoe"]["lost_tokens"] += lost_tokens(tokens, experts, E)
             lat["kubemoe"][:, layer] = model.layer_seconds(on, mine)
             cost["kubemoe"] += model.busy_byte_seconds(mine)
@@ -304,6 +440,9 @@ def summarize(results: dict, layout: Layout, regime: str, sim: SimConfig) -> dic
     row["kubemoe_cost_held_gb_s_per_iteration"] = float(results["kubemoe"]["cost_held"].mean() / 1e9)
     for key in ("warm_reused", "unplaced", "lost_tokens"):
         row[f"kubemoe_{key}"] = results["kubemoe"][key]
+    replans = max(len(results["kubemoe"]["plans"]) - 1, 1)
+    for policy in ("kubemoe", "eplb"):  # weights loaded anew per re-plan: what moving replicas costs
+        row[f"{policy}_replicas_loaded_per_replan"] = results[policy]["replicas_loaded"] / replans
     plans = np.array(results["kubemoe"]["plans"])  # [windows, L, E]
     row["kubemoe_replicas_per_layer_range"] = [int(plans.sum(axis=2).min()), int(plans.sum(axis=2).max())]
     for base in ("static", "eplb", "oracle"):
@@ -314,63 +453,130 @@ def summarize(results: dict, layout: Layout, regime: str, sim: SimConfig) -> dic
     return row
 
 
-def run_regime(layout: Layout, regime: str, trace: np.ndarray, sim: SimConfig, seed: int) -> tuple[dict, dict]:
+def run_regime(layout: Layout, regime: str, trace: np.ndarray, sim: SimConfig, seed: int,
+               predicted: np.ndarray | None = None) -> tuple[dict, dict]:
     # kubemoe first: EPLB gets as many redundant slots per layer as kubemoe used on average.
-    first = simulate(layout, trace, sim, seed, redundant=0)
+    first = simulate(layout, trace, sim, seed, redundant=0, predicted=predicted)
     redundant = max(0, round(float(np.mean(first["kubemoe"]["replicas"]))) - layout.experts)
-    results = simulate(layout, trace, sim, seed, redundant=redundant)
+    results = simulate(layout, trace, sim, seed, redundant=redundant, predicted=predicted)
     row = summarize(results, layout, regime, sim)
-    row["mean_tokens_per_iteration"] = float(trace.sum(axis=(1, 2)).mean() / layout.top_k)
+    tokens = trace.sum(axis=2).mean(axis=1) / layout.top_k  # [T] tokens an iteration
+    row["mean_tokens_per_iteration"] = float(tokens.mean())
     row["eplb_redundant_per_layer"] = redundant
+    row["by_tokens"] = gains_by_tokens(results, tokens[sim.window:sim.window + results["kubemoe"]["latency"].shape[0]])
     return row, results
+
+
+def gains_by_tokens(results: dict, tokens: np.ndarray) -> list[dict]:
+    """Where the gains appear: the measured iterations in four bins by their tokens (quartiles), with
+    each bin's mean MoE-layer latency ratios."""
+    edges = np.percentile(tokens, [0, 25, 50, 75, 100])
+    bins = []
+    for i in range(4):
+        pick = (tokens >= edges[i]) & ((tokens < edges[i + 1]) if i < 3 else (tokens <= edges[i + 1]))
+        if not pick.any():
+            continue
+        mean = {p: float(r["latency"][pick].mean()) for p, r in results.items()}
+        bins.append({"tokens_min": float(edges[i]), "tokens_max": float(edges[i + 1]), "iterations": int(pick.sum()),
+                     "kubemoe_mean_ms": mean["kubemoe"] * 1e3,
+                     **{f"latency_vs_{b}": mean["kubemoe"] / mean[b] for b in ("static", "eplb", "oracle")}})
+    return bins
+
+
+# Why the two latency goals stay unmet, as the runs show it (raw, sweeps and by_tokens hold the figures).
+WHY_UNMET = {
+    "latency_vs_eplb": (
+        "EPLB here gets kubemoe's average replica budget and is re-planned at the same cadence (every window) "
+        "from the window just before, while popularity drifts slowly, so its history is nearly the future; both "
+        "replicate the heaviest expert per replica first and pack by load. kubemoe's only edges left are the "
+        "prediction for the coming window and per-layer replica counts; what remains is how each packs whole "
+        "replicas onto GPUs (EPLB's balanced packing, at most ceil(slots / GPUs) a GPU, against the placer's "
+        "join-the-shortest-queue). With the truth in place of the predictor (sweeps, prediction 'truth') the "
+        "ratio barely moves: the gap is not the predictor. MoEless's -22% is against EPLB rebalanced rarely; "
+        "production systems rebalance every thousands of iterations, which this comparison does not impose."),
+    "latency_vs_oracle": (
+        "The oracle spreads every layer's tokens evenly over all GPUs with no expert granularity (lossy: a "
+        "bound). kubemoe balances whole replicas (2-4 a GPU at 8 GPUs; at 1000 GPUs fewer replicas than GPUs in "
+        "a layer, so some GPUs idle in every layer), plans on a window's mean while each iteration's loads "
+        "fluctuate (by_tokens), and below the expert curve's knee keeps a hot expert's tokens on one GPU: another "
+        "replica would cost a whole weight read more than the copy time it saves."),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    source: str                      # generated | recorded | file
+    layout: Layout
+    regime: str                      # decode | prefill
+    trace: np.ndarray                # [T, L, E]
+    predicted: np.ndarray | None     # [T, L, E] a real predictor's counts, or None (noise model)
+
+
+def workloads(args: argparse.Namespace, sim: SimConfig, shape: TraceShape) -> list[Workload]:
+    if args.traces:
+        layout, traces = load_traces(args.traces)
+        return [Workload("file", layout, regime, trace, None) for regime, trace in traces.items()]
+    found = []
+    routing = read_routing_trace(args.recorded) if "recorded" in args.sources else None
+    for gpus in args.scales:
+        for i, regime in enumerate(("decode", "prefill")):
+            seed = args.seed * 10 + i
+            if "generated" in args.sources:
+                layout = LAYOUTS[gpus]
+                T = layout.iterations + sim.window
+                found.append(Workload("generated", layout, regime, generate_trace(layout, regime, T, shape, seed), None))
+            if routing is not None:
+                layout = RECORDED_LAYOUTS[gpus]
+                T = layout.iterations + sim.window
+                found.append(Workload("recorded", layout, regime, *recorded_trace(routing, layout, regime, T, shape, seed)))
+    return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scales", type=int, nargs="*", default=[8, 1000], choices=sorted(LAYOUTS))
-    parser.add_argument("--traces", type=Path, help="recorded per-iteration loads (format in the docstring)")
+    parser.add_argument("--sources", nargs="*", default=["recorded", "generated"], choices=["recorded", "generated"])
+    parser.add_argument("--recorded", type=Path, default=ROUTING_TRACE, help="the trained model's routing trace")
+    parser.add_argument("--traces", type=Path, help="recorded per-iteration loads instead (format in the docstring)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-sweeps", action="store_true", help="skip the V and d sensitivity runs")
+    parser.add_argument("--no-sweeps", action="store_true", help="skip the V, d and warm-slack sensitivity runs")
     args = parser.parse_args()
     started = time.perf_counter()
-    base = SimConfig()
-    shape = TraceShape()
-    if args.traces:
-        layout, traces = load_traces(args.traces)
-        workloads = [(layout, regime, trace) for regime, trace in traces.items()]
-        source = f"recorded: {args.traces}"
-    else:
-        workloads = []
-        for gpus in args.scales:
-            layout = LAYOUTS[gpus]
-            for i, regime in enumerate(("decode", "prefill")):
-                T = layout.iterations + base.window
-                workloads.append((layout, regime, generate_trace(layout, regime, T, shape, args.seed * 10 + i)))
-        source = f"generated (seed {args.seed}): {asdict(shape)}"
-
+    base, shape = SimConfig(), TraceShape()
     rows, sweeps = [], []
     combined: dict[str, dict[str, list]] = {}
-    for layout, regime, trace in workloads:
-        print(f"--- {layout.name} {regime}: {trace.shape[0]} iterations", flush=True)
-        row, results = run_regime(layout, regime, trace, base, args.seed)
+    found = workloads(args, base, shape)
+    smallest = min(w.layout.gpus for w in found)
+    for w in found:
+        print(f"--- {w.source} {w.layout.name} {w.regime}: {w.trace.shape[0]} iterations", flush=True)
+        row, results = run_regime(w.layout, w.regime, w.trace, base, args.seed, w.predicted)
+        row["source"], row["prediction"] = w.source, "recorded d=1 predictor" if w.predicted is not None else "modelled"
         rows.append(row)
-        bucket = combined.setdefault(layout.name, {p: [] for p in results})
+        bucket = combined.setdefault(f"{w.source}/{w.layout.name}", {p: [] for p in results})
         for p, r in results.items():
             bucket[p].append(r["latency"].ravel())
-        if not args.no_sweeps and layout.gpus == min(l.gpus for l, _, _ in workloads):
-            sweeps.append(row)  # V = 0.2, d = 1, warm replicas always reused
+        if not args.no_sweeps and w.layout.gpus == smallest:
+            sweeps.append(row)  # V = 0.2, d = 1, the operator's warm slack
+            # d beyond 1 only where predictions are modelled: the recorded trace holds the real d = 1 predictor's.
             variants = ([replace(base, cv=cv) for cv in (0.4, 0.6, 0.8, 1.0)] +
-                        [replace(base, distance=d) for d in (2, 3, 4, 5)] +
-                        [replace(base, warm_slack=slack) for slack in (1.0, 0.0)])
-            sweeps += [run_regime(layout, regime, trace, variant, args.seed)[0] for variant in variants]
+                        ([replace(base, distance=d) for d in (2, 3, 4, 5)] if w.predicted is None else []) +
+                        [replace(base, warm_slack=slack) for slack in (math.inf, 0.0)])
+            for variant in variants:
+                swept = run_regime(w.layout, w.regime, w.trace, variant, args.seed, w.predicted)[0]
+                sweeps.append({**swept, "source": w.source, "prediction": row["prediction"]})
+            if w.predicted is not None:  # what a perfect predictor would change: plan and split on the truth
+                truth = run_regime(w.layout, w.regime, w.trace, replace(base, error_per_distance=0.0), args.seed)[0]
+                sweeps.append({**truth, "source": w.source, "prediction": "truth"})
 
-    columns = [("layout", "layout", ""), ("regime", "regime", ""), ("kubemoe_mean_ms", "kubemoe ms", ".3f"),
-               ("static_mean_ms", "static ms", ".3f"), ("eplb_mean_ms", "eplb ms", ".3f"),
-               ("oracle_mean_ms", "oracle ms", ".3f"), ("latency_vs_static", "vs static", ".3f"),
-               ("latency_vs_eplb", "vs eplb", ".3f"), ("latency_vs_oracle", "vs oracle", ".3f"),
-               ("p99_vs_static", "p99/static", ".3f"), ("cost_vs_static", "cost/static", ".4f"),
-               ("cost_held_vs_static", "held/static", ".3f"),
-               ("kubemoe_replicas_per_layer", "repl/layer", ".1f")]
+    columns = [("source", "source", ""), ("layout", "layout", ""), ("regime", "regime", ""),
+               ("kubemoe_mean_ms", "kubemoe ms", ".3f"), ("static_mean_ms", "static ms", ".3f"),
+               ("eplb_mean_ms", "eplb ms", ".3f"), ("oracle_mean_ms", "oracle ms", ".3f"),
+               ("latency_vs_static", "vs static", ".3f"), ("latency_vs_eplb", "vs eplb", ".3f"),
+               ("latency_vs_oracle", "vs oracle", ".3f"), ("p99_vs_static", "p99/static", ".3f"),
+               ("cost_vs_static", "cost/static", ".4f"), ("cost_held_vs_static", "held/static", ".3f"),
+               ("kubemoe_replicas_per_layer", "repl/layer", ".1f"),
+               ("kubemoe_replicas_loaded_per_replan", "loads/replan", ".1f"),
+               ("eplb_replicas_loaded_per_replan", "eplb loads", ".1f")]
     print_table(rows, columns)
     overall = {}
     for name, bucket in combined.items():
@@ -378,29 +584,40 @@ def main() -> None:
         overall[name] = {f"latency_vs_{b}": means["kubemoe"] / means[b] for b in ("static", "eplb", "oracle")}
         print(f"{name}, decode and prefill together: " + ", ".join(f"{k} {v:.3f}" for k, v in overall[name].items()))
     if sweeps:
-        print_table(sweeps, [("regime", "regime", ""), ("cv", "V", ".1f"), ("distance", "d", "d"),
-                             ("warm_slack", "warm slack", ""),
+        print_table(sweeps, [("source", "source", ""), ("prediction", "prediction", ""), ("regime", "regime", ""),
+                             ("cv", "V", ".1f"),
+                             ("distance", "d", "d"), ("warm_slack", "warm slack", ""),
                              ("kubemoe_mean_ms", "kubemoe ms", ".3f"), ("latency_vs_static", "vs static", ".3f"),
                              ("latency_vs_eplb", "vs eplb", ".3f"), ("kubemoe_replicas_per_layer", "repl/layer", ".1f"),
+                             ("kubemoe_replicas_loaded_per_replan", "loads/replan", ".1f"),
                              ("cost_vs_static", "cost/static", ".4f")])
 
-    paper = min(combined, key=lambda n: next(l.gpus for l, _, _ in workloads if l.name == n))
-    paper_rows = [r for r in rows if r["layout"] == paper]
-    cost = float(np.mean([r["kubemoe_cost_gb_s_per_iteration"] for r in paper_rows]) /
-                 np.mean([r["static_cost_gb_s_per_iteration"] for r in paper_rows]))
-    goals = {"latency_vs_static": Goal(overall[paper]["latency_vs_static"], "<= 0.57"),
-             "latency_vs_eplb": Goal(overall[paper]["latency_vs_eplb"], "<= 0.78"),
-             "latency_vs_oracle": Goal(overall[paper]["latency_vs_oracle"], "<= 1.10"),
+    # Goals at MoEless's scale (the fewest GPUs run), on the trained model's recorded routing where it ran.
+    goal_source = "recorded" if any(w.source == "recorded" for w in found) else found[0].source
+    at = next(f"{w.source}/{w.layout.name}" for w in found if w.source == goal_source and w.layout.gpus == smallest)
+    goal_rows = [r for r in rows if f"{r['source']}/{r['layout']}" == at]
+    cost = float(np.mean([r["kubemoe_cost_gb_s_per_iteration"] for r in goal_rows]) /
+                 np.mean([r["static_cost_gb_s_per_iteration"] for r in goal_rows]))
+    goals = {"latency_vs_static": Goal(overall[at]["latency_vs_static"], "<= 0.57"),
+             "latency_vs_eplb": Goal(overall[at]["latency_vs_eplb"], "<= 0.78"),
+             "latency_vs_oracle": Goal(overall[at]["latency_vs_oracle"], "<= 1.10"),
              "cost_vs_static": Goal(cost, "<= 0.2")}
     for name, goal in goals.items():
         print(f"goal {name}: {goal.value:.4f} {goal.goal} ({'met' if goal.met else 'NOT met'})")
-    path = write_results("moeless_sim", torch.device("cpu"), rows, goals, traces=source,
-                         goals_taken_at=f"{paper}, decode and prefill iterations together (ratio of mean "
-                                        "MoE-layer latency; cost: pay-per-use vs held, per iteration)",
-                         overall=overall, sweeps=sweeps, sim=asdict(base),
-                         layouts={l.name: asdict(l) for l in {l for l, _, _ in workloads}},
+    sources = sorted({w.source for w in found})
+    path = write_results("moeless_sim", torch.device("cpu"), rows, goals,
+                         traces={"generated": f"seed {args.seed}: {asdict(shape)}" if "generated" in sources else None,
+                                 "recorded": str(args.recorded.name) if "recorded" in sources else None,
+                                 "file": str(args.traces) if args.traces else None},
+                         layout_mapping=recorded_trace.__doc__.split("\n\n", 1)[1].strip().replace("\n    ", " "),
+                         replay=replay_rows.__doc__.split("\n\n", 1)[1].strip().replace("\n    ", " "),
+                         goals_taken_at=f"{at}, decode and prefill iterations together (ratio of mean MoE-layer "
+                                        "latency; cost: pay-per-use vs held, per iteration)",
+                         overall=overall, sweeps=sweeps, sim=asdict(base), why_unmet=WHY_UNMET,
+                         layouts={l.name: asdict(l) for l in {w.layout for w in found}},
                          latency_model="kubemoe.planning.latency defaults (H200 Mixtral curve, 0.25 ms a call, "
-                                       "23 GB/s copies); prediction error exp(N(0, (0.1 d)^2))",
+                                       "23 GB/s copies); generated traces: prediction error exp(N(0, (0.1 d)^2)); "
+                                       "recorded: the fine-tuned d=1 predictor's own guesses",
                          seconds=round(time.perf_counter() - started, 1))
     print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
 

@@ -4,7 +4,7 @@
 # for the tests, .whl-test (pytest and the test suite's imports; `pip download --python-version 3.12
 # --only-binary=:all: -d .whl-test pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf
 # prometheus-client aiohttp click pyyaml tqdm openai`). Results go into $OUT.
-# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|predictor|llapor|offload|gpu-tests|probe|profile|goal-ab [ARGS]
+# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|predictor|llapor|offload|moeless-live|gpu-tests|probe|profile|goal-ab [ARGS]
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -55,8 +55,12 @@ case "${1:-all}" in
   offload)  # issue 15 item 8: every offload policy in the engine on Mixtral- and Qwen3-30B-A3B-size layers, routing
     # replayed from the base model's trace; the accelerate peer runs when its wheel is in .whl (accelerate-1.15.0)
     python3 benchmarks/offload_bench.py --device cuda --out "$OUT" "${@:2}" ;;
+  moeless-live)  # issue 14 item 7: kubemoe's scaling vs static EP, EPLB and the oracle over 8 expert-function
+    # processes on this GPU, Mixtral-sized experts, the trained model's routing replayed; re-plans in place (~5 min)
+    python3 benchmarks/moeless_live.py --device cuda --size mixtral --layers 2 --processes 8 --decode-iterations 300 \
+      --prefill-iterations 60 --decode-tokens 256 --prefill-tokens 4096 --window 30 --out "$OUT" "${@:2}" ;;
   frontend)  # issue 17: decode and TTFT against the roofline, transformers / in process / expert functions (shm),
     # batch 1-64, 512-token prompts, torch.profiler summaries; Mixtral sizes cut to 2 layers to fit one run
     python3 benchmarks/frontend_decode.py --device cuda --preset mixtral-4l --layers 2 --steps 20 --warmup 5 --out "$OUT" "${@:2}" ;;
-  *) echo "usage: $0 expert_fn|frontend|predictor|llapor|offload|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
+  *) echo "usage: $0 expert_fn|frontend|predictor|llapor|offload|moeless-live|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
 esac

@@ -52,12 +52,20 @@ def busy_poll_option(waits_for: str, default: float = busy_poll.DEFAULT_BUSY_POL
                    "tensors then skip gRPC; kubemoe/expert_fn/frames.py); 0: any free port, -1: none.")
 @click.option("--data-host", default=None,
               help="Address frontends connect lanes to, e.g. the pod's IP [default: the one they dialled].")
+@click.option("--routing-table", default=None, help="Follow this routing-table file: also hold the experts it "
+              "sends to --address, loaded and dropped in place.")
+@click.option("--routing-configmap", default=None, help="The same from a ConfigMap, NAMESPACE/NAME (key routing.json).")
+@click.option("--address", default=None, help="How the routing table names this function (host:port).")
+@click.option("--drop-after", type=float, default=30.0, show_default=True,
+              help="Seconds an expert the table no longer sends here stays loaded (frontends switch tables a "
+                   "moment apart).")
 @shm_dir_option("frontends")
 @busy_poll_option("the next request")
 def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | None, device: str, dtype: str | None,
             metrics_port: int, batch_wait_ms: float, max_message_bytes: int, grace_seconds: float,
-            cuda_graph_tokens: int | None, data_port: int, data_host: str | None, shm_dir: Path | None,
-            busy_poll_us: float) -> None:
+            cuda_graph_tokens: int | None, data_port: int, data_host: str | None,
+            routing_table: str | None, routing_configmap: str | None, address: str | None,
+            drop_after: float, shm_dir: Path | None, busy_poll_us: float) -> None:
     """Serve a bundle of experts over gRPC until SIGTERM."""
     from kubemoe.expert_fn.config import ExpertFnConfig
     from kubemoe.expert_fn.server import serve
@@ -67,6 +75,7 @@ def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | No
         metrics_port=None if metrics_port < 0 else metrics_port, batch_wait_ms=batch_wait_ms,
         max_message_bytes=max_message_bytes, grace_seconds=grace_seconds, shm_dir=shm_dir,
         data_port=None if data_port < 0 else data_port, data_host=data_host or None,
+        routing_table=routing_table, routing_configmap=routing_configmap, address=address, drop_after=drop_after,
         **({} if cuda_graph_tokens is None else {"cuda_graph_tokens": cuda_graph_tokens}),
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -40,7 +40,20 @@ class ExpertFnConfig:
     # the address to advertise (a pod's IP; None: the host the frontend dialled). None: no TCP lanes.
     data_port: int | None = None
     data_host: str | None = None
+    # Follow the routing table (a file, or a ConfigMap `namespace/name`) and hold, besides the bundle,
+    # what it sends to `address` (follow.py); None: the bundle only.
+    routing_table: str | None = None
+    routing_configmap: str | None = None
+    address: str | None = None
+    drop_after: float = 30.0  # seconds an expert the table no longer sends here stays loaded
     arch: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if (self.routing_table or self.routing_configmap) and not self.address:
+            raise KubemoeError("following the routing table needs --address: how the table names this expert "
+                               "function (host:port), so it knows which experts are its own")
+        if self.routing_configmap and self.routing_configmap.count("/") != 1:
+            raise KubemoeError(f"--routing-configmap must be NAMESPACE/NAME, got {self.routing_configmap!r}")
 
     @property
     def bundle_spec(self) -> str:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,11 +22,13 @@ from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.frames import DataPort
+from kubemoe.expert_fn.follow import TableFollower
 from kubemoe.expert_fn.metrics import ExpertFnMetrics
 from kubemoe.expert_fn.servicer import SERVICE_NAME, ExpertServicer
 from kubemoe.expert_fn.store import ExpertStore
 from kubemoe.expert_fn.transport import grpc_options
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
+from kubemoe.routing_watch import watch_configmap, watch_file
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +107,25 @@ async def serve(config: ExpertFnConfig) -> None:
              config.device, str(config.dtype).removeprefix("torch."),
              f"; TCP lanes on port {built.servicer.data_port.port}" if built.servicer.data_port else "")
 
+    following = follow_routing_table(config, built.servicer)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if following is not None:
+        following.cancel()
     log.info("stopping: answering the requests in flight for up to %.0fs", config.grace_seconds)
     await built.stop(config.grace_seconds)
     log.info("stopped")
+
+
+def follow_routing_table(config: ExpertFnConfig, servicer: ExpertServicer) -> asyncio.Task | None:
+    """Gain and drop experts in place as the routing table names this function (follow.py), if asked."""
+    if not (config.routing_table or config.routing_configmap):
+        return None
+    follower = TableFollower(servicer, config.address, config.drop_after)
+    if config.routing_table:
+        return asyncio.create_task(watch_file(Path(config.routing_table), follower.on_table))
+    namespace, name = config.routing_configmap.split("/")
+    return asyncio.create_task(watch_configmap(namespace, name, follower.on_table))

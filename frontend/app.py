@@ -23,7 +23,7 @@ from kubemoe.frontend.prediction import OnlinePredictor, RefreshConfig
 from kubemoe.frontend.predictor import LoadPredictor
 from kubemoe.frontend.model_shape import ModelShape
 from kubemoe.frontend.records import RoutingRecorder
-from kubemoe.frontend.routing_table import watch_configmap, watch_file
+from kubemoe.routing_watch import watch_configmap, watch_file
 from kubemoe.bundles import bundles_by_count
 from kubemoe.routing_table import LOCAL, RoutingTableError, build_route_map, table_for_bundles
 from kubemoe.frontend.scheduler import SchedulerConfig

@@ -157,6 +157,11 @@ class Dispatcher:
         self._pending = routes
 
     @property
+    def routes_version(self) -> int | None:
+        """The version of the table steps use now (None before the first)."""
+        return None if self._routes is None else self._routes.version
+
+    @property
     def ready(self) -> bool:
         return self._routes is not None or self._pending is not None
 
@@ -250,8 +255,10 @@ class Dispatcher:
         request_id = f"{uuid.uuid4().hex[:8]}-{next(self._ids)}"
         # Read only where a bundle has several replicas to split across: reading it waits for the GPU.
         predicted = functools.cache(lambda: self._predicted(layer))
-        remote = {name: self._submit(c, layer, request_id, predicted)
-                  for name, c in calls.items() if LOCAL not in c.route.addresses}
+        # One id per bundle call: two bundles may share an endpoint (a function hosting experts of
+        # several bundles, loaded in place), and ids are unique per call in flight on a client.
+        remote = {name: self._submit(c, layer, f"{request_id}.b{n}", predicted)
+                  for n, (name, c) in enumerate(calls.items()) if LOCAL not in c.route.addresses}
         out = torch.zeros_like(hidden)
         if self.offload is not None:  # every in-process expert of the layer, placed by the offload policy
             local = [g for name, call in calls.items() if name not in remote for g in call.groups]

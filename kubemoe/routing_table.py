@@ -1,9 +1,9 @@
 """The routing table contract: which endpoints serve each (layer, expert), as the operator writes it.
 
-The operator renders it into a ConfigMap key `routing.json`; `kubemoe serve` writes it to a file; the
-frontend watches either (`kubemoe.frontend.routing_table`) and validates what it reads here. Its
-format is the protobuf JSON form of `kubemoe.v1.RoutingTable`. Both sides import this module, never
-each other.
+The operator renders it into a ConfigMap key `routing.json`; `kubemoe serve` writes it to a file;
+frontends, and expert functions that load experts in place, watch either (`kubemoe.routing_watch`)
+and validate what they read here. Its format is the protobuf JSON form of `kubemoe.v1.RoutingTable`.
+Every side imports this module, never another side.
 """
 
 from __future__ import annotations
@@ -80,3 +80,39 @@ def build_route_map(table: pb.RoutingTable, model: str, moe_layers, num_experts:
     if missing:
         raise RoutingTableError(f"routing table serves no endpoint for experts {format_bundle_spec(missing)}")
     return RouteMap(table.version, routes)
+
+
+ExpertKey = tuple[int, int]  # (layer, expert)
+
+
+def held_by_address(table: pb.RoutingTable) -> dict[str, frozenset[ExpertKey]]:
+    """address -> the experts the table sends there: what the expert function at that address must
+    hold before the table may be used (`LOCAL` left out: the frontend's own)."""
+    held: dict[str, set[ExpertKey]] = {}
+    for route in table.routes:
+        keys = {(k.layer, k.expert) for k in route.experts}
+        for endpoint in route.endpoints:
+            if endpoint.address != LOCAL:
+                held.setdefault(endpoint.address, set()).update(keys)
+    return {address: frozenset(keys) for address, keys in held.items()}
+
+
+@dataclass(frozen=True)
+class Moves:
+    """From one table to the next, in place: experts to Load where the new table sends them first,
+    and to Unload where no table sends them any more. Lossless order: load, switch tables, unload."""
+
+    load: dict[str, tuple[ExpertKey, ...]]
+    unload: dict[str, tuple[ExpertKey, ...]]
+
+    @property
+    def empty(self) -> bool:
+        return not self.load and not self.unload
+
+
+def moves_between(before: pb.RoutingTable | None, after: pb.RoutingTable) -> Moves:
+    old = held_by_address(before) if before is not None else {}
+    new = held_by_address(after)
+    gain = {a: tuple(sorted(keys - old.get(a, frozenset()))) for a, keys in new.items()}
+    drop = {a: tuple(sorted(keys - new.get(a, frozenset()))) for a, keys in old.items()}
+    return Moves({a: k for a, k in gain.items() if k}, {a: k for a, k in drop.items() if k})

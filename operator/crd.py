@@ -338,6 +338,7 @@ def _status_schema() -> Schema:
                        "items": condition, "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
         "plan": obj("Summary of the plan in effect.", {
             "replicas": count("Expert-function replicas planned (pods)."),
+            "hostedInPlace": count("Scaled-out replicas loaded in place into running functions: no service of their own."),
             "functions": count("Expert services planned: one per (bundle, node)."),
             "bundles": count("Expert bundles of the model."),
             "nodes": count("Nodes the expert replicas are placed on."),

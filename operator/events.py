@@ -22,6 +22,7 @@ SCALED_IN = "ScaledIn"         # bundles got fewer replicas
 RETIRED = "Retired"            # services left the plan, kept warm for spec.experts.scaling.keepAlive
 WARM_REUSED = "WarmReused"     # retired services came back into the plan before their keepAlive ended
 EXPIRED = "Expired"            # retired services whose keepAlive ended: deleted
+HOSTED = "HostedInPlace"       # scale-out replicas loaded into running functions (no new service)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ def events(outcome, status_before: Mapping[str, Any] | None) -> list[Event]:
         if d.scaled_in:
             found.append(Event("Normal", SCALED_IN, "fewer replicas: " + _first(
                 f"{b} {n}->{m}" for b, (n, m) in d.scaled_in.items())))
+        if d.hosted:
+            found.append(Event("Normal", HOSTED, "scale-out replicas loaded in place into running functions: " + _first(
+                f"{b} in {host} on {node}" for b, hosts in d.hosted.items() for host, node in hosts)))
         if d.retired:
             found.append(Event("Normal", RETIRED, f"out of the plan, kept warm for keepAlive: {_services(d.retired)}"))
         if d.reused:

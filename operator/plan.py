@@ -8,6 +8,13 @@ with the spec's cvThreshold, layerMemoryCap and maxReplicasPerExpert, and the Ex
 first, then join-the-shortest-queue by the layer's load. A replica no node has room for is listed
 in `Plan.unplaced`, which the status and an event report.
 
+*In place*: a scale-out replica the placer puts at a site where a running function (a service of
+another bundle, active before and after this plan) has memory to spare is hosted by that
+function instead of a new service: the routing table names the function for the bundle too, and the
+function Loads it (expert functions follow the table, `kubemoe.expert_fn.follow`), the cheapest warm
+start. A new service (a cold start) is made only where no running function there has room, and for
+a bundle's first replica (a loaded replica must stay in the table beside one being loaded).
+
 *Warm* means one thing here and in the placer: a (bundle, node) service that is running, either in
 the plan or *retired* (out of the plan, kept until spec keepAlive has passed since it left, pods
 warm). Warm services hold their GPUs until then whether reused or not, so the placer counts them
@@ -38,10 +45,10 @@ from kubernetes.utils import parse_quantity
 from kubemoe.bundles import Bundle
 from kubemoe.operator.spec import MoESpec
 from kubemoe.planning import placer
+from kubemoe.planning.placer import WARM_SLACK
 from kubemoe.planning.scaler import layer_cv, scale
 
 ServiceKey = tuple[str, str]  # (bundle name, node name): one expert service
-WARM_SLACK = 0.5  # see _place
 GPU = "nvidia.com/gpu"
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB, as GPU feature discovery labels it
@@ -160,6 +167,7 @@ class Plan:
     unplaced: Mapping[str, int] = field(default_factory=dict)  # bundle -> scaled-out replicas no node had room for
     layers: tuple[LayerSummary, ...] = ()          # [L]; empty for a plan read back from the cluster
     gpus_held: int = 0                             # GPUs the expert functions hold (placed and warm)
+    hosted: Mapping[str, tuple[ServiceKey, ...]] = field(default_factory=dict)  # bundle -> functions hosting a replica in place
 
     def services(self) -> dict[ServiceKey, int]:
         """Active (bundle, node) services and their replicas, in a stable order."""
@@ -171,7 +179,11 @@ class Plan:
 
     @property
     def replicas(self) -> int:
+        """Replicas with a service of their own (each holds its GPUs); `hosted` ones come on top."""
         return sum(len(nodes) for nodes in self.nodes.values())
+
+    def replicas_of(self, bundle: str) -> int:
+        return len(self.nodes.get(bundle, ())) + len(self.hosted.get(bundle, ()))
 
     @property
     def node_names(self) -> set[str]:
@@ -250,20 +262,77 @@ def plan(spec: MoESpec, loads: Loads, nodes: Sequence[NodeInfo], previous: Plan 
     keep_alive_s = spec.experts.scaling.keep_alive_s
     placed: dict[str, tuple[str, ...]] = {}
     unplaced: dict[str, int] = {}
+    hosted: dict[str, tuple[ServiceKey, ...]] = {}
     gpus_held = 0
     if mode != "offload":
         _check_fits(spec, bundles, eligible)
         warm = {**{k: r.replicas for k, r in _kept(previous, now, keep_alive_s).items()}, **previous.services()}
         placed, unplaced, gpus_held = _place(spec, bundles, _replicas(spec, bundles, loads), loads, eligible, warm)
+        placed, hosted = _host_in_place(spec, bundles, placed, loads, eligible, previous.services(), warm)
     active = {key for key in Plan(mode, bundles, placed).services()}
     retired = {**{k: r for k, r in _kept(previous, now, keep_alive_s).items() if k not in active},
                **{k: Retired(n, now) for k, n in previous.services().items() if k not in active}}
     changed = _placement_of(previous) != {b: tuple(sorted(n)) for b, n in placed.items() if n}
+    changed = changed or _hosting_of(previous) != {b: tuple(sorted(h)) for b, h in hosted.items() if h}
     if not spec.experts.sharing.shared:  # whole GPUs per replica, retired ones kept warm included
         gpus_held = spec.experts.gpus * (sum(len(n) for n in placed.values()) + sum(r.replicas for r in retired.values()))
-    layers = _layer_summaries(bundles, placed, loads) if mode != "offload" else ()
+    layers = _layer_summaries(bundles, placed, hosted, loads) if mode != "offload" else ()
     return Plan(mode, bundles, placed, retired, previous.version + 1 if changed else max(previous.version, 1),
-                max((x.cv_after for x in layers), default=0.0), unplaced, layers, gpus_held)
+                max((x.cv_after for x in layers), default=0.0), unplaced, layers, gpus_held, hosted)
+
+
+def _host_in_place(spec: MoESpec, bundles: Sequence[Bundle], placed: Mapping[str, tuple[str, ...]], loads: Loads,
+                   eligible: Sequence[NodeInfo], running: Mapping[ServiceKey, int], warm: Mapping[ServiceKey, int]
+                   ) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[ServiceKey, ...]]]:
+    """Scale-out replicas placed where the bundle has no service yet go into a running function at that
+    site with memory to spare (the one with the least load in the replica's layer: another layer's
+    function runs at another moment), instead of a new service. See the module docstring."""
+    nodes = {n.name: n for n in eligible}
+
+    def room(site: str) -> int:  # bytes one function may hold there; 0 where unknown
+        node = nodes.get(node_of(site))
+        if node is None:
+            return 0
+        if spec.experts.sharing.shared:
+            return _function_room(spec, node)
+        return (node.gpu_memory_bytes or 0) * spec.experts.gpus
+
+    size = {b.name: function_bytes(spec, b) for b in bundles}
+    experts = {b.name: len(b.experts) * spec.layout.expert_bytes for b in bundles}  # what hosting one more adds
+    layer_of = {b.name: b.experts[0][0] for b in bundles}
+    active = {(b, site) for b, sites in placed.items() for site in sites}
+    hosts = sorted(k for k in running if k in active)  # functions running before and after this plan
+    used = {k: size.get(k[0], 0) for k in hosts}
+    rate = {b.name: loads.of(b) for b in bundles}
+    in_layer: dict[ServiceKey, float] = {}  # a host's load in its own bundle's layer
+    at_site: dict[str, list[ServiceKey]] = {}
+    for bundle, site in hosts:
+        in_layer[(bundle, site)] = rate[bundle] / max(len(placed[bundle]), 1)
+        at_site.setdefault(site, []).append((bundle, site))
+    kept: dict[str, list[str]] = {b: list(sites) for b, sites in placed.items()}
+    hosted: dict[str, list[ServiceKey]] = {}
+    for bundle in sorted(kept, key=lambda b: (-rate[b] / max(len(kept[b]), 1), b)):
+        if not any((bundle, site) in warm for site in kept[bundle]):
+            continue  # no loaded replica yet: its first one is a service of its own
+        share = rate[bundle] / max(len(kept[bundle]), 1)
+        for site in sorted(set(kept[bundle])):
+            if (bundle, site) in warm:
+                continue  # its own service there, running or kept warm
+            fits = [k for k in at_site.get(site, ()) if k[0] != bundle and used[k] + experts[bundle] <= room(site)
+                    and k not in hosted.get(bundle, ())]
+            if not fits:
+                continue  # a new service: a cold start
+            host = min(fits, key=lambda k: (in_layer[k] if layer_of[k[0]] == layer_of[bundle] else 0.0, used[k], k))
+            used[host] += experts[bundle]
+            if layer_of[host[0]] == layer_of[bundle]:
+                in_layer[host] += share
+            kept[bundle].remove(site)
+            hosted.setdefault(bundle, []).append(host)
+    return ({b: tuple(n) for b, n in kept.items() if n}, {b: tuple(sorted(h)) for b, h in hosted.items()})
+
+
+def _hosting_of(p: Plan) -> dict[str, tuple[ServiceKey, ...]]:
+    return {b: tuple(sorted(h)) for b, h in p.hosted.items() if h}
 
 
 def _replicas(spec: MoESpec, bundles: Sequence[Bundle], loads: Loads) -> dict[str, int]:
@@ -340,10 +409,7 @@ def _place(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str, int]
     """The placer over the eligible GPUs -> (sites per bundle, unplaced per bundle, GPUs holding a replica).
 
     A replica's queue in a layer is the load of the layer's replicas on its GPU (capacity 1). A warm
-    service is kept unless its GPU's queue in the layer exceeds the shortest by more than half the
-    replica's load (warm slack 0.5): only then does a cold start elsewhere shorten the longer of the
-    two queues by more than that, so small changes in load never cost a cold start (weights loaded
-    again) and a clearly better GPU still wins.
+    service is kept within the placer's WARM_SLACK.
     """
     gpus, item = _placer_gpus(spec, bundles, replicas, warm, eligible)
     rows = list(_by_layer(bundles).values())
@@ -458,12 +524,13 @@ class Decisions:
     reused: tuple[ServiceKey, ...]              # were retired, back in the plan: a warm start
     expired: tuple[ServiceKey, ...]             # retired and keepAlive over: to be deleted
     unplaced: Mapping[str, int]                 # bundle -> scaled-out replicas no node had room for
+    hosted: Mapping[str, tuple[ServiceKey, ...]] = field(default_factory=dict)  # bundle -> functions newly hosting it in place
 
 
 def decisions(previous: Plan, new: Plan) -> Decisions:
     """previous (as observed in the cluster) -> new: the scaling and warm-pool decisions taken."""
-    before = {b: len(n) for b, n in previous.nodes.items() if n}
-    after = {b: len(n) for b, n in new.nodes.items() if n}
+    before = {b: previous.replicas_of(b) for b in {*previous.nodes, *previous.hosted} if previous.replicas_of(b)}
+    after = {b: new.replicas_of(b) for b in {*new.nodes, *new.hosted} if new.replicas_of(b)}
     active = new.services()
     return Decisions(
         scaled_out={b: (before.get(b, 0), n) for b, n in sorted(after.items()) if n > max(before.get(b, 0), 1)},
@@ -471,7 +538,9 @@ def decisions(previous: Plan, new: Plan) -> Decisions:
         retired=tuple(sorted(k for k in new.retired if k not in previous.retired)),
         reused=tuple(sorted(k for k in previous.retired if k in active)),
         expired=tuple(sorted(k for k in previous.retired if k not in active and k not in new.retired)),
-        unplaced=dict(new.unplaced))
+        unplaced=dict(new.unplaced),
+        hosted={b: tuple(k for k in h if k not in previous.hosted.get(b, ())) for b, h in sorted(new.hosted.items())
+                if set(h) - set(previous.hosted.get(b, ()))})
 
 
 def _placement_of(p: Plan) -> dict[str, tuple[str, ...]]:
@@ -479,11 +548,11 @@ def _placement_of(p: Plan) -> dict[str, tuple[str, ...]]:
 
 
 def _layer_summaries(bundles: Sequence[Bundle], placed: Mapping[str, tuple[str, ...]],
-                     loads: Loads) -> tuple[LayerSummary, ...]:
+                     hosted: Mapping[str, tuple[ServiceKey, ...]], loads: Loads) -> tuple[LayerSummary, ...]:
     summaries = []
     for layer, row in _by_layer(bundles).items():
         rates = [loads.of(b) for b in row]
-        counts = [len(placed.get(b.name, ())) for b in row]
+        counts = [len(placed.get(b.name, ())) + len(hosted.get(b.name, ())) for b in row]
         summaries.append(LayerSummary(layer, sum(counts), round(layer_cv(rates, [1] * len(row)), 4),
                                       round(layer_cv(rates, counts), 4)))
     return tuple(summaries)

@@ -190,7 +190,8 @@ def _plan_applied(new: Plan) -> c.Condition:
 
 def _plan_status(new: Plan) -> dict[str, Any]:
     """status.plan: totals, plus one short entry per MoE layer (58 of them for DeepSeek-V3: ~3 KB)."""
-    return {"replicas": new.replicas, "functions": len(new.services()), "bundles": len(new.bundles),
+    return {"replicas": new.replicas, "hostedInPlace": sum(map(len, new.hosted.values())),
+            "functions": len(new.services()), "bundles": len(new.bundles),
             "nodes": len(new.node_names), "retired": len(new.retired), "unplaced": sum(new.unplaced.values()),
             "cv": new.cv, "cvBefore": max((x.cv_before for x in new.layers), default=0.0), "version": new.version,
             "layers": [{"layer": x.layer, "replicas": x.replicas, "cvBefore": x.cv_before, "cvAfter": x.cv_after}
@@ -201,6 +202,8 @@ def _apply_order(obj: Object) -> int:
     # Expert services before the routing table that names them; the table last, so frontends switch
     # only to services that exist. Deletions (prune) come after everything.
     component = obj["metadata"]["labels"].get(COMPONENT)
+    if obj["kind"] in ("ServiceAccount", "Role", "RoleBinding"):
+        component = None  # accounts first: expert pods run as the frontend's (they read the routing table)
     return {EXPERT: 1, FRONTEND: 2, ROUTING: 3}.get(component, 0) * 10 + [k for k in KINDS].index(
         (obj["apiVersion"], obj["kind"]))
 

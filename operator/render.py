@@ -26,7 +26,7 @@ from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.plan import (GPU, GPU_COUNT_LABEL, NVIDIA_DRA_DRIVER, Plan, Retired, ServiceKey, function_bytes,
                                    node_of)
 from kubemoe.operator.spec import API_VERSION, KIND, MoEDeployment, MoESpec
-from kubemoe.routing_table import CONFIGMAP_KEY, LOCAL, table_for_bundles
+from kubemoe.routing_table import CONFIGMAP_KEY, LOCAL, RoutingTableError, parse_table, table_for_bundles
 
 Object = dict[str, Any]
 
@@ -191,13 +191,15 @@ def _routing_configmap(deployment: MoEDeployment, plan: Plan) -> Object:
     else:
         addresses = {b.name: [expert_address(deployment, b.name, node) for node in sorted(set(plan.nodes[b.name]))]
                      for b in bundles}
+        for bundle, hosts in plan.hosted.items():  # replicas loaded in place into running functions
+            addresses[bundle] += [expert_address(deployment, *host) for host in hosts]
     table = table_for_bundles(deployment.name, bundles, addresses, plan.version)
     services = plan.services()
     for route in table.routes:  # replicas and load share per endpoint, as planned
         nodes = sorted(set(plan.nodes.get(route.bundle, ())))
-        for endpoint, node in zip(route.endpoints, nodes):
-            endpoint.replicas = services[(route.bundle, node)]
-            endpoint.weight = endpoint.replicas / len(plan.nodes[route.bundle])
+        for endpoint, node in zip(route.endpoints, nodes + [None] * len(plan.hosted.get(route.bundle, ()))):
+            endpoint.replicas = services[(route.bundle, node)] if node is not None else 1
+            endpoint.weight = endpoint.replicas / plan.replicas_of(route.bundle)
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": routing_configmap_name(deployment), "labels": labels(deployment, ROUTING),
                          "annotations": {VERSION_ANNOTATION: str(plan.version)}},
@@ -237,7 +239,12 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
         "name": "expert-fn", "image": spec.experts.image or config.expert_image,
         "args": ["expert-fn", "--checkpoint", checkpoint_path(spec), "--bundle", bundle.spec(),
                  "--port", str(EXPERT_PORT), "--metrics-port", str(METRICS_PORT), "--model", deployment.name,
-                 "--dtype", spec.dtype, "--data-port", str(ports.EXPERT_DATA), "--data-host", "$(POD_IP)"],
+                 "--dtype", spec.dtype, "--data-port", str(ports.EXPERT_DATA), "--data-host", "$(POD_IP)",
+                 # Experts the routing table hosts here in place (plan.py) are loaded and dropped by the
+                 # function itself; one the table stops naming stays warm for keepAlive.
+                 "--routing-configmap", f"{deployment.namespace}/{routing_configmap_name(deployment)}",
+                 "--address", expert_address(deployment, bundle_name, site),
+                 "--drop-after", str(int(spec.experts.scaling.keep_alive_s))],
         # Frontends on other nodes connect TCP lanes straight to this pod (expert_fn/frames.py).
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "h2c", "containerPort": EXPERT_PORT}],
@@ -248,7 +255,8 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
     pod["affinity"] = _node_affinity("kubernetes.io/hostname", node)  # exact placement: one node per service
     if spec.experts.sharing.mode == "dra":  # every function on this GPU shares its claim
         pod["resourceClaims"] = [{"name": CLAIM, "resourceClaimName": claim_name(deployment, site)}]
-    pod["automountServiceAccountToken"] = False  # expert functions never talk to the API server
+    # It reads the routing ConfigMap, and nothing else: the frontend's account may only read that.
+    pod["serviceAccountName"] = frontend_name(deployment)
     if spec.experts.runtime == "knative":
         scaling = spec.experts.scaling
         template_annotations = {
@@ -394,11 +402,14 @@ def observe(spec: MoESpec, mode: str, children: Iterable[Object]) -> Plan:
     nodes: dict[str, list[str]] = {}
     retired: dict[ServiceKey, Retired] = {}
     version = 0
+    table = None
+    services: dict[str, ServiceKey] = {}  # object name (the first label of its address) -> (bundle, node)
     for obj in children:
         meta = obj["metadata"]
         annotations, obj_labels = meta.get("annotations") or {}, meta.get("labels") or {}
         if obj_labels.get(COMPONENT) == ROUTING and obj["kind"] == "ConfigMap":
             version = max(version, int(annotations.get(VERSION_ANNOTATION, "0") or 0))
+            table = (obj.get("data") or {}).get(CONFIGMAP_KEY)
             continue
         if obj_labels.get(COMPONENT) != EXPERT or (obj["apiVersion"], obj["kind"]) not in (("apps/v1", "Deployment"), KNATIVE):
             continue  # one object per expert service: its Service (runtime deployment) would count twice
@@ -412,4 +423,23 @@ def observe(spec: MoESpec, mode: str, children: Iterable[Object]) -> Plan:
             retired[(bundle, node)] = Retired(replicas, float(annotations[RETIRED_ANNOTATION]))
         else:
             nodes.setdefault(bundle, []).extend([node] * replicas)
-    return Plan(mode, tuple(spec.bundles()), {b: tuple(sorted(n)) for b, n in nodes.items()}, retired, version)
+            services[meta["name"]] = (bundle, node)
+    return Plan(mode, tuple(spec.bundles()), {b: tuple(sorted(n)) for b, n in nodes.items()}, retired, version,
+                hosted=_hosted_in(table, services))
+
+
+def _hosted_in(table: str | None, services: Mapping[str, ServiceKey]) -> dict[str, tuple[ServiceKey, ...]]:
+    """The replicas the routing table hosts in place: endpoints of a bundle that are another bundle's service."""
+    if not table:
+        return {}
+    try:
+        routes = parse_table(table).routes
+    except RoutingTableError:
+        return {}  # not ours to fix here: the next render writes a valid table
+    hosted: dict[str, list[ServiceKey]] = {}
+    for route in routes:
+        for endpoint in route.endpoints:
+            host = services.get(endpoint.address.split(".", 1)[0])
+            if host is not None and host[0] != route.bundle:
+                hosted.setdefault(route.bundle, []).append(host)
+    return {b: tuple(sorted(h)) for b, h in hosted.items()}

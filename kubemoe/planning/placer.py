@@ -11,7 +11,16 @@ returned in `unplaced`, never dropped; when memory is short, scale-out replicas 
 and later) give way to every expert's first: an expert without a replica would lose its tokens.
 `warm_slack` bounds what a warm start may cost in balance: a warm GPU is taken unless its queue in
 the layer exceeds the shortest queue by more than warm_slack x the replica's load (inf, the default,
-always reuses, as MoEless does; 0 reuses only where the warm GPU is as good as any).
+always reuses, as MoEless does; 0 reuses only where the warm GPU is as good as any). The operator
+and the simulator take `WARM_SLACK`: a warm replica stays put unless its GPU's queue in the layer
+exceeds the shortest by more than half the replica's load; only then does a cold start elsewhere
+shorten the longer of the two queues by more than that, so small changes in load never cost a
+cold start (weights loaded again) and a clearly better GPU still wins.
+A replica counts in its GPU's queue for at least `min_replica_load` when it has any load: the
+expert curve's knee in the loads' unit (`latency.ExpertCurve.knee_tokens`), because below it the
+FFN reads the whole expert's weights whatever its tokens. Counting tokens alone would stack many
+lightly loaded replicas on one GPU, which then reads all their weights one after another: at
+decode-sized loads the slowest GPU of the layer.
 
 What "warm" costs depends on who keeps it. The simulator's warm replicas are the previous placement,
 released unless reused: reusing one takes its memory again (`warm_held` False). The operator's are
@@ -28,6 +37,7 @@ from typing import Mapping, Sequence
 
 ExpertKey = tuple[int, int]        # (layer index, expert): layer indexes the [L] rows
 ReplicaKey = tuple[int, int, int]  # (layer index, expert, replica number)
+WARM_SLACK = 0.5  # what kubemoe runs with (see above)
 
 
 @dataclass(frozen=True)
@@ -44,7 +54,7 @@ class Placement:
 
     gpu_of: Mapping[ReplicaKey, str]            # replica -> GPU id
     replica_load: Mapping[ReplicaKey, float]    # its share of the expert's load
-    gpu_load: Mapping[str, float]               # GPU id -> load summed over every layer
+    gpu_load: Mapping[str, float]               # GPU id -> queued load over every layer (min_replica_load each at least)
     gpu_memory: Mapping[str, int]               # GPU id -> bytes its replicas use (and held warm ones)
     unplaced: tuple[ReplicaKey, ...] = ()       # replicas no GPU had memory for
     warm_reused: int = 0
@@ -62,7 +72,7 @@ class Placement:
 
 def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], gpus: Sequence[GPU],
           expert_bytes: int, warm_previous: Mapping[ExpertKey, Sequence[str]] | None = None,
-          warm_slack: float = math.inf, warm_held: bool = False) -> Placement:
+          warm_slack: float = math.inf, warm_held: bool = False, min_replica_load: float = 0.0) -> Placement:
     """replicas [L][E] and loads [L][E] -> a Placement over `gpus`.
 
     `warm_previous` names a GPU once per warm replica of the expert there (a GPU may hold several).
@@ -71,6 +81,8 @@ def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], g
         raise ValueError("replicas and loads must have the same [L][E] shape")
     if expert_bytes <= 0:
         raise ValueError(f"expert_bytes must be positive, got {expert_bytes}")
+    if not min_replica_load >= 0:
+        raise ValueError(f"min_replica_load must be >= 0 (0: queues count tokens only), got {min_replica_load}")
     if not warm_slack >= 0:
         raise ValueError(f"warm_slack must be >= 0 (inf: always reuse warm replicas), got {warm_slack}")
     if len({g.id for g in gpus}) != len(gpus):
@@ -100,6 +112,7 @@ def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], g
         hosts: dict[int, set[str]] = {}
         for load, expert, index in order:
             key = (layer, expert, index)
+            cost = max(load, min_replica_load) if load > 0 else 0.0  # what it adds to its GPU's queue
             taken = hosts.setdefault(expert, set())
             needs_own = index == 0 and not (warm_held and warm.get((layer, expert)))
             # Warm GPUs not yet holding this expert first; one that does only when nothing else has room.
@@ -112,7 +125,7 @@ def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], g
             cold_ok = cold is not None and room
             firsts_waiting -= needs_own
             if warm_ok and not (cold_ok and (gpu in taken and cold not in taken or warm_slack < math.inf
-                                             and queue.queue(gpu) - queue.queue(cold) > warm_slack * load)):
+                                             and queue.queue(gpu) - queue.queue(cold) > warm_slack * cost)):
                 warm[(layer, expert)].remove(gpu)  # one warm replica serves one new replica
                 reused += 1
                 if not warm_held:
@@ -124,8 +137,8 @@ def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], g
                 unplaced.append(key)  # no room, or what is left is some waiting expert's only replica's
                 continue
             slots.update(gpu)
-            total[gpu] += load
-            queue.add(gpu, load)
+            total[gpu] += cost
+            queue.add(gpu, cost)
             taken.add(gpu)
             gpu_of[key], replica_load[key] = gpu, load
     used = {g.id: g.memory_bytes - free[g.id] for g in gpus}

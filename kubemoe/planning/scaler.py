@@ -3,9 +3,12 @@
 Per layer every expert starts with one replica; a max-heap then gives one more replica to the
 expert with the highest load per replica (its load split evenly over its replicas) until the
 coefficient of variation (CV) of the layer's per-replica loads is at most V, the layer's memory cap
-is reached, or the hottest expert already has `max_per_expert` replicas (one more replica anywhere
-else would not lower the layer's straggler, only spend memory). A layer without load keeps one
-replica per expert. Shapes: L = MoE layers, E = experts per layer.
+is reached, or the hottest expert already has `max_per_expert` replicas or one more would leave its
+replicas under `min_replica_load` (one more replica anywhere else would not lower the layer's
+straggler, only spend memory). The latter is the expert curve's knee (`latency.ExpertCurve.knee_tokens`)
+in the loads' unit: below it a replica's part costs a whole weight read, so the per-iteration split
+(`split`, the same minimum) would leave the replica idle, while the placer had counted it as carrying
+load. A layer without load keeps one replica per expert. Shapes: L = MoE layers, E = experts per layer.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def layer_cv(loads: Sequence[float], replicas: Sequence[int]) -> float:
 
 
 def scale(loads: Sequence[Sequence[float]], expert_bytes: int, cv_threshold: float,
-          layer_memory_cap: int | None, max_per_expert: int) -> list[list[int]]:
+          layer_memory_cap: int | None, max_per_expert: int, min_replica_load: float = 0.0) -> list[list[int]]:
     """loads [L][E] (tokens/s, or tokens) -> replicas [L][E], each >= 1.
 
     `layer_memory_cap` bounds a layer's replicas x expert_bytes (None: no cap); a layer whose
@@ -47,14 +50,17 @@ def scale(loads: Sequence[Sequence[float]], expert_bytes: int, cv_threshold: flo
         raise ValueError(f"cv_threshold must be >= 0 (e.g. 0.2), got {cv_threshold}")
     if max_per_expert < 1:
         raise ValueError(f"max_per_expert must be >= 1, got {max_per_expert}")
+    if not min_replica_load >= 0:
+        raise ValueError(f"min_replica_load must be >= 0 (0: no minimum), got {min_replica_load}")
     if layer_memory_cap is not None and layer_memory_cap <= 0:
         raise ValueError(f"layer_memory_cap must be positive bytes or None for no cap, got {layer_memory_cap}")
     max_replicas = math.inf if layer_memory_cap is None else layer_memory_cap // expert_bytes
-    return [_scale_layer(row, cv_threshold, max_replicas, max_per_expert, layer) for layer, row in enumerate(loads)]
+    return [_scale_layer(row, cv_threshold, max_replicas, max_per_expert, min_replica_load, layer)
+            for layer, row in enumerate(loads)]
 
 
 def _scale_layer(loads: Sequence[float], threshold: float, max_replicas: float, max_per_expert: int,
-                 layer: int) -> list[int]:
+                 min_replica_load: float, layer: int) -> list[int]:
     if any(load < 0 or not math.isfinite(load) for load in loads):
         raise ValueError(f"layer {layer}: loads must be finite and >= 0, got {list(loads)}")
     replicas = [1] * len(loads)
@@ -62,6 +68,7 @@ def _scale_layer(loads: Sequence[float], threshold: float, max_replicas: float, 
     if peak <= 0:
         return replicas
     loads = [load / peak for load in loads]  # CV is scale-free; this keeps the running sums in range
+    min_replica_load /= peak
     total = sum(loads)
     # CV from running sums, O(1) per added replica: with R replicas and mean m = total / R,
     # variance = sum_e(load_e^2 / r_e) / R - m^2.
@@ -75,9 +82,9 @@ def _scale_layer(loads: Sequence[float], threshold: float, max_replicas: float, 
     heapq.heapify(heap)
     while heap and current_cv() > threshold and count + 1 <= max_replicas:
         _, expert = heap[0]
-        if replicas[expert] >= max_per_expert:
-            break  # the straggler cannot be split further: more replicas elsewhere only cost memory
         load, r = loads[expert], replicas[expert]
+        if r >= max_per_expert or load / (r + 1) < min_replica_load:
+            break  # the straggler cannot be split further: more replicas elsewhere only cost memory
         squares += load * load / (r + 1) - load * load / r
         replicas[expert] = r + 1
         count += 1

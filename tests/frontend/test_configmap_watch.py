@@ -6,7 +6,7 @@ import pytest
 from kubernetes import client
 
 from kubemoe.bundles import bundles_by_count
-from kubemoe.frontend.routing_table import watch_configmap
+from kubemoe.routing_watch import watch_configmap
 from kubemoe.routing_table import CONFIGMAP_KEY, LOCAL, table_for_bundles, to_json
 
 

@@ -5,7 +5,7 @@ import pytest
 from kubemoe.bundles import bundles_by_count
 from kubemoe.frontend.dispatch import Replica, pick_replica
 from kubemoe.frontend.loads import LoadRecorder
-from kubemoe.frontend.routing_table import watch_file
+from kubemoe.routing_watch import watch_file
 from kubemoe.routing_table import LOCAL, RoutingTableError, build_route_map, parse_table, table_for_bundles, to_json
 
 LAYERS, EXPERTS = (1, 3), 8

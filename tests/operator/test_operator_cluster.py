@@ -13,7 +13,6 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 from kubernetes import client
 
-from kubemoe.operator.render import RETIRED_ANNOTATION
 
 pytestmark = pytest.mark.cluster
 
@@ -136,37 +135,44 @@ def test_deployment_runtime_end_to_end(cluster, api, operator, namespace, f):
         return {e.reason: e.message for e in core.list_namespaced_event(
             namespace, field_selector="involvedObject.name=tiny").items}
 
+    def endpoints(bundle: str) -> list[str]:
+        [route] = [r for r in routing_table(api, namespace, "tiny")["routes"] if r["bundle"] == bundle]
+        return [e["address"] for e in route["endpoints"]]
+
+    functions = {d["metadata"]["name"]: d["metadata"]["labels"]["kubemoe.io/bundle"] for d in found["Deployment"]
+                 if d["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"}
     version = routing_table(api, namespace, "tiny")["version"]
     server = LoadServer(frontend_pod.status.pod_ip, report((0, 1)))
     try:
+        # The hot bundle scales out in place: a function already running on the chosen node (its GPU
+        # has memory to spare) is named for it in the routing table and loads it; no new service.
         f.wait(replanned(version), 30, "a new plan after the load change", operator)
-        status = f.wait(lambda: (s := moed(api, namespace, "tiny")["status"])["plan"]["replicas"] == 5 and s,
+        status = f.wait(lambda: (s := moed(api, namespace, "tiny")["status"])["plan"].get("hostedInPlace") == 1 and s,
                         30, "status with the scaled-out plan", operator)
+        assert status["plan"]["replicas"] == 4 and status["plan"]["functions"] == 4
         assert status["plan"]["layers"][0] == {"layer": 0, "replicas": 3, "cvBefore": 0.5, "cvAfter": 0.1768}
         assert status["plan"]["unplaced"] == 0 and status["loads"]["frontends"] == 1
-        f.wait(lambda: "l0-e0-1 1->2" in reasons().get("ScaledOut", ""), 30, "a ScaledOut event", operator)
-        # The load moves to the other bundle: the extra service retires, warm, out of the routing table.
+        own, host = endpoints("l0-e0-1")
+        assert functions[own.split(".")[0]] == "l0-e0-1" and functions[host.split(".")[0]] != "l0-e0-1"
+        assert len(children(api, namespace, "tiny")["Deployment"]) == 5
+        f.wait(lambda: "l0-e0-1 1->2" in reasons().get("ScaledOut", "")
+               and "l0-e0-1 in" in reasons().get("HostedInPlace", ""), 30, "ScaledOut and HostedInPlace events", operator)
+        # The load moves to the other bundle: the in-place replica leaves the table (the function keeps
+        # it warm for keepAlive), and the other bundle is hosted in place in turn.
         version = routing_table(api, namespace, "tiny")["version"]
         server.report = report((2, 3))
         f.wait(replanned(version), 30, "a new plan after the load moved", operator)
+        assert endpoints("l0-e0-1") == [own] and len(endpoints("l0-e2-3")) == 2
+        f.wait(lambda: "ScaledIn" in reasons(), 30, "a ScaledIn event", operator)
+        # It comes back: the same running function hosts it again (a warm start: it may still hold it).
+        version = routing_table(api, namespace, "tiny")["version"]
+        server.report = report((0, 1))
+        f.wait(replanned(version), 30, "a new plan after the load came back", operator)
+        assert endpoints("l0-e0-1") == [own, host]
     finally:
         server.close()
-    found = children(api, namespace, "tiny")
-    retired = [d for d in found["Deployment"] if RETIRED_ANNOTATION in (d["metadata"]["annotations"] or {})]
-    assert retired, "the scaled-in bundle's extra service is kept warm"
-    addresses = {e["address"] for r in routing_table(api, namespace, "tiny")["routes"] for e in r["endpoints"]}
-    assert not any(d["metadata"]["name"] in a for d in retired for a in addresses)
-    f.wait(lambda: "Retired" in reasons() and "ScaledIn" in reasons(), 30, "Retired and ScaledIn events", operator)
     status = moed(api, namespace, "tiny")["status"]
-    assert status["plan"]["retired"] == len(retired)
-    assert status["cost"]["usdPerMillionTokens"] > 0
-
-    # A shorter keep-alive (a spec update) lets the retired services go.
-    patch = {"spec": {"experts": {"scaling": {"keepAlive": "1s"}}}}
-    client.CustomObjectsApi(api).patch_namespaced_custom_object(namespace=namespace, name="tiny", body=patch, **MOED)
-    f.wait(lambda: not [d for d in children(api, namespace, "tiny")["Deployment"]
-                        if RETIRED_ANNOTATION in (d["metadata"]["annotations"] or {})], 30,
-           "retired services deleted once keepAlive passed", operator)
+    assert status["plan"]["retired"] == 0 and status["cost"]["usdPerMillionTokens"] > 0
 
     # Deleting the MoEDeployment deletes every child (owner references + garbage collector).
     client.CustomObjectsApi(api).delete_namespaced_custom_object(namespace=namespace, name="tiny", **MOED)

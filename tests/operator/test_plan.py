@@ -56,13 +56,19 @@ def test_warm_pool_scales_out_retires_reuses_and_expires(f):
     assert hot.layers[0].cv_before > 1.0 and hot.layers[0].cv_after < 0.32 and hot.layers[1].replicas == 4
     assert decisions(Plan("distributed", spec.bundles(), {}), hot).scaled_out == {"l0-e0-0": (0, 4)}
 
-    # The load moves to expert 3: expert 0's extra replicas leave the plan and stay warm.
+    # The load moves to expert 3: expert 0's extra replicas leave the plan and stay warm; expert 3's
+    # new replicas go in place into functions running on their nodes (GPU memory to spare).
     after_move = plan(spec, moved, nodes, hot, NOW + 60)
-    assert len(after_move.nodes["l0-e0-0"]) == 1 and len(after_move.nodes["l0-e3-3"]) == 4
+    assert len(after_move.nodes["l0-e0-0"]) == 1 and after_move.replicas_of("l0-e3-3") == 4
+    assert len(after_move.nodes["l0-e3-3"]) == 1 and len(after_move.hosted["l0-e3-3"]) == 3
+    hosts = after_move.hosted["l0-e3-3"]
+    assert all(host in after_move.services() and host in hot.services() for host in hosts)
+    assert len({node for _, node in hosts} | set(after_move.nodes["l0-e3-3"])) == 4  # still one a node
     gone = {("l0-e0-0", n) for n in hot.nodes["l0-e0-0"]} - {("l0-e0-0", n) for n in after_move.nodes["l0-e0-0"]}
     assert len(gone) == 3 and all(after_move.retired[k] == Retired(1, NOW + 60) for k in gone)
     change = decisions(hot, after_move)
     assert change.scaled_in == {"l0-e0-0": (4, 1)} and change.scaled_out == {"l0-e3-3": (1, 4)}
+    assert change.hosted == {"l0-e3-3": hosts}
     assert set(change.retired) >= gone and change.reused == () and change.unplaced == {}
 
     # It comes back before keepAlive is over: expert 0 takes its warm services again.
@@ -75,6 +81,24 @@ def test_warm_pool_scales_out_retires_reuses_and_expires(f):
     assert gone <= set(kept.retired)
     expired = plan(spec, moved, nodes, kept, NOW + 60 + 601)
     assert not gone & set(expired.retired) and gone <= set(decisions(kept, expired).expired)
+
+
+def test_a_new_service_only_where_no_running_function_has_room(f):
+    spec = spec_of(f, experts={"bundleBytes": "128Mi", "scaling": {"maxReplicasPerExpert": 4}})
+    flat = Loads({(0, e): 100.0 for e in range(4)}, 50.0, 1)
+    hot = Loads({(0, 0): 800.0, (0, 1): 100.0, (0, 2): 100.0, (0, 3): 100.0}, 50.0, 1)
+    first = plan(spec, hot, f.gpu_nodes(4), None, NOW)
+    assert first.hosted == {}  # nothing ran before: every replica a service of its own
+    # Unlabelled GPU memory: no room is known, so scale-out replicas get services (cold starts).
+    unknown = [NodeInfo(f"node-{i}", 8, None) for i in range(4)]
+    even = plan(spec, flat, unknown, None, NOW)
+    assert plan(spec, hot, unknown, even, NOW + 60).hosted == {}
+    # With room: in place, and the version moves with the hosting (the routing table changes).
+    even = plan(spec, flat, f.gpu_nodes(4), None, NOW)
+    hosted = plan(spec, hot, f.gpu_nodes(4), even, NOW + 60)
+    assert hosted.replicas_of("l0-e0-0") == 4 and len(hosted.hosted["l0-e0-0"]) == 3 and hosted.version == even.version + 1
+    again = plan(spec, hot, f.gpu_nodes(4), hosted, NOW + 90)
+    assert again.hosted == hosted.hosted and again.version == hosted.version
 
 
 def test_retired_services_hold_their_gpus_and_extra_replicas_that_fit_nowhere_are_listed(f):

@@ -117,6 +117,32 @@ def test_retired_service_renders_unchanged_template_and_leaves_the_routing_table
     assert set(observe(deployment.spec, "distributed", again).retired) == set(second.retired)
 
 
+def test_replicas_hosted_in_place_are_endpoints_of_running_functions_and_read_back(f):
+    # Four nodes, one expert a bundle; the load turns hot on expert 0 after a first, even plan.
+    spec = {"experts": {"runtime": "deployment", "bundleBytes": "128Mi", "scaling": {"maxReplicasPerExpert": 4,
+                                                                                    "keepAlive": "2m"}}}
+    deployment, even, objects = rendered(f, nodes=4, loads=Loads({(0, e): 100.0 for e in range(4)}), **spec)
+    previous = observe(deployment.spec, "distributed", objects)
+    _, hot, again = rendered(f, nodes=4, loads=Loads({(0, 0): 800.0, (0, 1): 100.0, (0, 2): 100.0, (0, 3): 100.0}),
+                             previous=previous, **spec)
+    assert len(hot.hosted["l0-e0-0"]) == 3 and hot.services().keys() == even.services().keys()  # no new service
+    table = parse_table(by_kind(again, "ConfigMap")[0]["data"]["routing.json"])
+    [route] = [r for r in table.routes if r.bundle == "l0-e0-0"]
+    names = {o["metadata"]["name"]: (o["metadata"]["labels"]["kubemoe.io/bundle"], o["metadata"]["annotations"]["kubemoe.io/node"])
+             for o in by_kind(again, "Deployment") if o["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"}
+    hosts = sorted(names[e.address.split(".")[0]] for e in route.endpoints[1:])
+    assert hosts == sorted(hot.hosted["l0-e0-0"]) and sum(e.weight for e in route.endpoints) == 1.0
+    # Every function follows the table at its own address, as the frontend's account (reads that ConfigMap only).
+    for d in by_kind(again, "Deployment"):
+        if d["metadata"]["labels"]["app.kubernetes.io/component"] == "expert":
+            pod = d["spec"]["template"]["spec"]
+            args = pod["containers"][0]["args"]
+            assert args[args.index("--address") + 1].startswith(d["metadata"]["name"] + ".")
+            assert args[args.index("--routing-configmap") + 1] == "default/tiny-routing"
+            assert args[args.index("--drop-after") + 1] == "120" and pod["serviceAccountName"] == "tiny-frontend"
+    assert observe(deployment.spec, "distributed", again).hosted == hot.hosted
+
+
 def test_offload_mode_frontend_on_single_gpu_nodes_and_local_experts(f):
     _, p, objects = rendered(f, mode="offload", offload={"gpuMemoryBudget": "20Gi"})
     assert p.mode == "offload" and by_kind(objects, "Deployment")[0]["metadata"]["name"] == "tiny-frontend"

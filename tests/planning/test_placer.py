@@ -33,6 +33,17 @@ def test_warm_slack_bounds_what_a_warm_start_may_cost():
     assert set(bounded.gpu_of.values()) == {"g0", "g1"} and bounded.warm_reused == 1
 
 
+def test_lightly_loaded_replicas_count_as_a_weight_read_each():
+    # Decode-sized loads under a knee of 64 tokens: every replica costs one weight read. By tokens
+    # alone the three light experts would join expert 0's partner on g1 (3 reads there, 1 on g0).
+    loads = [[40.0, 10.0, 10.0, 10.0]]
+    by_tokens = place([[1, 1, 1, 1]], loads, gpus(2), MIB)
+    assert sorted(list(by_tokens.gpu_of.values()).count(g) for g in ("g0", "g1")) == [1, 3]
+    by_reads = place([[1, 1, 1, 1]], loads, gpus(2), MIB, min_replica_load=64)
+    assert sorted(list(by_reads.gpu_of.values()).count(g) for g in ("g0", "g1")) == [2, 2]
+    assert by_reads.replica_load[(0, 1, 0)] == 10.0 and by_reads.gpu_load == {"g0": 128.0, "g1": 128.0}
+
+
 def test_what_does_not_fit_is_reported_and_scale_out_gives_way_to_every_experts_first_replica():
     p = place([[2, 1]], [[4.0, 1.0]], gpus(2, experts_each=1), MIB)
     assert p.unplaced == ((0, 0, 1),) and set(p.gpu_memory.values()) == {MIB}

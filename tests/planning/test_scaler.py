@@ -25,10 +25,18 @@ def test_caps_stop_the_scaler():
     assert scale([[0, 0], [5, 5]], MIB, 0.2, None, 8) == [[1, 1], [1, 1]]
 
 
+def test_no_replica_is_added_below_the_curves_knee():
+    # [300, 100] with V = 0.2 wants [2, 1] (CV 0.2 exactly), but 150 tokens a replica are under a
+    # knee of 200: the split would leave the second replica idle, so the expert keeps one.
+    assert scale([[300, 100]], MIB, 0.2, None, 8) == [[2, 1]]
+    assert scale([[300, 100]], MIB, 0.2, None, 8, min_replica_load=200) == [[1, 1]]
+    assert scale([[900, 100]], MIB, 0.0, None, 8, min_replica_load=200) == [[4, 1]]  # 225 each, not 180
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"expert_bytes": 0}, "expert_bytes"), ({"cv_threshold": -1}, "cv_threshold"),
     ({"max_per_expert": 0}, "max_per_expert"), ({"layer_memory_cap": 0}, "layer_memory_cap"),
-    ({"loads": [[1, -1]]}, "layer 0"),
+    ({"loads": [[1, -1]]}, "layer 0"), ({"min_replica_load": -1}, "min_replica_load"),
 ])
 def test_bad_inputs_say_what_to_pass(kwargs, message):
     args = {"loads": [[1, 2]], "expert_bytes": MIB, "cv_threshold": 0.2, "layer_memory_cap": None,

@@ -1,8 +1,9 @@
-"""The routing table in the frontend: watch a file or a ConfigMap for new versions.
+"""Following the routing table: watch a file or a ConfigMap for new versions.
 
 The table's format and validation are the contract in `kubemoe.routing_table`, shared with the
-operator. A watcher reports new versions; the dispatcher switches to them between engine steps, so
-no request ever sees half a table.
+operator. Frontends follow it (the dispatcher switches between engine steps, so no request ever
+sees half a table), and so do expert functions that gain and drop experts in place
+(`kubemoe.expert_fn.follow`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,406 @@
+#!/usr/bin/env python3
+"""MoEless live: kubemoe's scaling against static EP and EPLB over real expert-function processes.
+
+    python benchmarks/moeless_live.py                                   # this CPU, tiny experts (a smoke run)
+    python benchmarks/moeless_live.py --device cuda --size mixtral      # on the H200 (run_h200.sh moeless-live)
+
+One frontend-side driver (the real dispatcher of frontend/dispatch.py, routing tables built with the
+contract in kubemoe/routing_table.py) serves one request stream over P expert-function processes
+(`kubemoe expert-fn`, started by frontend/embedded.py as `kubemoe serve` starts them, gRPC with the
+shared-memory lane) that stand for P GPUs. Experts are bench-size (`--size mixtral`: Mixtral's
+4096 x 14336, bf16) in a checkpoint of the trained model's layout (16 experts, top-2) with random
+weights; which experts each token goes to is replayed from the trained model's routing trace
+(benchmarks/results/routing_trace_base_h200.safetensors, trained MoE layers 1..L, whose d=1
+predictions it also holds), so a hot expert costs what it costs. The stream: decode-sized iterations
+(a continuous batch of recorded requests) and prefill-sized ones (whole recorded prompts), bursty
+arrivals, as benchmarks/moeless_sim.py makes them (`replay_rows`).
+
+Plans, each served over the same stream by the same processes (moved between with Load/Unload):
+- static EP: one replica per expert, round-robin over the processes, never changes.
+- kubemoe: every `--window` iterations the scaler and placer on the loads the predictor gives for
+  the coming window (warm replicas first, the knee as the dispatcher's split_min_tokens), and per
+  iteration the dispatcher's split on the predictor's counts.
+- EPLB: `rebalance_experts` on the previous window's observed loads, as many redundant replicas as
+  kubemoe holds on average (taken from the kubemoe pass), the same cadence.
+- oracle (a bound, lossy): static EP's processes with every layer's tokens dealt evenly over the
+  experts: perfect balance at the static plan's memory.
+A re-plan happens while serving, as `frontend/replan.py` runs it: Load on the processes that gain
+experts, the table re-pointed at a step boundary, Unload of what left. Steps from the first Load to
+the last Unload are re-plan steps; the others steady.
+
+Measured by the driver (the frontend): each MoE layer's forward (`Dispatcher.run_layer`, CUDA
+synchronised) -> mean / p50 / p99 / CDF points; tokens/s over the stream; GPU memory x time (the
+bytes of the replicas each plan holds, times the wall time it holds them, per 1000 tokens).
+On one H200 the P processes share one GPU: kernels of different processes queue on it, so a plan's
+balance across processes buys far less than across P real GPUs (each extra weight read is paid by
+all). The figures say what kubemoe's machinery costs and does on one GPU, not MoEless's 8-GPU gains.
+Goals: the four ratios of moeless_sim (latency_vs_static, _eplb, _oracle; cost_vs_static) over
+decode and prefill together, and replan_step_p99_vs_steady (<= 1.1): kubemoe's re-plan steps' p99
+over its steady steps' p99, the larger of decode and prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Goal, print_table, write_results  # noqa: E402
+
+from kubemoe.adapters import MoEAdapter  # noqa: E402
+from kubemoe.bundles import Bundle  # noqa: E402
+from kubemoe.checkpoint import Checkpoint  # noqa: E402
+from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher  # noqa: E402
+from kubemoe.frontend.embedded import expert_processes  # noqa: E402
+from kubemoe.frontend.loads import LoadRecorder  # noqa: E402
+from kubemoe.frontend.loop_thread import LoopThread  # noqa: E402
+from kubemoe.frontend.replan import repoint  # noqa: E402
+from kubemoe.planning.baselines import eplb, static_ep  # noqa: E402
+from kubemoe.planning.placer import GPU, WARM_SLACK, Placement, place  # noqa: E402
+from kubemoe.planning.scaler import scale  # noqa: E402
+from kubemoe.presets import Preset  # noqa: E402
+from kubemoe.routing_table import build_route_map, held_by_address, table_for_bundles  # noqa: E402
+from kubemoe.synth import make_checkpoint  # noqa: E402
+
+PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99)
+SIZES = {"mixtral": (4096, 14336), "tiny": (64, 128)}  # hidden, intermediate
+
+
+def load_sim():
+    """benchmarks/moeless_sim.py, for its routing-trace replay (one definition of the stream)."""
+    spec = importlib.util.spec_from_file_location("moeless_sim", Path(__file__).resolve().parent / "moeless_sim.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["moeless_sim"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class Stream:
+    """The request stream: per iteration the tokens' experts and the predictor's counts, per MoE layer."""
+
+    regime: list[str]              # [T]
+    experts: list[np.ndarray]      # [T] of [L, N_t, K] int
+    predicted: list[np.ndarray]    # [T] of [L, E] float, NaN where no prediction
+
+    def loads(self, start: int, stop: int, num_experts: int, predicted: bool) -> np.ndarray:
+        """Mean tokens per iteration per (layer, expert) over [start, stop): observed or predicted."""
+        if predicted:
+            told = np.stack(self.predicted[start:stop])
+            seen = self.loads(start, stop, num_experts, False)
+            return np.where(np.isnan(told).any(axis=0), seen, np.nan_to_num(told).mean(axis=0))
+        counts = [np.stack([np.bincount(x.ravel(), minlength=num_experts) for x in e]) for e in self.experts[start:stop]]
+        return np.mean(counts, axis=0)
+
+
+def make_stream(sim, trace, layers: int, decode_tokens: float, prefill_tokens: float, decode: int, prefill: int,
+                seed: int) -> Stream:
+    """Decode iterations, then prefill ones, from the trace's MoE layers 1..layers (each predicted from the one before)."""
+    layout = type("Layout", (), {"decode_tokens": decode_tokens, "prefill_tokens": prefill_tokens})
+    source = list(range(1, layers + 1))
+    stream = Stream([], [], [])
+    for regime, count in (("decode", decode), ("prefill", prefill)):
+        for rows in sim.replay_rows(trace, layout, regime, count, sim.TraceShape(), seed):
+            experts = trace.experts[rows][:, source, :].transpose(1, 0, 2)  # [L, N, K]
+            guessed = trace.predicted[rows][:, source, :].transpose(1, 0, 2)
+            predicted = np.stack([np.bincount(g[g >= 0], minlength=trace.num_experts) for g in guessed]).astype(float)
+            stream.regime.append(regime)
+            stream.experts.append(experts)
+            stream.predicted.append(predicted)
+    return stream
+
+
+class ReplayPredictions:
+    """The dispatcher's `predictions`: this iteration's predicted tokens per expert of a layer."""
+
+    def __init__(self):
+        self.counts: np.ndarray | None = None  # [L, E]
+
+    def predicted_counts(self, layer: int):
+        return None if self.counts is None else [int(round(c)) for c in self.counts[layer]]
+
+
+def table_of(placement: Placement, layers: int, experts: int, addresses: list[str], model: str, version: int):
+    """A plan over the processes -> a routing table: each (layer, expert) its own route, one endpoint per replica."""
+    where: dict[tuple[int, int], list[str]] = {}
+    for (layer, expert, _), gpu in sorted(placement.gpu_of.items()):
+        where.setdefault((layer, expert), []).append(addresses[int(gpu)])
+    bundles = [Bundle(f"l{layer}-e{expert}", ((layer, expert),)) for layer in range(layers) for expert in range(experts)]
+    return table_for_bundles(model, bundles, {b.name: where[b.experts[0]] for b in bundles}, version)
+
+
+@dataclass
+class Served:
+    """What serving one plan over the stream measured."""
+
+    layer_s: dict[str, list[float]] = field(default_factory=lambda: {"decode": [], "prefill": []})
+    step_s: dict[str, list[tuple[float, bool]]] = field(default_factory=lambda: {"decode": [], "prefill": []})
+    tokens: int = 0
+    seconds: float = 0.0
+    byte_seconds: float = 0.0
+    replans: list[dict] = field(default_factory=list)
+    replicas: list[int] = field(default_factory=list)
+
+
+class Driver:
+    """The frontend side: a dispatcher over the processes, and re-plans in place while it serves."""
+
+    def __init__(self, dispatcher: Dispatcher, adapter: MoEAdapter, model: str, expert_bytes: int, device: torch.device,
+                 dtype: torch.dtype):
+        self.dispatcher, self.adapter, self.model = dispatcher, adapter, model
+        self.expert_bytes, self.device, self.dtype = expert_bytes, device, dtype
+        self.predictions = ReplayPredictions()
+        dispatcher.predictions = self.predictions
+        self.table = None
+        self.mover = LoopThread("kubemoe-replan")
+        self._applied = threading.Condition()
+        self._serving_version = -1
+
+    def install(self, table) -> None:
+        """Switch to `table` right away, moving experts in place (not measured: between plans)."""
+        self.mover.run(repoint(self.model, self.table, table, self._switch_now(table)), timeout=1800)
+        self.table = table
+
+    def _switch_now(self, table):
+        async def switch():
+            self.dispatcher.set_routes(self._route_map(table))
+            self.dispatcher.apply_pending()
+        return switch
+
+    def _route_map(self, table):
+        return build_route_map(table, self.model, self.adapter.moe_layers, self.adapter.num_experts)
+
+    def _switch_at_step(self, table):
+        async def switch():  # returns once a step has begun with the new table: none uses the old one after
+            self.dispatcher.set_routes(self._route_map(table))
+            await asyncio.to_thread(self._wait_serving, table.version)
+        return switch
+
+    def _wait_serving(self, version: int) -> None:
+        with self._applied:
+            self._applied.wait_for(lambda: self._serving_version >= version, timeout=600)
+
+    def serve(self, stream: Stream, plans, balanced: bool = False) -> Served:
+        """Serve the stream; `plans(t)` returns a new table to move to at iteration t, or None."""
+        served = Served()
+        hidden_cache: dict[int, torch.Tensor] = {}
+        moving = None
+        started = time.perf_counter()
+        for t in range(len(stream.regime)):
+            new = plans(t) if moving is None else None
+            if new is not None:
+                replan_start = time.perf_counter()
+                moving = (self.mover.submit(repoint(self.model, self.table, new, self._switch_at_step(new))), new,
+                          replan_start)
+            self._step_boundary()
+            in_replan = moving is not None
+            regime, experts = stream.regime[t], stream.experts[t]
+            tokens = experts.shape[1]
+            hidden = hidden_cache.get(tokens)
+            if hidden is None:
+                hidden = hidden_cache[tokens] = torch.randn(tokens, self.adapter.hidden_size, generator=torch.Generator(
+                    ).manual_seed(tokens), dtype=torch.float32).to(self.device, self.dtype) * 0.1
+            self.predictions.counts = stream.predicted[t]
+            step = time.perf_counter()
+            for layer_index, layer in enumerate(self.adapter.moe_layers):
+                index = experts[layer_index]
+                if balanced:  # the oracle: tokens dealt evenly over the experts (lossy)
+                    index = (np.arange(index.size).reshape(index.shape) + layer_index) % self.adapter.num_experts
+                top_k = torch.as_tensor(index, dtype=torch.int64, device=self.device)
+                weights = torch.full(top_k.shape, 1.0 / top_k.shape[1], dtype=self.dtype, device=self.device)
+                begin = time.perf_counter()
+                self.dispatcher.run_layer(layer, hidden, top_k, weights)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                served.layer_s[regime].append(time.perf_counter() - begin)
+            step_s = time.perf_counter() - step
+            served.step_s[regime].append((step_s, in_replan))
+            served.tokens += tokens
+            held = sum(len(keys) for keys in held_by_address(self.table).values())
+            served.byte_seconds += held * self.expert_bytes * step_s
+            served.replicas.append(held)
+            if moving is not None and moving[0].done():
+                done = moving[0].result()  # raises what the re-plan raised: a failed move fails the benchmark
+                served.replans.append({"iteration": t, "seconds": time.perf_counter() - moving[2],
+                                       "loaded": sum(map(len, done.moves.load.values())),
+                                       "unloaded": sum(map(len, done.moves.unload.values())),
+                                       "load_s": done.load_s, "switch_s": done.switch_s, "unload_s": done.unload_s})
+                self.table = moving[1]
+                moving = None
+        while moving is not None and not moving[0].done():  # let the last re-plan finish outside the measurement
+            self._step_boundary()
+            time.sleep(0.01)
+        if moving is not None:
+            moving[0].result()
+            self.table = moving[1]
+        served.seconds = time.perf_counter() - started
+        return served
+
+    def _step_boundary(self) -> None:
+        """Between steps: take a pending table, and tell a waiting re-plan which table steps use now."""
+        self.dispatcher.apply_pending()
+        with self._applied:
+            self._serving_version = self.dispatcher.routes_version
+            self._applied.notify_all()
+
+    def close(self) -> None:
+        self.mover.stop()
+
+
+def summarize(name: str, served: Served) -> dict:
+    row = {"plan": name, "tokens_per_s": served.tokens / served.seconds,
+           "gb_s_per_1k_tokens": served.byte_seconds / 1e9 / (served.tokens / 1000),
+           "replicas_mean": float(np.mean(served.replicas)), "replans": len(served.replans)}
+    every = []
+    for regime, times in served.layer_s.items():
+        ms = np.array(times) * 1e3
+        every.append(ms)
+        row[f"{regime}_mean_ms"] = float(ms.mean())
+        row[f"{regime}_p50_ms"] = float(np.percentile(ms, 50))
+        row[f"{regime}_p99_ms"] = float(np.percentile(ms, 99))
+        row[f"{regime}_cdf_ms"] = {str(q): float(np.percentile(ms, q)) for q in PERCENTILES}
+        steps = served.step_s[regime]
+        steady = [s for s, replan in steps if not replan]
+        during = [s for s, replan in steps if replan]
+        row[f"{regime}_steps_steady"], row[f"{regime}_steps_replan"] = len(steady), len(during)
+        if steady and during:
+            row[f"{regime}_replan_step_p99_vs_steady"] = float(np.percentile(during, 99) / np.percentile(steady, 99))
+    row["mean_ms"] = float(np.concatenate(every).mean())
+    row["replan_log"] = served.replans
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--layers", type=int, default=2, help="MoE layers (the trace's layers 1..L)")
+    parser.add_argument("--processes", type=int, default=4, help="expert-function processes (the 'GPUs')")
+    parser.add_argument("--decode-iterations", type=int, default=40)
+    parser.add_argument("--prefill-iterations", type=int, default=10)
+    parser.add_argument("--decode-tokens", type=float, default=128, help="mean sequences in a decode batch")
+    parser.add_argument("--prefill-tokens", type=float, default=1024, help="mean prompt tokens an iteration")
+    parser.add_argument("--window", type=int, default=10, help="iterations between re-plans")
+    parser.add_argument("--cv", type=float, default=0.2)
+    parser.add_argument("--trace", type=Path, default=Path(__file__).resolve().parent / "results" /
+                        "routing_trace_base_h200.safetensors")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sim = load_sim()
+    trace = sim.read_routing_trace(args.trace)
+    E, K, L, P = trace.num_experts, trace.experts.shape[2], args.layers, args.processes
+    if not 1 <= L < trace.experts.shape[1]:
+        raise SystemExit(f"--layers must be 1..{trace.experts.shape[1] - 1} (the trace's predicted layers)")
+    stream = make_stream(sim, trace, L, args.decode_tokens, args.prefill_tokens, args.decode_iterations,
+                         args.prefill_iterations, args.seed)
+    hidden, intermediate = SIZES[args.size]
+    expert_bytes = 3 * hidden * intermediate * torch.tensor([], dtype=dtype).element_size()
+    gpus = [GPU(str(p), str(p), 10**15) for p in range(P)]  # memory: the H200 holds every plan here
+    split_min = DispatchConfig(model="").split_min_tokens
+    started = time.perf_counter()
+
+    with tempfile.TemporaryDirectory() as tmp, \
+            tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm:
+        preset = Preset("mixtral", f"live-{args.size}", dict(
+            hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=L, num_local_experts=E,
+            num_experts_per_tok=K, vocab_size=512, num_attention_heads=4, num_key_value_heads=1,
+            max_position_embeddings=512, tie_word_embeddings=False), dtype=str(dtype).removeprefix("torch."),
+            shard_bytes=4 << 30)
+        print(f"checkpoint: {L} layers x {E} experts of {hidden}x{intermediate} ({expert_bytes / 2**20:.0f} MiB each)",
+              flush=True)
+        ckpt = make_checkpoint(preset, Path(tmp) / "ckpt", progress=False)
+        checkpoint = Checkpoint(ckpt)
+        adapter = MoEAdapter(checkpoint.config)
+        model = "live"
+        static = static_ep(np.ones((L, E)).tolist(), gpus, expert_bytes)
+        first = {p: tuple(sorted((layer, e) for (layer, e, _), g in static.gpu_of.items() if int(g) == p)) for p in range(P)}
+        bundles = [Bundle(f"p{p}", first[p]) for p in range(P)]
+        with expert_processes(ckpt, bundles, model, ready_timeout=900, shm_dir=Path(shm)) as procs:
+            addresses = [procs.addresses[b.name][0] for b in bundles]
+            dispatcher = Dispatcher(adapter, checkpoint, DispatchConfig(model=model, shm_dir=Path(shm)),
+                                    LoadRecorder(model, "live"), dtype, device)
+            driver = Driver(dispatcher, adapter, model, expert_bytes, device, dtype)
+            version = iter(range(1, 10**6))
+            static_table = table_of(static, L, E, addresses, model, next(version))
+            rows, served = [], {}
+            try:
+                # Warm-up: every process's first calls (CUDA context, graphs, lanes) outside the measurement.
+                driver.install(static_table)
+                driver.serve(Stream(stream.regime[:3], stream.experts[:3], stream.predicted[:3]), lambda t: None)
+                served["static"] = driver.serve(stream, lambda t: None)
+
+                kubemoe_counts = []
+
+                def kubemoe_plans(t: int):
+                    if t % args.window:
+                        return None
+                    window = min(t + args.window, len(stream.regime))
+                    loads = stream.loads(t, window, E, predicted=True)
+                    replicas = scale(loads.tolist(), expert_bytes, args.cv, None, P, split_min)
+                    kubemoe_counts.append(sum(map(sum, replicas)) / L)
+                    warm = {}
+                    for address, keys in held_by_address(driver.table).items():
+                        for key in keys:
+                            warm.setdefault(key, []).append(str(addresses.index(address)))
+                    placement = place(replicas, loads.tolist(), gpus, expert_bytes, warm, WARM_SLACK,
+                                      min_replica_load=split_min)
+                    return table_of(placement, L, E, addresses, model, next(version))
+
+                served["kubemoe"] = driver.serve(stream, kubemoe_plans)
+                redundant = max(0, round(float(np.mean(kubemoe_counts))) - E)
+
+                def eplb_plans(t: int):
+                    if t % args.window:
+                        return None
+                    # At the start: as if the traffic before had looked like the first window.
+                    history = stream.loads(max(0, t - args.window), t or args.window, E, predicted=False)
+                    return table_of(eplb(history.tolist(), gpus, expert_bytes, redundant, 1, P), L, E, addresses,
+                                    model, next(version))
+
+                served["eplb"] = driver.serve(stream, eplb_plans)
+                driver.install(table_of(static, L, E, addresses, model, next(version)))
+                served["oracle"] = driver.serve(stream, lambda t: None, balanced=True)
+            finally:
+                driver.close()
+                dispatcher.close()
+
+    for name, result in served.items():
+        rows.append(summarize(name, result))
+    print_table(rows, [("plan", "plan", ""), ("decode_mean_ms", "decode ms", ".3f"), ("decode_p99_ms", "p99", ".3f"),
+                       ("prefill_mean_ms", "prefill ms", ".3f"), ("prefill_p99_ms", "p99", ".3f"),
+                       ("tokens_per_s", "tokens/s", ".0f"), ("gb_s_per_1k_tokens", "GB.s/1k tok", ".3f"),
+                       ("replicas_mean", "replicas", ".1f"), ("replans", "replans", "d")])
+    by = {r["plan"]: r for r in rows}
+    replan = [by["kubemoe"].get(f"{regime}_replan_step_p99_vs_steady") for regime in ("decode", "prefill")]
+    replan = [r for r in replan if r is not None]
+    goals = {"latency_vs_static": Goal(by["kubemoe"]["mean_ms"] / by["static"]["mean_ms"], "<= 0.57"),
+             "latency_vs_eplb": Goal(by["kubemoe"]["mean_ms"] / by["eplb"]["mean_ms"], "<= 0.78"),
+             "latency_vs_oracle": Goal(by["kubemoe"]["mean_ms"] / by["oracle"]["mean_ms"], "<= 1.10"),
+             "cost_vs_static": Goal(by["kubemoe"]["gb_s_per_1k_tokens"] / by["static"]["gb_s_per_1k_tokens"], "<= 0.2"),
+             "replan_step_p99_vs_steady": Goal(max(replan) if replan else float("nan"), "<= 1.1")}
+    for name, goal in goals.items():
+        print(f"goal {name}: {goal.value:.4f} {goal.goal} ({'met' if goal.met else 'NOT met'})")
+    path = write_results("moeless_live", device, rows, goals, out=args.out,
+                         settings={k: str(v) for k, v in vars(args).items()},
+                         expert_mib=expert_bytes / 2**20, eplb_redundant_per_layer=redundant,
+                         bound="one GPU shared by every expert-function process: balance across processes buys "
+                               "little; cost is memory held x time (every plan holds its replicas), not pay-per-use",
+                         seconds=round(time.perf_counter() - started, 1))
+    print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

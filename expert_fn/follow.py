@@ -1,0 +1,78 @@
+"""An expert function that follows the routing table: it gains and drops experts in place.
+
+Besides its bundle (loaded at start, never dropped: Knative's readiness is about it), a function
+holds whatever the table sends to its own address (`--address`, as the table names it): when a new
+table names it for experts it does not hold, it Loads them through its store, if the device has the
+memory for them (else it logs and leaves them out: the frontends' calls there fail NOT_FOUND and
+go to the expert's other replicas); when a table stops naming it for an expert it gained, it drops
+it after `drop_after` seconds, because frontends switch tables a moment apart and one still on the
+old table may send a last call. Until the weights are in, a call gets UNAVAILABLE and the frontend
+retries it on another replica: nothing is lost as long as the table keeps a loaded replica beside
+one being loaded, which is how the in-place path adds replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import torch
+
+from kubemoe.expert_fn.servicer import ExpertServicer
+from kubemoe.proto import kubemoe_pb2 as pb
+from kubemoe.routing_table import ExpertKey, held_by_address
+
+log = logging.getLogger(__name__)
+MEMORY_HEADROOM = 1 << 30  # left free on the GPU for activations and CUDA graphs
+
+
+def cuda_free_bytes(device: torch.device) -> int | None:
+    """Free memory on a CUDA device; None (no limit known) elsewhere."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free
+
+
+class TableFollower:
+    def __init__(self, servicer: ExpertServicer, address: str, drop_after: float = 30.0,
+                 free_bytes: Callable[[], int | None] | None = None):
+        self.servicer, self.address, self.drop_after = servicer, address, drop_after
+        store = servicer.store
+        self.free_bytes = free_bytes or (lambda: cuda_free_bytes(store.device))
+        self._drops: dict[ExpertKey, asyncio.TimerHandle] = {}
+
+    @property
+    def store(self):
+        return self.servicer.store
+
+    async def on_table(self, table: pb.RoutingTable) -> None:
+        wanted = held_by_address(table).get(self.address, frozenset()) | self.store.bundle
+        held = set(self.store.held())
+        for key in wanted & self._drops.keys():  # wanted again before its drop: keep it
+            self._drops.pop(key).cancel()
+        gains = sorted(wanted - held)
+        if gains:
+            await self._gain(gains)
+        loop = asyncio.get_running_loop()
+        for key in sorted(held - wanted - self._drops.keys()):
+            self._drops[key] = loop.call_later(self.drop_after, lambda k=key: loop.create_task(self._drop(k)))
+
+    async def _gain(self, keys: list[ExpertKey]) -> None:
+        need = len(keys) * self.store.adapter.expert_bytes(self.store.dtype)
+        free = self.free_bytes()
+        if free is not None and need + MEMORY_HEADROOM > free:
+            log.warning("routing table names %s for %d more experts (%.0f MiB) but the device has %.0f MiB free: "
+                        "not loading them; frontends send their tokens to the other replicas", self.address,
+                        len(keys), need / 2**20, free / 2**20)
+            return
+        response = await self.servicer.load(keys)
+        log.info("loaded %d experts in place (%.0f MiB in %.2fs) for the routing table", len(keys),
+                 response.bytes_loaded / 2**20, response.seconds)
+
+    async def _drop(self, key: ExpertKey) -> None:
+        self._drops.pop(key, None)
+        freed = await asyncio.to_thread(self.store.unload, [key])
+        await self.servicer.report_health()
+        log.info("dropped expert %s in place (%.0f MiB): no routing table sends it here any more", key, freed / 2**20)

@@ -1,0 +1,86 @@
+"""Expert functions following the routing table: experts gained and dropped in place, over a real
+server on port 0 and a real table file; the bundle is never dropped; no memory, no load."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+import torch
+
+from kubemoe.bundles import Bundle
+from kubemoe.errors import KubemoeError
+from kubemoe.expert_fn.config import ExpertFnConfig
+from kubemoe.expert_fn.follow import TableFollower
+from kubemoe.expert_fn.server import follow_routing_table
+from kubemoe.routing_table import table_for_bundles, to_json
+
+ARCH = "qwen3_moe"  # tiny: 2 MoE layers of 16 experts, hidden 128
+OTHER = "10.0.0.9:80"
+
+
+def table(address: str, extra: tuple[tuple[int, int], ...], version: int):
+    """Every expert at OTHER; `extra` also at `address` (beside OTHER: a loaded replica stays in the table)."""
+    bundles = [Bundle(f"l{layer}-e{e}", ((layer, e),)) for layer in (0, 1) for e in range(16)]
+    return table_for_bundles("m", bundles, {b.name: [OTHER, address] if b.experts[0] in extra else [OTHER]
+                                            for b in bundles}, version)
+
+
+async def until(condition, timeout: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_function_loads_what_the_table_sends_it_and_drops_it_after_the_table_moves_on(
+        tiny_checkpoint, serve, tmp_path):
+    path = tmp_path / "routing.json"
+    async with serve(tiny_checkpoint(ARCH), "0:0-1", model="m") as server:
+        config = dataclasses.replace(server.config, routing_table=str(path), address=server.address, drop_after=0.3)
+        path.write_text(to_json(table(server.address, ((1, 5), (1, 6)), 1)))
+        following = follow_routing_table(config, server.servicer)
+        try:
+            store = server.servicer.store
+            await until(lambda: {(1, 5), (1, 6)} <= set(store.held()))
+            client = server.client()
+            hidden = torch.randn(3, 128)
+            out = await client.forward(1, [5], [3], hidden)  # served in place
+            assert out.shape == (3, 128)
+            # The next table sends (1, 6) elsewhere only and names the bundle nowhere: (1, 6) goes
+            # after drop_after, the bundle stays (the function's readiness is about it).
+            path.write_text(to_json(table(server.address, ((1, 5),), 2)))
+            written = asyncio.get_running_loop().time()
+            await until(lambda: (1, 6) not in store.held())
+            # Not before drop_after: a frontend still on table 1 may send a last call.
+            assert asyncio.get_running_loop().time() - written >= 0.3
+            assert set(store.held()) == {(0, 0), (0, 1), (1, 5)}
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.forward(1, [6], [3], hidden)
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND  # the frontend retries another replica
+            await client.close()
+        finally:
+            following.cancel()
+
+
+async def test_an_expert_wanted_again_before_its_drop_stays_and_no_memory_means_no_load(tiny_checkpoint, serve):
+    async with serve(tiny_checkpoint(ARCH), "0:0", model="m") as server:
+        store = server.servicer.store
+        follower = TableFollower(server.servicer, server.address, drop_after=0.2)
+        await follower.on_table(table(server.address, ((1, 2),), 1))
+        await follower.on_table(table(server.address, (), 2))
+        await follower.on_table(table(server.address, ((1, 2),), 3))  # back before its drop
+        await asyncio.sleep(0.4)
+        assert set(store.held()) == {(0, 0), (1, 2)}
+        full = TableFollower(server.servicer, server.address, free_bytes=lambda: 0)
+        await full.on_table(table(server.address, ((1, 2), (1, 3)), 4))
+        assert (1, 3) not in store.held()
+
+
+def test_following_the_table_needs_the_address_it_names_the_function_by(tiny_checkpoint):
+    with pytest.raises(KubemoeError, match="--address"):
+        ExpertFnConfig.build(tiny_checkpoint(ARCH), "0:0", device="cpu", routing_table="/x")
+    with pytest.raises(KubemoeError, match="NAMESPACE/NAME"):
+        ExpertFnConfig.build(tiny_checkpoint(ARCH), "0:0", device="cpu", routing_configmap="x", address="a:1")

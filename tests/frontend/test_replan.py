@@ -1,0 +1,118 @@
+"""Re-planning in place: experts move between running expert functions (Load, switch, Unload) while
+the frontend serves, and no call fails or computes anything else than the in-process experts."""
+
+import threading
+
+import torch
+
+from kubemoe.bundles import Bundle
+from kubemoe.frontend.app import Frontend, FrontendConfig
+from kubemoe.frontend.replan import repoint
+from kubemoe.routing_table import LOCAL, Moves, held_by_address, moves_between, table_for_bundles
+
+from .test_remote_experts import ExpertServers
+
+
+def per_expert(layers, experts):
+    return [Bundle(f"l{layer}-e{e}", ((layer, e),)) for layer in layers for e in range(experts)]
+
+
+def test_moves_load_where_the_new_table_sends_first_and_unload_where_no_table_sends_any_more():
+    bundles = per_expert([1], 3)
+    before = table_for_bundles("m", bundles, {"l1-e0": ["a"], "l1-e1": ["a", "b"], "l1-e2": [LOCAL]})
+    after = table_for_bundles("m", bundles, {"l1-e0": ["b"], "l1-e1": ["b"], "l1-e2": ["a"]}, version=2)
+    assert held_by_address(before) == {"a": {(1, 0), (1, 1)}, "b": {(1, 1)}}
+    assert moves_between(before, after) == Moves(load={"a": ((1, 2),), "b": ((1, 0),)}, unload={"a": ((1, 0), (1, 1))})
+    assert moves_between(after, after).empty and moves_between(None, before).load == {"a": ((1, 0), (1, 1)), "b": ((1, 1),)}
+
+
+def test_an_expert_moves_between_running_functions_while_the_frontend_serves(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    fe = Frontend(FrontendConfig(checkpoint=path, predictor="none"))
+    layer, experts = fe.adapter.moe_layers[0], fe.adapter.num_experts
+    bundles = per_expert(fe.adapter.moe_layers, experts)
+    half = experts // 2
+    # Two functions, each started with half of every layer's experts.
+    starts = [Bundle("a", tuple(k for b in bundles for k in b.experts if k[1] < half)),
+              Bundle("b", tuple(k for b in bundles for k in b.experts if k[1] >= half))]
+    servers = ExpertServers(path, starts)
+    a, b = servers.addresses["a"][0], servers.addresses["b"][0]
+    home = {bundle.name: [a if bundle.experts[0][1] < half else b] for bundle in bundles}
+    moved = dict(home, **{f"l{layer}-e0": [b], f"l{layer}-e{half}": [a, b]})  # e0 moves, e_half gains a replica
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, fe.adapter.hidden_size, generator=generator)
+    weights, index = torch.randn(40, experts, generator=generator).softmax(-1).topk(2, dim=-1)
+    index[:8, 0] = 0  # expert 0 and expert `half` get tokens in every step
+    index[8:16, 0] = half
+    try:
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {n: [LOCAL] for n in home}))
+        fe.dispatcher.apply_pending()
+        reference = fe.dispatcher.run_layer(layer, hidden, index, weights)
+        before = table_for_bundles(fe.model_id, bundles, home, version=2)
+        after = table_for_bundles(fe.model_id, bundles, moved, version=3)
+        fe.set_routing_table(before)
+        serving, outputs, stop = [], [], threading.Event()
+
+        def steps():  # the engine's loop: a table applies between steps
+            while not stop.is_set():
+                fe.dispatcher.apply_pending()
+                serving.append(fe.dispatcher.routes_version)
+                outputs.append(fe.dispatcher.run_layer(layer, hidden, index, weights))
+
+        worker = threading.Thread(target=steps)
+        worker.start()
+
+        async def switch():
+            fe.set_routing_table(after)
+            while not serving or serving[-1] != 3:
+                await __import__("asyncio").sleep(0.005)
+
+        try:
+            done = servers.loop.run(repoint(fe.model_id, before, after, switch), timeout=60)
+            for _ in range(3):  # a few steps on the new table, the old homes unloaded
+                n = len(outputs)
+                while len(outputs) == n:
+                    stop.wait(0.01)
+        finally:
+            stop.set()
+            worker.join(timeout=30)
+        assert done.moves.load == {a: ((layer, half),), b: ((layer, 0),)} and done.moves.unload == {a: ((layer, 0),)}
+        assert done.bytes_loaded > 0 and done.bytes_freed > 0
+        assert 2 in serving and serving[-1] == 3 and len(outputs) >= 3
+        for out in outputs:
+            torch.testing.assert_close(out, reference, rtol=1.3e-6, atol=1e-5)
+        held = {built.port: set(built.servicer.store.held()) for built in servers.servers}
+        port = {address: int(address.rsplit(":", 1)[1]) for address in (a, b)}
+        assert (layer, 0) not in held[port[a]] and (layer, half) in held[port[a]] and (layer, 0) in held[port[b]]
+    finally:
+        fe.close()
+        servers.stop()
+
+
+def test_a_replica_the_table_names_before_it_has_loaded_loses_no_token(tiny_checkpoint):
+    """The cluster's in-place path: a function named for an expert it is still loading answers
+    NOT_FOUND or UNAVAILABLE; the dispatcher retries that part on the expert's loaded replica."""
+    path = tiny_checkpoint("mixtral")
+    fe = Frontend(FrontendConfig(checkpoint=path, predictor="none", split_min_tokens=1))
+    layer, experts = fe.adapter.moe_layers[0], fe.adapter.num_experts
+    bundles = per_expert(fe.adapter.moe_layers, experts)
+    servers = ExpertServers(path, [Bundle("all", tuple(k for b in bundles for k in b.experts)),
+                                   Bundle("one", ((layer, experts - 1),))])
+    loaded, empty = servers.addresses["all"][0], servers.addresses["one"][0]
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(32, fe.adapter.hidden_size, generator=generator)
+    weights, index = torch.randn(32, experts, generator=generator).softmax(-1).topk(2, dim=-1)
+    index[:, 0] = 0  # every token at expert 0: split over both replicas, one of which lacks it
+    try:
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
+        fe.dispatcher.apply_pending()
+        reference = fe.dispatcher.run_layer(layer, hidden, index, weights)
+        addresses = {b.name: [empty, loaded] if b.experts[0] == (layer, 0) else [loaded] for b in bundles}
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, addresses, version=2))
+        fe.dispatcher.apply_pending()
+        out = fe.dispatcher.run_layer(layer, hidden, index, weights)
+        assert fe.dispatcher._replicas[empty].picks >= 1 and fe.dispatcher._replicas[empty].failed_until > 0
+    finally:
+        fe.close()
+        servers.stop()
+    torch.testing.assert_close(out, reference, rtol=1.3e-6, atol=1e-5)
