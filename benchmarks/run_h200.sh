@@ -5,6 +5,7 @@
 # --only-binary=:all: -d .whl-test pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf
 # prometheus-client aiohttp click pyyaml tqdm openai`). Results go into $OUT.
 # Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|predictor|llapor|offload|moeless-live|gpu-tests|probe|profile|goal-ab [ARGS]
+# (gpu-tests [PATHS]: the GPU tests under PATHS, default all of tests/)
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -16,7 +17,8 @@ case "${1:-all}" in
   gpu-tests)
     python3 -m pip install -q --no-index --find-links .whl-test --no-compile --upgrade --target /tmp/site-test \
       pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf prometheus-client aiohttp click pyyaml tqdm openai
-    PYTHONPATH="/tmp/site:/tmp/site-test:$PWD" python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
+    targets=("${@:2}"); [ ${#targets[@]} -gt 0 ] || targets=(tests)  # e.g. tests/frontend/offload: only those
+    PYTHONPATH="/tmp/site:/tmp/site-test:$PWD" python3 -m pytest -q -p no:cacheprovider -m gpu "${targets[@]}" ;;
   probe)  # the host: CPUs the GPU is near, their clocks, and what a bare round costs (round_cost.py)
     nproc; cat /sys/fs/cgroup/cpuset.cpus.effective 2>/dev/null || true; lscpu | grep -E "Model name|MHz|NUMA|Thread|Socket" || true
     nvidia-smi topo -m || true

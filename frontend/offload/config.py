@@ -20,6 +20,7 @@ class OffloadConfig:
     async_io: bool = True  # False: copies on the compute stream (the ablation)
     hot_table: bool = True  # False: the resident experts are the first by (layer, expert), not the hottest
     rerank_every: int = 256  # forward passes between refreshes of the hot table from served counts; 0: never
+    rerank_swaps: int | None = None  # most experts one refresh replaces (copies); default: the prefetch slots
 
     def __post_init__(self) -> None:
         if self.gpu_budget_bytes <= 0:
@@ -28,5 +29,7 @@ class OffloadConfig:
             raise ValueError(f"offload policy {self.policy!r} is not one of {', '.join(POLICIES)}")
         if self.rerank_every < 0:
             raise ValueError(f"rerank_every must be >= 0 forward passes, got {self.rerank_every}")
+        if self.rerank_swaps is not None and self.rerank_swaps < 1:
+            raise ValueError(f"rerank_swaps must be >= 1 expert per refresh, got {self.rerank_swaps}")
         if self.prefetch_slots is not None and self.prefetch_slots < 0:
             raise ValueError(f"prefetch slots must be >= 0, got {self.prefetch_slots}")

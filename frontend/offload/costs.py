@@ -162,10 +162,14 @@ class OffloadProfile:
 
 
 class ProfileRefresher:
-    """Keeps a profile fresh from online timings: EMA of t_io, exponentially weighted fits of the lines.
+    """Keeps a profile fresh from online timings: EMA of t_io, exponentially weighted fits of the GPU and
+    attention lines, and a scale on the CPU line.
 
-    A line keeps its stored value until the recent samples span two token counts (one token count
-    cannot separate slope from intercept).
+    A fitted line keeps its stored value until the recent samples span two token counts (one token count
+    cannot separate slope from intercept). The CPU line is scaled, never refitted: serving's CPU experts
+    mostly see a few tokens each (decode), and a slope fitted from those is noise that would then price a
+    prefill expert of hundreds of tokens; the profiled slope spans that range, and what serving changes
+    (weights read from DRAM while copies stream, cores shared with the GPU's launches) moves the level.
     """
 
     def __init__(self, profile: OffloadProfile, alpha: float = 0.1):
@@ -174,6 +178,7 @@ class ProfileRefresher:
         self.alpha = alpha
         self._profile = profile
         self._fits: dict[tuple[str, int], LineFit] = {}
+        self._cpu_scale: dict[int, tuple[CostLine, float]] = {}  # expert bytes -> (profiled t_c line, EMA scale)
 
     @property
     def profile(self) -> OffloadProfile:
@@ -188,8 +193,15 @@ class ProfileRefresher:
         self._put(replace(entry, gpu=self._refit(("gpu", expert_bytes), entry.gpu, tokens, seconds)))
 
     def observe_cpu(self, expert_bytes: int, tokens: int, seconds: float) -> None:
+        """One CPU expert's wall time: t_c becomes the profiled line times an EMA of observed / profiled."""
         entry = self._profile.costs(expert_bytes)
-        self._put(replace(entry, cpu=self._refit(("cpu", expert_bytes), entry.cpu, tokens, seconds)))
+        base, scale = self._cpu_scale.get(expert_bytes, (entry.cpu, 1.0))
+        expected = base(tokens)
+        if expected <= 0:
+            return
+        scale = (1 - self.alpha) * scale + self.alpha * seconds / expected
+        self._cpu_scale[expert_bytes] = (base, scale)
+        self._put(replace(entry, cpu=CostLine(base.slope * scale, base.intercept * scale)))
 
     def observe_attn(self, tokens: int, seconds: float) -> None:
         self._profile = replace(self._profile, attn=self._refit(("attn", 0), self._profile.attn, tokens, seconds))

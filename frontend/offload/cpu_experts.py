@@ -1,6 +1,12 @@
-"""CPU experts: the experts a schedule puts on the CPU, computed by a thread pool beside the GPU work.
+"""CPU experts: the experts a schedule puts on the CPU, computed one after another beside the GPU work.
 
-They read the weights straight from the store's host memory (never copied). The compute dtype is
+They read the weights straight from the store's host memory (never copied). One worker thread runs
+them in turn, each on every core through torch's intra-op threads: what the cost model assumes (a
+layer's CPU side is the sum of its experts' t_c). A worker per core, each with its own OpenMP team of
+every core, ran a layer's CPU experts side by side with cores x experts threads: oversubscribed, and
+each worker took the GIL from the thread that launches the GPU work. Every expert's wall time is kept
+(`drain_timings`) so the executor refreshes t_c from what serving sees, not only from the start-up
+profile. The compute dtype is
 chosen once at start by timing one expert both ways: the checkpoint's (bf16 / fp16) where the CPU has
 fast kernels for it, else float32 with the weights widened per call (CPUs without bf16 units run a
 bf16 matmul many times slower than widening and running fp32). Shapes: N = an expert's tokens, H = hidden size.
@@ -10,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -53,18 +60,29 @@ class CpuExperts:
     def __init__(self, host: HostExperts, act: Callable, threads: int | None = None,
                  dtype: torch.dtype | None = None):
         self.host, self.act = host, act
-        # One worker per core: a layer's CPU experts run side by side (each also uses torch's intra-op
-        # threads; the count is process-wide in this torch, so it is left as the process set it).
-        self.threads = threads or os.cpu_count() or 1
-        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kubemoe-cpu-expert")
+        self.threads = threads or os.cpu_count() or 1  # intra-op threads of the one worker
+        initializer = None if threads is None else (lambda: torch.set_num_threads(self.threads))
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kubemoe-cpu-expert", initializer=initializer)
         self.dtype = dtype or choose_cpu_dtype(host.weights((host.layers[0], 0)), act)
+        self._timings: list[tuple[Key, int, float, float]] = []  # (key, tokens, start, end) per expert run
+        self._lock = threading.Lock()
 
     def submit(self, key: Key, x: torch.Tensor) -> Future:  # x [N, H] on the host -> future of [N, H], this dtype
         return self.pool.submit(self.run, key, x)
 
     def run(self, key: Key, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
         with torch.inference_mode():  # per thread
-            return expert_ffn(x.to(self.dtype), _widen(self.host.weights(key), self.dtype), self.act)
+            out = expert_ffn(x.to(self.dtype), _widen(self.host.weights(key), self.dtype), self.act)
+        with self._lock:
+            self._timings.append((key, x.shape[0], start, time.perf_counter()))
+        return out
+
+    def drain_timings(self) -> list[tuple[Key, int, float, float]]:
+        """(key, tokens, start, end) of every expert run since the last call, in the order they ran."""
+        with self._lock:
+            timings, self._timings = self._timings, []
+        return timings
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -43,7 +43,7 @@ class OffloadExecutor:
                  profile: OffloadProfile, resident: Sequence[Key], prefetch_slots: int, act: Callable,
                  weight_on_input: bool, on_layer: Callable[[OffloadStats], None] | None = None,
                  counter: TokenCounter | None = None, rerank: Callable[[TokenCounter], Sequence[Key]] | None = None,
-                 rerank_every: int = 0):
+                 rerank_every: int = 0, rerank_swaps: int | None = None):
         self.store, self.cpu, self.policy, self.lookahead = store, cpu, policy, lookahead
         self.act, self.weight_on_input, self.on_layer = act, weight_on_input, on_layer
         self.layers = store.layers  # MoE layers; a decision's layer is a position in this tuple
@@ -64,6 +64,8 @@ class OffloadExecutor:
         # again and the experts that became hotter replace those that cooled, slot for slot.
         self.counter = counter if counter is not None else TokenCounter()
         self.rerank, self.rerank_every, self._passes = rerank, rerank_every, 0
+        # Default: one prefetch group's worth of copies per refresh (what a layer may prefetch anyway).
+        self.rerank_swaps = max(1, prefetch_slots) if rerank_swaps is None else rerank_swaps
         first = len(resident)
         self.on_demand = [first + i for i in range(ON_DEMAND_BUFFERS)]
         self.free_prefetch = list(range(first + ON_DEMAND_BUFFERS, first + ON_DEMAND_BUFFERS + PREFETCH_GROUPS * prefetch_slots))
@@ -184,16 +186,26 @@ class OffloadExecutor:
             store.copy((self.layers[target_position], expert), slot)
             self.landed[(target_position, expert)] = slot
 
-        # 4. The CPU outputs join the same output.
+        # 4. The CPU outputs join the same output; their times keep t_c true to what serving sees.
         for group, future in zip(cpu_groups, futures):
             combine(out, top_k_weights, group, future.result().to(out.device), self.weight_on_input)
+        for _, tokens, start, end in self.cpu.drain_timings():
+            self.refresher.observe_cpu(store.expert_bytes, tokens, end - start)
 
     def refresh_hot_table(self) -> int:
-        """Rank the hot table again from the counts so far; copy newly hot experts over cooled ones. -> swaps."""
+        """Rank the hot table again from the counts so far; copy newly hot experts over cooled ones. -> swaps.
+
+        At most `rerank_swaps` experts change per refresh, the hottest newcomers for the coldest leavers: the
+        copies queue ahead of this pass's on-demand loads, so a refresh that re-ranked the whole table at once
+        would stall one pass for (table size x t_io); the rest follows at the next refreshes."""
         wanted = [(self.position[layer], expert) for layer, expert in self.rerank(self.counter)]
-        entering = [k for k in wanted if k not in self.resident_slot]
-        leaving = [k for k in self.resident_slot if k not in set(wanted)]
-        for old, new in zip(leaving, entering):  # the budget is the same: as many leave as enter
+        count = {key: self.counter.counts[(self.layers[key[0]], key[1])] for key in set(wanted) | set(self.resident_slot)}
+        entering = [k for k in wanted if k not in self.resident_slot]  # hottest first
+        keep = set(wanted)
+        leaving = sorted((k for k in self.resident_slot if k not in keep), key=lambda k: (count[k], k))  # coldest first
+        pairs = [(old, new) for old, new in zip(leaving, entering) if count[new] > count[old]][:self.rerank_swaps]
+        entering = [new for _, new in pairs]
+        for old, new in pairs:  # the budget is the same: as many leave as enter
             slot = self.resident_slot.pop(old)
             self.store.copy((self.layers[new[0]], new[1]), slot)  # waits for kernels still reading the slot
             self.resident_slot[new] = slot

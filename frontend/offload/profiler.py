@@ -3,11 +3,24 @@
 It times what the executor will run: a copy into a device slot (three chunks, pinned or not), the
 expert on the device at a few token counts, and the same expert on the CPU in the dtype the pool chose;
 t_g and t_c are least-squares lines over the token counts (`costs.fit_line`). t_attn starts at zero and
-the executor refreshes it online from the time between one layer's experts and the next's.
+the executor refreshes it online from the time between one layer's experts and the next's (and t_c from
+the CPU experts it serves).
+
+Two things keep the figures true to serving:
+- every token count up to `WARM_TOKENS` (what decode sends one expert) runs once on both sides first:
+  the first call of a shape compiles or loads its kernels (oneDNN's JIT on the CPU; CUDA's lazy module
+  loading, which also synchronises the device, on the GPU), and serving must not pay that mid-request
+  nor the profile count it;
+- each CPU sample reads another expert's weights, round robin over the model: serving meets an expert's
+  weights in DRAM, and timing one expert again and again measures them from the host's last-level cache
+  (hundreds of MB on the hosts GPUs sit in).
+The sampled token counts reach a prefill expert's share (`TOKENS`), so t_c's slope is measured where
+PreSched uses it, not extrapolated from a few tokens.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from typing import Callable
@@ -19,7 +32,8 @@ from kubemoe.frontend.offload.costs import CostLine, ExpertCosts, OffloadProfile
 from kubemoe.frontend.offload.cpu_experts import CpuExperts
 from kubemoe.frontend.offload.store import ExpertStore
 
-TOKENS = (1, 16, 64)
+TOKENS = (1, 16, 64, 256)
+WARM_TOKENS = 64
 
 
 def _seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -41,10 +55,12 @@ def _seconds(run: Callable[[], object], device: torch.device, repeats: int) -> f
 
 @torch.inference_mode()
 def measure_profile(store: ExpertStore, cpu: CpuExperts, act: Callable, slot: int, repeats: int = 3,
-                    tokens: tuple[int, ...] = TOKENS) -> OffloadProfile:
+                    tokens: tuple[int, ...] = TOKENS, warm_tokens: int = WARM_TOKENS) -> OffloadProfile:
     """Figures for the store's expert size, using device slot `slot` (free at the time of the call)."""
     device = store.device
-    key = (store.layers[0], 0)
+    keys = [(layer, e) for layer in store.layers for e in range(store.host.num_experts)]
+    cold = itertools.cycle(keys)  # the CPU's next expert: another one each call
+    key = keys[0]
 
     def copy():
         store.copy(key, slot)
@@ -52,16 +68,27 @@ def measure_profile(store: ExpertStore, cpu: CpuExperts, act: Callable, slot: in
 
     t_io = _seconds(copy, device, repeats)
     weights = store.slot_weights(slot)
+    hidden = weights.hidden_size
+    for n in sorted(set(range(1, warm_tokens + 1)) | set(tokens)):
+        x = torch.randn(n, hidden, device=device, dtype=store.dtype)
+        expert_ffn(x, weights, act)
+        cpu.submit(next(cold), x.cpu()).result()
     gpu, cpu_samples = [], []
     for n in tokens:
-        x = torch.randn(n, weights.hidden_size, device=device, dtype=store.dtype)
+        x = torch.randn(n, hidden, device=device, dtype=store.dtype)
         gpu.append((n, _seconds(lambda: expert_ffn(x, weights, act), device, repeats)))
         x_host = x.cpu()
-        cpu_samples.append((n, _seconds(lambda: cpu.submit(key, x_host).result(), torch.device("cpu"), repeats)))
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            cpu.submit(next(cold), x_host).result()
+            runs.append(time.perf_counter() - start)
+        cpu_samples.append((n, statistics.median(runs)))
+    cpu.drain_timings()  # the profile's runs are not serving's
     store.release(slot)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     pinned = "pinned" if store.pinned else "pageable"
     return OffloadProfile(f"{name}, {pinned} host memory, CPU experts in {str(cpu.dtype).removeprefix('torch.')} "
-                          f"on {cpu.threads} threads",
+                          f"one at a time on {cpu.threads} threads, weights read cold",
                           (ExpertCosts(store.expert_bytes, t_io, fit_line(gpu), fit_line(cpu_samples)),),
                           CostLine(0.0, 0.0))

@@ -105,4 +105,5 @@ def build_executor(config: OffloadConfig, host: HostExperts, top_k: int, device:
         def rerank(counts: TokenCounter) -> tuple[Key, ...]:
             return build_hot_table(counts, all_experts, expert_bytes, config.gpu_budget_bytes, prefetch_slots).experts
     return OffloadExecutor(store, cpu, policy, lookahead, profile, resident, prefetch_slots, act, weight_on_input,
-                           on_layer=on_layer, counter=counter, rerank=rerank, rerank_every=config.rerank_every)
+                           on_layer=on_layer, counter=counter, rerank=rerank, rerank_every=config.rerank_every,
+                           rerank_swaps=config.rerank_swaps)

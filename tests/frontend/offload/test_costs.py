@@ -49,15 +49,23 @@ def test_refresher_moves_t_io_by_ema_and_keeps_a_line_until_it_can_fit_one():
     refresher = ProfileRefresher(make_profile(), alpha=0.25)
     refresher.observe_io(1000, 4.0)
     assert refresher.profile.costs(1000).t_io == pytest.approx(0.75 * 2.0 + 0.25 * 4.0)
-    refresher.observe_cpu(1000, 8, 100.0)  # one token count: slope and intercept cannot be told apart
-    assert refresher.profile.costs(1000).cpu == CostLine(1.0, 1.0)
-    refresher.observe_cpu(1000, 16, 200.0)
-    assert refresher.profile.costs(1000).cpu.slope == pytest.approx(12.5)
     refresher.observe_attn(1, 1.0)
     refresher.observe_attn(3, 2.0)
     refresher.observe_gpu(1000, 1, 1.0)
     refresher.observe_gpu(1000, 2, 1.0)
     assert refresher.profile.attn.slope == pytest.approx(0.5) and refresher.profile.costs(1000).gpu == CostLine(0.0, 1.0)
+
+
+def test_cpu_timings_scale_the_profiled_line_and_never_refit_its_slope():
+    refresher = ProfileRefresher(make_profile(), alpha=0.25)  # t_c(n) = n + 1
+    refresher.observe_cpu(1000, 8, 27.0)  # three times the profiled 9 s
+    assert refresher.profile.costs(1000).cpu == CostLine(1.5, 1.5)  # scale 0.75 * 1 + 0.25 * 3
+    for _ in range(60):  # decode: a few tokens each, 3x slower; a refit would make up a slope from these
+        for n in (1, 2):
+            refresher.observe_cpu(1000, n, 3.0 * (n + 1))
+    line = refresher.profile.costs(1000).cpu
+    assert line.slope == pytest.approx(3.0, rel=1e-3) and line.intercept == pytest.approx(3.0, rel=1e-3)
+    assert refresher.profile.costs(1000).t_c(800) == pytest.approx(3.0 * 801, rel=1e-3)  # prefill priced alike
 
 
 def test_profile_round_trips_through_the_checkpoint_folder(tmp_path):

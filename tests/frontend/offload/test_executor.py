@@ -138,6 +138,43 @@ def test_the_hot_table_preloads_the_hottest_experts():
         close(executor)
 
 
+def test_cpu_experts_served_slower_than_profiled_reprice_t_c_and_move_work_to_the_gpu():
+    # The profile says the CPU is nearly free (t_c = 1 ms + 0.1 ms a token against t_io = 2 s); the CPU
+    # worker really takes 50 ms an expert. Once served, t_c follows what the CPU took, and PreSched stops
+    # sending experts there.
+    import threading
+    import time
+
+    def slow_on_the_cpu_worker(x):
+        if threading.current_thread().name.startswith("kubemoe-cpu-expert"):
+            time.sleep(0.05)
+        return F.silu(x)
+
+    experts = weights()
+    host = HostExperts(LAYERS, E, H, I, torch.float32, lambda l, e: experts[(l, e)])
+    cheap_cpu = OffloadProfile("test", (ExpertCosts(EXPERT_BYTES, 0.06, CostLine(0.0, 0.001), CostLine(1e-4, 1e-3)),),
+                               CostLine(0.0, 0.0), source="assumed")
+    executor = build_executor(OffloadConfig((2 + 2 * K) * EXPERT_BYTES), host, K, torch.device("cpu"),
+                              slow_on_the_cpu_worker, False, NoLookahead(), profile=cheap_cpu)
+    index = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])  # eight experts, one token each
+    try:
+        first = executor.run_layer(0, torch.randn(4, H), index, torch.rand(4, K))
+        assert first.shape == (4, H)
+        cpu_first = executor.stats.cpu_experts
+        assert cpu_first == E  # as profiled, every missing expert is cheaper on the CPU than one 60 ms copy
+        assert executor.profile.costs(EXPERT_BYTES).t_c(1) > 10 * 1.1e-3  # repriced from 50 ms runs
+        for _ in range(4):
+            executor.run_layer(1, torch.randn(4, H), index, torch.rand(4, K))
+        last = executor.stats.cpu_experts - cpu_first
+        assert executor.profile.costs(EXPERT_BYTES).t_c(1) > 0.02
+        executor.stats = type(executor.stats)()
+        executor.run_layer(2, torch.randn(4, H), index, torch.rand(4, K))
+        assert executor.stats.cpu_experts < E and executor.stats.loaded > 0  # copies now win for part of the layer
+        assert last < 4 * E
+    finally:
+        close(executor)
+
+
 def test_a_budget_below_the_working_set_is_refused_with_the_minimum():
     minimum = (2 + 2 * K) * EXPERT_BYTES
     with pytest.raises(KubemoeError, match=f"at least {minimum:,} bytes.*raise --gpu-budget"):
@@ -179,9 +216,13 @@ def test_the_hot_table_follows_what_serving_routes():
     index = torch.tensor([[5, 6]] * 8)
     try:
         assert list(executor.resident_slot) == [(0, 0), (0, 1), (0, 2)]
-        for _ in range(3):
+        for _ in range(2):
             forward(executor, hidden, [(index, torch.rand(8, K))] * len(LAYERS))
-        assert set(executor.resident_slot) == {(0, 5), (0, 6), (1, 5)}  # ties by (layer, expert)
+        # One refresh replaces at most the prefetch slots' worth (K = 2): hottest in for coldest out.
+        assert set(executor.resident_slot) == {(0, 2), (0, 5), (0, 6)}  # ties by (layer, expert)
+        for _ in range(2):
+            forward(executor, hidden, [(index, torch.rand(8, K))] * len(LAYERS))
+        assert set(executor.resident_slot) == {(0, 5), (0, 6), (1, 5)}
         for key, slot in executor.resident_slot.items():
             assert torch.equal(executor.store.slot_weights(slot).down, experts[key].down)
         hits_before = executor.stats.hits

@@ -99,3 +99,27 @@ def test_window_extends_when_the_next_layer_needs_no_prefetch(make_demand, costs
 def test_invalid_xi():
     with pytest.raises(ValueError, match="xi"):
         PreSched(xi=1.5)
+
+
+def test_no_expert_goes_to_the_cpu_when_the_gpu_would_finish_it_sooner(make_demand, make_costs):
+    # On random layers: the CPU side holds an expert only where loading it too would not shorten the layer
+    # (its t_c is more than the copy it saves waits for), and an expert whose t_c alone exceeds the GPU side
+    # with every missing expert loaded (resident t_g + k_all x t_io + their t_g) never runs on the CPU.
+    from kubemoe.frontend.offload.policy import prefix_spans
+
+    rng = random.Random(1)
+    for _ in range(300):
+        pending = {e: rng.randint(1, 60) for e in rng.sample(range(16), rng.randint(1, 8))}
+        ahead = [{e: rng.randint(1, 60) for e in rng.sample(range(16), 4)}]
+        resident = set(rng.sample(sorted(pending), rng.randint(0, len(pending))))
+        cost = make_costs(t_io=rng.uniform(0.2, 20), t_g=rng.uniform(0.01, 1), beta=rng.uniform(0.01, 2),
+                          c=rng.uniform(0.1, 10))
+        demand = make_demand(pending, resident, ahead, t_attn=rng.uniform(0, 5))
+        schedule = PreSched(xi=rng.random()).schedule(demand, cost)
+        spans = [t.makespan for t in prefix_spans(demand, cost)]
+        k = len(schedule.load)
+        if schedule.cpu:
+            assert spans[k + 1] >= spans[k] - 1e-12, "loading the next CPU expert as well would finish the layer sooner"
+        everything_loaded = prefix_spans(demand, cost)[-1].gpu
+        for e in schedule.cpu:
+            assert cost.t_c(pending[e]) <= everything_loaded + 1e-12

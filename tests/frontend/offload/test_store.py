@@ -85,22 +85,33 @@ def test_host_memory_is_pinned_and_chunks_go_on_three_streams():
 
 @pytest.mark.gpu
 def test_compute_waits_only_for_its_own_slots_copy():
-    # A large expert copying into slot 0 must not hold up a kernel on slot 1, already landed.
-    big_h, big_i = 4096, 8192  # 192 MiB in bf16: milliseconds over PCIe
-    experts = {(0, e): ExpertWeights(torch.ones(2 * big_i, big_h, dtype=torch.bfloat16),
-                                     torch.ones(big_h, big_i, dtype=torch.bfloat16)) for e in range(2)}
-    s = ExpertStore(HostExperts((0,), 2, big_h, big_i, torch.bfloat16, lambda l, e: experts[(l, e)]), torch.device("cuda"), 2)
+    # A copy into slot 0 still pending must not hold up a kernel on slot 1, already landed. Slot 0's copy is
+    # held behind a long sleep on a side stream (it waits for slot 0's release event), so the check does
+    # not race the copy engine: an earlier version timed a bare 192 MiB copy (~4 ms at 53 GB/s) against the
+    # process's first launch of the reduction kernel, and with CUDA's lazy module loading (torch's default)
+    # loading that kernel synchronises the device, i.e. waits for every copy in flight.
+    w, s = store("cuda", torch.bfloat16, slots=2)
     try:
         assert s.pinned, "copies from pageable memory are synchronous: nothing here could overlap"
-        s.copy((0, 1), 1)
+        s.copy((1, 1), 1)
+        s.wait_ready(1)
+        s.slot_weights(1).down[:1, :8].sum()  # load the kernels used below before anything is in flight
+        torch.cuda._sleep(1000)
         torch.cuda.synchronize()
-        s.copy((0, 0), 0)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1_000_000_000)  # about half a second or more on any current GPU
+            s.release(0)  # slot 0's next copy waits for the sleep
+        s.copy((1, 0), 0)
         s.wait_ready(1)
         done = torch.cuda.Event()
-        s.slot_weights(1).down[:1, :8].sum()
+        total = s.slot_weights(1).down[:1, :8].sum()
         done.record()
         done.synchronize()
-        assert not all(e.query() for e in s._sync[0].ready), "the kernel on slot 1 waited for slot 0's copy"
+        assert not any(e.query() for e in s._sync[0].ready), "the kernel on slot 1 waited for slot 0's copy"
+        torch.testing.assert_close(total.cpu().float(), w[(1, 1)].down[:1, :8].float().sum(), rtol=1e-2, atol=1e-2)
+        s.wait_ready(0)
+        torch.testing.assert_close(s.slot_weights(0).down.cpu(), w[(1, 0)].down)
     finally:
         s.close()
         s.host.close()
@@ -135,3 +146,21 @@ def test_copy_timing_reports_bandwidth():
     finally:
         s.close()
         s.host.close()
+
+
+def test_cpu_experts_run_one_after_another_and_report_their_times():
+    # One worker, each expert on every core: a layer's CPU side is the sum of its experts' t_c, as the cost
+    # model has it (side by side, each with a team of every core, they oversubscribed the host).
+    _, s = store()
+    cpu = CpuExperts(s.host, F.silu)
+    try:
+        futures = [cpu.submit((1, e), torch.randn(3 + e, H)) for e in range(E)]
+        for f in futures:
+            f.result()
+        timings = cpu.drain_timings()
+        assert [(key, tokens) for key, tokens, _, _ in timings] == [((1, e), 3 + e) for e in range(E)]
+        assert all(end >= start for _, _, start, end in timings)
+        assert all(b[2] >= a[3] for a, b in zip(timings, timings[1:])), "two CPU experts ran at once"
+        assert cpu.drain_timings() == []
+    finally:
+        cpu.close()
