@@ -41,7 +41,7 @@ from typing import Callable
 from google.protobuf.message import DecodeError
 
 from kubemoe import wire
-from kubemoe.expert_fn.lane import ACCEPT_SECONDS, LaneClosed, LaneViolation, Message
+from kubemoe.expert_fn.lane import ACCEPT_SECONDS, LaneClosed, LaneViolation, Message, SocketCarrier
 from kubemoe.expert_fn.shm import ALIGN, ATTACHED, HEADER_BYTES, Segment, SharedMemoryError
 from kubemoe.proto import kubemoe_pb2 as pb
 
@@ -96,16 +96,13 @@ def parse_offer(offer: str, *, max_bytes: int) -> tuple[int, bytes]:
     return int(size), token.encode()
 
 
-class Frames:
-    """A connected TCP socket read from the event loop, one message (and its tensor's bytes) per frame:
-    the messages complete when it turns readable go to `on_messages` together, the end of the
-    connection (or a frame that breaks the protocol) to `on_closed`, once. The same interface as
-    lane._Packets."""
+class Frames(SocketCarrier):
+    """A connected TCP socket carrying one message (and its tensor's bytes) per frame."""
 
     def __init__(self, sock: socket.socket, arena: Segment, message_type: type[Message], place: Placement,
                  on_messages: Callable[[list[Message]], None], on_closed: Callable[[LaneClosed], None]):
-        self.sock, self._type, self._place = sock, message_type, place
-        self._on_messages, self._on_closed = on_messages, on_closed
+        super().__init__(sock, message_type, on_messages, on_closed)
+        self._place = place
         self._arena, self._arena_bytes = memoryview(arena.buffer), arena.size
         self._staging = memoryview(bytearray(_STAGING_BYTES))
         self._staged = 0  # bytes in _staging not parsed yet
@@ -113,21 +110,8 @@ class Frames:
         self._payload_read = 0  # ... how much of it is in ...
         self._payload_of: Message | None = None  # ... and the message it belongs to
         self._backlog: collections.deque[memoryview] = collections.deque()  # what the socket did not take yet
-        self._loop = asyncio.get_running_loop()
-        self._reading = False
-        self.closed = False
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def start_reading(self) -> None:
-        if not self._reading and not self.closed:
-            self._loop.add_reader(self.sock, self._readable)
-            self._reading = True
-
-    def stop_reading(self) -> None:
-        if self._reading:
-            self._loop.remove_reader(self.sock)
-            self._reading = False
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -244,16 +228,10 @@ class Frames:
             self.close(e)
 
     def close(self, why: LaneClosed | None = None) -> None:
-        if self.closed:
-            return
-        self.stop_reading()
-        if self._backlog:
+        if self._backlog and not self.closed:
             self._loop.remove_writer(self.sock)
             self._backlog.clear()
-        self.closed = True
-        self.sock.close()
-        if why is not None:
-            self._on_closed(why)
+        super().close(why)
 
 
 class DataPort:

@@ -54,10 +54,10 @@ class LaneViolation(LaneClosed):
 Message = TypeVar("Message", pb.ForwardRequest, pb.ForwardResponse)
 
 
-class _Packets:
-    """A connected SOCK_SEQPACKET socket read from the event loop, one `message_type` message per packet:
-    the messages there when it turns readable go to `on_messages` together, and the end of the
-    connection (or a packet that is not a message) to `on_closed`, once."""
+class SocketCarrier:
+    """A connected socket read from the event loop (add_reader): what both carriers share. Messages
+    complete when it turns readable go to `on_messages` together; the end of the connection (or what
+    breaks the protocol) to `on_closed`, once."""
 
     def __init__(self, sock: socket.socket, message_type: type[Message],
                  on_messages: Callable[[list[Message]], None], on_closed: Callable[[LaneClosed], None]):
@@ -75,6 +75,22 @@ class _Packets:
         if self._reading:
             self._loop.remove_reader(self.sock)
             self._reading = False
+
+    def _readable(self) -> None:
+        raise NotImplementedError
+
+    def close(self, why: LaneClosed | None = None) -> None:
+        if self.closed:
+            return
+        self.stop_reading()
+        self.closed = True
+        self.sock.close()
+        if why is not None:
+            self._on_closed(why)
+
+
+class _Packets(SocketCarrier):
+    """A SOCK_SEQPACKET socket carrying one `message_type` message per packet."""
 
     def _parse(self, data: bytes) -> Message:
         return self._type.FromString(data)
@@ -126,18 +142,8 @@ class _Packets:
             except OSError as e:
                 raise LaneClosed(f"lane broke: {e.strerror}") from None
 
-    def close(self, why: LaneClosed | None = None) -> None:
-        if self.closed:
-            return
-        self.stop_reading()
-        self.closed = True
-        self.sock.close()
-        if why is not None:
-            self._on_closed(why)
-
-
 class Carrier(Protocol[Message]):
-    """What moves a lane's messages: _Packets here, frames.Frames over TCP."""
+    """What moves a lane's messages: _Packets here, frames.Frames over TCP (both SocketCarriers)."""
 
     closed: bool
 
