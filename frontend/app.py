@@ -26,7 +26,7 @@ from kubemoe.frontend.records import RoutingRecorder
 from kubemoe.routing_watch import watch_configmap, watch_file
 from kubemoe.bundles import bundles_by_count
 from kubemoe.routing_table import LOCAL, RoutingTableError, build_route_map, table_for_bundles
-from kubemoe.frontend.scheduler import SchedulerConfig
+from kubemoe.frontend.scheduler import DEFAULT_STEP_TOKENS, SchedulerConfig
 from kubemoe.proto import kubemoe_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class FrontendConfig:
     device: str = "auto"
     max_batch: int = 32
     max_waiting: int = 256
+    max_step_tokens: int | None = None  # tokens one engine step computes (decode + prompt chunks); None: by device
     micro_batches: int = 1  # 2: two-batch overlap of attention and remote expert calls
     kv_cache_bytes: int | None = None  # the KV cache's budget; None: a fraction of free GPU memory, unbounded on CPU
     kv_cache_fraction: float = 0.9  # see frontend/kv_cache.py
@@ -99,8 +100,9 @@ class Frontend:
         eos = GenerationConfig.from_pretrained(self.checkpoint.path).eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.max_context = self.checkpoint.config.max_position_embeddings
+        step_tokens = config.max_step_tokens or DEFAULT_STEP_TOKENS.get(self.device.type, DEFAULT_STEP_TOKENS["cpu"])
         self.engine = Engine(self.model, self.tokenizer, eos_ids, self.max_context,
-                             SchedulerConfig(config.max_batch, config.max_waiting),
+                             SchedulerConfig(config.max_batch, config.max_waiting, step_tokens),
                              before_step=self.dispatcher.before_step, metrics=self.metrics, loads=self.loads,
                              micro_batches=config.micro_batches,
                              kv_cache=KVCacheConfig(config.kv_cache_bytes, config.kv_cache_fraction),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 
 def _pad_left(cache, n: int) -> None:
@@ -17,6 +18,32 @@ def _pad_left(cache, n: int) -> None:
         for layer in cache.layers:
             layer.keys = F.pad(layer.keys, (0, 0, n, 0))
             layer.values = F.pad(layer.values, (0, 0, n, 0))
+
+
+def _filled(cache) -> list[tuple[int, object]]:
+    return [(i, l) for i, l in enumerate(cache.layers) if getattr(l, "keys", None) is not None]
+
+
+def stack_rows(caches: list) -> DynamicCache:
+    """One cache whose rows are these caches' (all of one length, unpadded), in order."""
+    if len(caches) == 1:
+        return caches[0]
+    stacked = DynamicCache()
+    for column in zip(*(_filled(c) for c in caches)):  # one layer of every cache
+        index = column[0][0]
+        stacked.update(torch.cat([l.keys for _, l in column]), torch.cat([l.values for _, l in column]), index)
+    return stacked
+
+
+def split_rows(cache, rows: int) -> list:
+    """The inverse of `stack_rows`: one cache per row."""
+    if rows == 1:
+        return [cache]
+    split = [DynamicCache() for _ in range(rows)]
+    for index, layer in _filled(cache):
+        for row, single in enumerate(split):
+            single.update(layer.keys[row:row + 1], layer.values[row:row + 1], index)
+    return split
 
 
 class BatchState:

@@ -40,6 +40,10 @@ _SERVING_OPTIONS = (  # what both commands serve with, in --help order
     click.option("--port", default=ports.FRONTEND_HTTP, show_default=True, help="HTTP port (OpenAI-compatible API)."),
     click.option("--grpc-port", default=ports.FRONTEND_GRPC, show_default=True, help="gRPC port (Generate)."),
     click.option("--max-batch", default=32, show_default=True, help="Sequences decoded together."),
+    click.option("--max-step-tokens", type=click.IntRange(1), default=None,
+                 help="Tokens one engine step computes: a decode token per running sequence, prompt chunks in "
+                      "the rest (a longer prompt is prefilled over several steps, so the batch keeps decoding). "
+                      "Default: 2048 on a GPU, 256 on CPU."),
     click.option("--micro-batches", type=click.IntRange(1, 2), default=1, show_default=True,
                  help="2 decodes two half-batches on two threads so one's attention overlaps the other's remote "
                       "expert calls (experimental: slower than 1 in benchmarks/results/frontend_*.json so far)."),
@@ -127,19 +131,21 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
               help="This frontend's name in load reports (default: the host name).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's).")
-def frontend_command(checkpoint, routing_table, routing_configmap, host, port, grpc_port, max_batch, micro_batches,
+def frontend_command(checkpoint, routing_table, routing_configmap, host, port, grpc_port, max_batch, max_step_tokens, micro_batches,
                      kv_cache_bytes, kv_cache_fraction, shm_dir, predictor, prediction_distance, split_min_tokens, record_routing, record_max_mb,
                      busy_poll_us, offload, gpu_budget, offload_predictor, offload_policy, model, name, device, dtype):
     """Serve a model: attention and routing here, routed experts per the routing table (or, with --offload,
     every expert here from host memory through a GPU cache)."""
-    config = frontend_config(checkpoint, routing_table, routing_configmap, max_batch, micro_batches, kv_cache_bytes,
+    config = frontend_config(checkpoint, routing_table, routing_configmap, max_batch, max_step_tokens, micro_batches,
+                             kv_cache_bytes,
                              kv_cache_fraction, shm_dir, predictor,
                              prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us,
                              offload, gpu_budget, offload_predictor, offload_policy, model, name, device, dtype)
     _serve(config, host, port, grpc_port, _banner)
 
 
-def frontend_config(checkpoint, routing_table, routing_configmap, max_batch, micro_batches, kv_cache_bytes,
+def frontend_config(checkpoint, routing_table, routing_configmap, max_batch, max_step_tokens, micro_batches,
+                    kv_cache_bytes,
                     kv_cache_fraction, shm_dir, predictor,
                     prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us, offload,
                     gpu_budget, offload_predictor, offload_policy, model, name, device, dtype):
@@ -153,7 +159,7 @@ def frontend_config(checkpoint, routing_table, routing_configmap, max_batch, mic
                                "neither is needed: every expert runs here)")
     return FrontendConfig(checkpoint=checkpoint, model=model, name=name, routing_table=routing_table,
                           routing_configmap=routing_configmap, dtype=dtype, device=device, max_batch=max_batch,
-                          micro_batches=micro_batches, shm_dir=shm_dir, busy_poll_us=busy_poll_us,
+                          max_step_tokens=max_step_tokens, micro_batches=micro_batches, shm_dir=shm_dir, busy_poll_us=busy_poll_us,
                           split_min_tokens=split_min_tokens, kv_cache_bytes=kv_cache_bytes,
                           kv_cache_fraction=kv_cache_fraction,
                           offload=_offload_config(offload, gpu_budget, offload_predictor, offload_policy),
@@ -171,7 +177,7 @@ def _prediction_fields(predictor, prediction_distance, record_routing, record_ma
               help="Architecture of the generated tiny checkpoint used when --checkpoint is not given.")
 @click.option("--experts", default=2, show_default=True, help="Local expert-function processes.")
 @serving_options
-def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, micro_batches, kv_cache_bytes,
+def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, max_step_tokens, micro_batches, kv_cache_bytes,
                   kv_cache_fraction, shm_dir, predictor,
                   prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us, offload,
                   gpu_budget, offload_predictor, offload_policy):
@@ -187,7 +193,8 @@ def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, m
     offload_config = _offload_config(offload, gpu_budget, offload_predictor, offload_policy)
     checkpoint = checkpoint or default_checkpoint(arch)
     if offload_config:
-        config = FrontendConfig(checkpoint=checkpoint, max_batch=max_batch, micro_batches=micro_batches,
+        config = FrontendConfig(checkpoint=checkpoint, max_batch=max_batch, max_step_tokens=max_step_tokens,
+                                micro_batches=micro_batches,
                                 kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction,
                                 offload=offload_config,
                                 **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
@@ -202,7 +209,7 @@ def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, m
         table = Path(tmp) / "routing.json"
         table.write_text(to_json(table_for_bundles(model, bundles, experts.addresses)))
         config = FrontendConfig(checkpoint=checkpoint, routing_table=table, max_batch=max_batch,
-                                micro_batches=micro_batches, kv_cache_bytes=kv_cache_bytes,
+                                max_step_tokens=max_step_tokens, micro_batches=micro_batches, kv_cache_bytes=kv_cache_bytes,
                                 kv_cache_fraction=kv_cache_fraction, shm_dir=shm_dir, busy_poll_us=busy_poll_us,
                                 split_min_tokens=split_min_tokens, **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
         _serve(config, host, port, grpc_port,

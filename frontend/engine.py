@@ -1,8 +1,17 @@
 """The engine: continuous batching over the model shell, one step at a time on its own thread.
 
-`step()` is three calls, as in vLLM: the scheduler decides (pure), the model executes (prefill of
-new sequences, one decode for the running batch), and the results update sequences and stream
+`step()` is three calls, as in vLLM: the scheduler decides (pure), the model executes (one decode
+for the running batch, then this step's prompt chunks), and the results update sequences and stream
 text to their callers. The asyncio side only submits requests and reads their output queues.
+
+Chunked prefill runs as forward passes of its own, interleaved with the decode pass under the step's
+token budget, not as rows of the decode pass: the running batch's cache is transformers' left-padded
+DynamicCache ([B, heads, L, head_dim], one query length for every row), so a chunk of C tokens in the
+decode pass would make every decode row C tokens wide (C - 1 of them padding, run through attention
+and the experts for nothing). Chunks of the same start and length (e.g. prompts of one length that
+arrived together) share one pass with no padding at all (`scheduler.chunk_groups`); a prefill
+continued in a later step keeps its own cache (`Sequence.partial`) until its last chunk, after which
+it joins a micro-batch and samples its first token.
 """
 
 from __future__ import annotations
@@ -18,11 +27,12 @@ from typing import AsyncIterator
 import torch
 from transformers import DynamicCache
 
-from kubemoe.frontend.batch import BatchState
+from kubemoe.frontend.batch import BatchState, split_rows, stack_rows
 from kubemoe.frontend.records import ForwardRows
 from kubemoe.frontend.sampling import SamplingParams, sample_next
 from kubemoe.frontend.kv_cache import KVCacheConfig
-from kubemoe.frontend.scheduler import QueueFull, Scheduler, SchedulerConfig, StepPlan, cached_tokens
+from kubemoe.frontend.scheduler import (Chunk, QueueFull, Scheduler, SchedulerConfig, StepPlan, cached_tokens,
+                                        chunk_groups)
 from kubemoe.frontend.text import TextStream
 
 log = logging.getLogger(__name__)
@@ -63,6 +73,7 @@ class Sequence:
     max_new: int
     generated: list[int] = field(default_factory=list)
     aborted: bool = False
+    partial: DynamicCache | None = None  # the cache of a prefill that continues in a later step
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -179,9 +190,9 @@ class Engine:
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> None:
-        """Decode the running micro-batches, then prefill the admitted sequences. A forward pass that
-        fails ends only the requests it names (`failed_rows`); the rest of its batch is rolled back and
-        decodes again at the next step. Sampling that fails ends only its own request."""
+        """Decode the running micro-batches, then prefill this step's prompt chunks. A forward pass that
+        fails ends only the requests it names (`failed_rows`); the rest of a decode batch is rolled back
+        and decodes again at the next step. Sampling that fails ends only its own request."""
         if self.before_step:
             self.before_step()
         finished, failed = [], [(seq, self._too_long(seq)) for seq in plan.rejected]
@@ -197,44 +208,60 @@ class Engine:
                 if self.loads:
                     self.loads.record_tokens(len(mb.seqs))
                 finished += self._advance_all(mb.seqs, result, mb, range(len(mb.seqs)), failed)
-        for seq in plan.prefill:
-            try:
-                logits, cache = self._prefill(seq)
-            except torch.OutOfMemoryError as e:
-                if self._out_of_memory(e):
-                    self._leave_batch([seq], requeue=True)
-                else:
-                    failed.append((seq, _message(e)))
-                continue
-            except Exception as e:  # noqa: BLE001 - this prompt's forward pass failed: only it ends
-                log.exception("prefill of request %s failed", seq.request_id)
-                failed.append((seq, _message(e)))
-                continue
-            if self.kv_bytes_per_token is None:
-                self._measure_cache(cache, seq.context_length)
-            if self.loads:
-                self.loads.record_tokens(seq.context_length)
-            mb = min(self.micro, key=lambda m: len(m.seqs))
-            mb.state.join(cache, seq.context_length)
-            mb.seqs.append(seq)
-            mb.tokens.append(0)
-            if self.metrics and not seq.generated:  # a preempted sequence had its first token long ago
-                self.metrics.ttft.observe(time.monotonic() - seq.started)
-            finished += self._advance_all([seq], logits[None], mb, [len(mb.seqs) - 1], failed)
+        for group in chunk_groups(plan.chunks):
+            finished += self._prefill_chunks(group, failed)
         if failed:
             self._fail(failed)
         if finished:
             self._remove(finished)
         self._record_cache(len(plan.preempted))
 
-    def _prefill(self, seq: Sequence) -> tuple[torch.Tensor, DynamicCache]:  # -> logits [V], its cache
-        """The prompt, and after a preemption what the sequence had generated (recomputed into a new cache)."""
-        cache = DynamicCache()
-        context = seq.prompt_ids + seq.generated
-        ids = torch.tensor([context], device=self.device)
+    def _prefill_chunks(self, group: list[Chunk], failed: list) -> list[Sequence]:  # -> the sequences that finished
+        """One forward pass over chunks of one start and length: the sequences' caches so far are stacked
+        into rows and split again after it. A sequence whose last chunk ran joins a micro-batch and samples
+        its first token. A failed pass ends the sequences whose rows it names; the others start their
+        prefill over (their caches grew part-way), as after a preemption."""
+        seqs, start, stop = [c.seq for c in group], group[0].start, group[0].stop
+        cache = stack_rows([seq.partial for seq in seqs]) if start else DynamicCache()
+        ids = torch.tensor([(seq.prompt_ids + seq.generated)[start:stop] for seq in seqs], device=self.device)
         if self.on_forward:
-            self.on_forward(ForwardRows((seq.request_id,), (0,), (len(context),)))
-        return self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1], cache
+            self.on_forward(ForwardRows(tuple(s.request_id for s in seqs), (start,) * len(seqs),
+                                        (stop - start,) * len(seqs)))
+        try:
+            logits = self.model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]  # [n, V]
+        except torch.OutOfMemoryError as e:
+            if self._out_of_memory(e):
+                self._leave_batch(seqs, requeue=True)
+            else:
+                failed += [(seq, _message(e)) for seq in seqs]
+            return []
+        except Exception as e:  # noqa: BLE001 - this pass failed: only the requests it names end
+            log.exception("prefill of %d tokens of requests %s failed", stop - start, [s.request_id for s in seqs])
+            rows = set(failed_rows(e, len(seqs), stop - start))
+            failed += [(seq, _message(e)) for i, seq in enumerate(seqs) if i in rows]
+            self._leave_batch([seq for i, seq in enumerate(seqs) if i not in rows], requeue=True)
+            return []
+        if self.metrics:
+            self.metrics.prefill_chunks.inc(len(seqs))
+        if self.kv_bytes_per_token is None:
+            self._measure_cache(cache, len(seqs) * stop)
+        if self.loads:
+            self.loads.record_tokens(len(seqs) * (stop - start))
+        finished = []
+        for chunk, row, row_logits in zip(group, split_rows(cache, len(seqs)), logits):
+            seq = chunk.seq
+            if not chunk.last:
+                seq.partial = row
+                continue
+            seq.partial = None
+            mb = min(self.micro, key=lambda m: len(m.seqs))
+            mb.state.join(row, seq.context_length)
+            mb.seqs.append(seq)
+            mb.tokens.append(0)
+            if self.metrics and not seq.generated:  # a preempted sequence had its first token long ago
+                self.metrics.ttft.observe(time.monotonic() - seq.started)
+            finished += self._advance_all([seq], row_logits[None], mb, [len(mb.seqs) - 1], failed)
+        return finished
 
     # -- the KV cache's bound -------------------------------------------------------------------
 
@@ -247,7 +274,7 @@ class Engine:
             capacity = self.kv_budget // self.kv_bytes_per_token
             with self._wake:
                 self.scheduler.kv_capacity = capacity
-                for seq in self.scheduler.running + list(self.scheduler.waiting):
+                for seq in self.scheduler.running + self.scheduler.prefilling + list(self.scheduler.waiting):
                     self._cap_generation(seq)
             log.info("KV cache: %d bytes per token, budget %d bytes = %d token positions", self.kv_bytes_per_token,
                      self.kv_budget, capacity)
@@ -265,8 +292,9 @@ class Engine:
         """The device ran out despite the budget (other memory grew, e.g. experts loaded later): shrink the
         cache's capacity below what the batch holds now, so the scheduler preempts; False where that cannot help."""
         with self._wake:
-            held = cached_tokens(self.scheduler.running)
-            if self.kv_bytes_per_token is None or len(self.scheduler.running) < 2:
+            batch = self.scheduler.running + self.scheduler.prefilling
+            held = cached_tokens(batch)
+            if self.kv_bytes_per_token is None or len(batch) < 2:
                 return False
             self.scheduler.kv_capacity = int(held * 0.9)
         log.warning("out of device memory with %d cached tokens (%s): the KV cache's capacity is now %d tokens",
@@ -278,7 +306,9 @@ class Engine:
     def _record_cache(self, preempted: int) -> None:
         if not self.metrics or self.kv_bytes_per_token is None:
             return
-        used = sum(len(mb.state) * mb.state.width for mb in self.micro) * self.kv_bytes_per_token
+        used = sum(len(mb.state) * mb.state.width for mb in self.micro)
+        used += sum(self.scheduler.prefilled(seq) for seq in self.scheduler.prefilling)
+        used *= self.kv_bytes_per_token
         self.metrics.kv_cache_used_bytes.set(used)
         if preempted:
             self.metrics.preemptions.inc(preempted)
@@ -363,6 +393,8 @@ class Engine:
     def _leave_batch(self, gone: list[Sequence], requeue: bool = False) -> None:
         """Sequences leave their micro-batch (their cache is freed); `requeue`: back to the head of the queue."""
         gone_ids = {id(s) for s in gone}
+        for seq in gone:
+            seq.partial = None  # a prefill that starts over (or never) starts from a new cache
         with self._wake:
             for mb in self.micro:
                 if any(id(s) in gone_ids for s in mb.seqs):
@@ -372,7 +404,8 @@ class Engine:
                 self.scheduler.waiting.extendleft(reversed(gone))
 
     def _drop_aborted(self) -> None:
-        aborted = [s for s in list(self.scheduler.waiting) + self.scheduler.running if s.aborted]
+        aborted = [s for s in list(self.scheduler.waiting) + self.scheduler.running + self.scheduler.prefilling
+                   if s.aborted]
         if aborted:
             self._remove(aborted)
 

@@ -21,6 +21,8 @@ class FrontendMetrics:
                                            "KV cache budget (unset while unbounded)", registry=r)
         self.preemptions = Counter("kubemoe_frontend_preemptions", "Sequences that left the batch for lack of KV "
                                    "cache and were prefilled again later (recompute)", registry=r)
+        self.prefill_chunks = Counter("kubemoe_frontend_prefill_chunks", "Prompt chunks prefilled (a prompt longer "
+                                      "than a step's token budget, --max-step-tokens, takes several)", registry=r)
         self.expert_tokens = Counter("kubemoe_expert_tokens", "Tokens routed to each expert",
                                      ["deployment", "layer", "expert"], registry=r)
         self.expert_predicted_tokens = Counter(

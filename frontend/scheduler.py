@@ -1,14 +1,21 @@
 """Iteration-level (continuous) batching decisions. Pure: no model, no tensors, no threads.
 
-Each engine step decodes every running sequence and admits waiting ones up to the batch limit
-(their prefill runs in the same step, so they decode from the next one). Finished and aborted
-sequences leave between steps. A bounded waiting queue refuses new work when full.
+Each engine step computes at most `max_step_tokens` tokens: one decode token for every running
+sequence, and prompt chunks in what is left (chunked prefill). A prompt longer than what is left
+is split: its first chunk runs now, the rest in the next steps, so a long prompt never stalls the
+running batch for more than one step's budget. Sequences part-way through their prefill continue
+first (in admission order), then waiting ones are admitted up to the batch limit. A sequence whose
+last chunk runs in a step samples its first token there and decodes from the next step. Finished
+and aborted sequences leave between steps. A bounded waiting queue refuses new work when full.
+
+How chunks run is the engine's choice; `chunk_groups` says which may share one forward pass.
 
 The KV cache is bounded (`kv_capacity`, in token positions of the padded batch: sequences x the
-longest one, as `batch.BatchState` lays them out). A sequence is admitted only if the batch with
-it still fits, in queue order (a long prompt is not overtaken for ever). When the running batch
-would outgrow the cache at this step, the latest admitted sequences are preempted: they leave the
-batch, keep what they generated and go back to the head of the queue, to be prefilled again
+longest one, as `batch.BatchState` lays them out; a sequence being prefilled reserves its whole
+context from admission). A sequence is admitted only if the batch with it still fits, in queue
+order (a long prompt is not overtaken for ever). When the batch would outgrow the cache at this
+step, the latest admitted sequences are preempted (those still being prefilled first): they leave
+the batch, keep what they generated and go back to the head of the queue, to be prefilled again
 (prompt + generated: recompute) when there is room. A sequence is never preempted alone: a lone
 sequence's generation is capped at admission to what the cache can hold.
 """
@@ -17,6 +24,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+# Step budgets where none is given: 2048 on a GPU (vLLM's chunked-prefill default; a forward of that
+# many tokens is still short next to a request's decode); on a CPU every token costs, so a smaller one
+# keeps the running batch's pace.
+DEFAULT_STEP_TOKENS = {"cuda": 2048, "cpu": 256}
 
 
 class QueueFull(Exception):
@@ -27,23 +39,46 @@ class QueueFull(Exception):
 class SchedulerConfig:
     max_batch: int = 32  # sequences decoded together in one step
     max_waiting: int = 256  # requests queued beyond the running batch
-    max_prefills_per_step: int = 4  # bounds how long one step can stall the running batch
+    max_step_tokens: int = 2048  # tokens one step computes: decode tokens first, prompt chunks in the rest
 
     def __post_init__(self) -> None:
-        if min(self.max_batch, self.max_waiting, self.max_prefills_per_step) < 1:
+        if min(self.max_batch, self.max_waiting, self.max_step_tokens) < 1:
             raise ValueError("scheduler limits must be >= 1")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens [start, stop) of a sequence's context (prompt + generated) prefilled in this step."""
+
+    seq: object
+    start: int
+    stop: int
+
+    @property
+    def tokens(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def last(self) -> bool:
+        """The prefill ends with this chunk: the sequence samples its first token from it."""
+        return self.stop == self.seq.context_length
 
 
 @dataclass(frozen=True)
 class StepPlan:
     decode: list = field(default_factory=list)  # running sequences, in batch order
-    prefill: list = field(default_factory=list)  # admitted this step
+    chunks: list = field(default_factory=list)  # prompt chunks of this step (Chunk), continued ones first
     preempted: list = field(default_factory=list)  # left the batch for lack of cache, back in the queue
     rejected: list = field(default_factory=list)  # can never fit the cache: they end with an error
 
     @property
+    def prefill(self) -> list:
+        """Sequences with a prompt chunk in this step."""
+        return [c.seq for c in self.chunks]
+
+    @property
     def empty(self) -> bool:
-        return not (self.decode or self.prefill or self.preempted or self.rejected)
+        return not (self.decode or self.chunks or self.preempted or self.rejected)
 
 
 def cached_tokens(seqs) -> int:
@@ -52,11 +87,22 @@ def cached_tokens(seqs) -> int:
     return len(seqs) * max((s.context_length for s in seqs), default=0)
 
 
+def chunk_groups(chunks: list[Chunk]) -> list[list[Chunk]]:
+    """Chunks that can share one forward pass: the same start and length, so their rows need no
+    padding (a padded row would run through attention and the experts for nothing). In plan order."""
+    groups: dict[tuple[int, int], list[Chunk]] = {}
+    for chunk in chunks:
+        groups.setdefault((chunk.start, chunk.stop), []).append(chunk)
+    return list(groups.values())
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.waiting: deque = deque()
-        self.running: list = []
+        self.running: list = []  # decoding, in batch order
+        self.prefilling: list = []  # admitted, prompt not all prefilled yet, in admission order
+        self._prefilled: dict[int, int] = {}  # id(seq) -> context tokens prefilled so far
         self.kv_capacity: int | None = None  # cache positions; None: unbounded
         # A bounded cache whose bytes per position are not known yet (measured on the first prefill):
         # one sequence at a time until then.
@@ -68,35 +114,62 @@ class Scheduler:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting; retry later")
         self.waiting.append(seq)
 
+    def prefilled(self, seq) -> int:
+        """Context tokens of a sequence being prefilled that are in its cache."""
+        return self._prefilled.get(id(seq), 0)
+
     def schedule(self) -> StepPlan:
-        running, preempted, rejected = list(self.running), [], []
+        running, prefilling, preempted, rejected = list(self.running), list(self.prefilling), [], []
         cap = self.kv_capacity
         if cap is not None:
-            while len(running) > 1 and cached_tokens(running) > cap:
-                preempted.append(running.pop())  # the latest admitted first
-        room = min(self.config.max_batch - len(running), self.config.max_prefills_per_step)
+            while len(running) + len(prefilling) > 1 and cached_tokens(running + prefilling) > cap:
+                preempted.append(prefilling.pop() if prefilling else running.pop())  # the latest admitted first
+        budget = self.config.max_step_tokens - len(running)
+        chunks = []
+        for seq in prefilling:
+            if budget < 1:
+                break
+            chunks.append(self._chunk(seq, budget))
+            budget -= chunks[-1].tokens
+        room = self.config.max_batch - len(running) - len(prefilling)
         if self.measuring:
-            room = min(room, 0 if running else 1)
+            room = min(room, 0 if running or prefilling else 1)
         admitted = []
-        while self.waiting and len(admitted) < room and not preempted:
+        while self.waiting and len(admitted) < room and budget >= 1 and not preempted:
             seq = self.waiting[0]
             if cap is not None and seq.context_length >= cap:  # not even alone, with one token to generate
                 rejected.append(self.waiting.popleft())
                 continue
-            if cap is not None and cached_tokens(running + admitted + [seq]) > cap:
+            if cap is not None and cached_tokens(running + prefilling + admitted + [seq]) > cap:
                 break
             admitted.append(self.waiting.popleft())
+            chunks.append(self._chunk(seq, budget))
+            budget -= chunks[-1].tokens
+        for seq in preempted:
+            self._prefilled.pop(id(seq), None)
         self.waiting.extendleft(reversed(preempted))
-        self.running = running + admitted
+        done = {id(c.seq) for c in chunks if c.last}
+        self.running = running + [c.seq for c in chunks if c.last]
+        self.prefilling = [s for s in prefilling + admitted if id(s) not in done]
         self.preemptions += len(preempted)
-        return StepPlan(decode=running, prefill=admitted, preempted=preempted, rejected=rejected)
+        return StepPlan(decode=running, chunks=chunks, preempted=preempted, rejected=rejected)
+
+    def _chunk(self, seq, budget: int) -> Chunk:
+        start = self._prefilled.pop(id(seq), 0)
+        chunk = Chunk(seq, start, min(seq.context_length, start + budget))
+        if not chunk.last:
+            self._prefilled[id(seq)] = chunk.stop
+        return chunk
 
     def remove(self, seqs) -> None:
         """Finished, aborted or failed sequences leave the batch (or the queue)."""
         gone = {id(s) for s in seqs}
         self.running = [s for s in self.running if id(s) not in gone]
+        self.prefilling = [s for s in self.prefilling if id(s) not in gone]
         self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+        for key in gone:
+            self._prefilled.pop(key, None)
 
     @property
     def idle(self) -> bool:
-        return not self.running and not self.waiting
+        return not self.running and not self.prefilling and not self.waiting

@@ -2,15 +2,34 @@
 
 import pytest
 
-from kubemoe.frontend.scheduler import QueueFull, Scheduler, SchedulerConfig
+from kubemoe.frontend.scheduler import Chunk, QueueFull, Scheduler, SchedulerConfig, chunk_groups
 
 
-def make_requests(n):
-    return [object() for _ in range(n)]
+class Seq:
+    """What the scheduler reads of a sequence: tokens its cache holds after this step."""
+
+    def __init__(self, prompt: int, generated: int = 0):
+        self.prompt, self.generated = prompt, generated
+
+    @property
+    def context_length(self):
+        return self.prompt + self.generated
+
+    def __repr__(self):
+        return f"Seq({self.prompt}, {self.generated})"
+
+
+def make_requests(n, prompt=1):
+    return [Seq(prompt) for _ in range(n)]
+
+
+def chunks(plan):
+    """(sequence, start, stop) of each chunk of a plan."""
+    return [(c.seq, c.start, c.stop) for c in plan.chunks]
 
 
 def test_new_requests_join_the_running_batch_at_the_next_step():
-    s = Scheduler(SchedulerConfig(max_batch=4, max_prefills_per_step=2))
+    s = Scheduler(SchedulerConfig(max_batch=4))
     a, b, c = make_requests(3)
     for r in (a, b):
         s.add(r)
@@ -21,17 +40,61 @@ def test_new_requests_join_the_running_batch_at_the_next_step():
     assert plan.decode == [a, b] and plan.prefill == [c]
 
 
-def test_batch_limit_and_prefill_limit():
-    s = Scheduler(SchedulerConfig(max_batch=3, max_prefills_per_step=2))
-    reqs = make_requests(5)
+def test_batch_limit_and_step_token_budget():
+    # 5 tokens a step: decode tokens first, prompts (3 tokens each) in the rest
+    s = Scheduler(SchedulerConfig(max_batch=3, max_step_tokens=5))
+    reqs = make_requests(5, prompt=3)
     for r in reqs:
         s.add(r)
-    assert s.schedule().prefill == reqs[:2]
-    assert s.schedule().prefill == reqs[2:3]  # the batch is full at 3
-    assert s.schedule().prefill == []
+    assert chunks(s.schedule()) == [(reqs[0], 0, 3), (reqs[1], 0, 2)]  # 3 + 2 = 5
+    plan = s.schedule()  # 5 - 1 decode = 4: reqs[1] continues first (1 token), reqs[2] whole (3)
+    assert plan.decode == [reqs[0]] and chunks(plan) == [(reqs[1], 2, 3), (reqs[2], 0, 3)]
+    assert s.running == reqs[:3] and s.prefilling == []
+    plan = s.schedule()
+    assert plan.decode == reqs[:3] and plan.chunks == []  # the batch is full at 3
     s.remove([reqs[0]])
     plan = s.schedule()
-    assert plan.decode == reqs[1:3] and plan.prefill == reqs[3:4]
+    assert plan.decode == reqs[1:3] and chunks(plan) == [(reqs[3], 0, 3)]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes_every_step():
+    s = Scheduler(SchedulerConfig(max_batch=8, max_step_tokens=10))
+    short, long, late = Seq(4), Seq(25), Seq(2)
+    s.add(short)
+    assert chunks(s.schedule()) == [(short, 0, 4)]
+    s.add(long)
+    s.add(late)
+    # budget 10 - 1 decode = 9 a step for prompts; the long one continues before the late one is admitted
+    steps = [s.schedule() for _ in range(4)]
+    assert all(short in p.decode for p in steps)
+    assert [chunks(p) for p in steps] == [
+        [(long, 0, 9)],
+        [(long, 9, 18)],
+        [(long, 18, 25), (late, 0, 2)],  # 7 + 2 = 9
+        [],
+    ]
+    assert [p.chunks[0].last for p in steps[:3]] == [False, False, True]
+    assert steps[3].decode == [short, long, late]
+
+
+def test_with_no_budget_left_after_decoding_nothing_is_admitted():
+    s = Scheduler(SchedulerConfig(max_batch=8, max_step_tokens=2))
+    a, b, c = make_requests(3)
+    for r in (a, b):
+        s.add(r)
+    s.schedule()
+    s.add(c)
+    plan = s.schedule()
+    assert plan.decode == [a, b] and plan.chunks == [] and list(s.waiting) == [c]
+    s.remove([a])
+    assert s.schedule().prefill == [c]
+
+
+def test_chunks_of_the_same_start_and_length_share_a_forward_pass():
+    a, b, c, d = Seq(4), Seq(4), Seq(6), Seq(8)
+    plan = [Chunk(a, 0, 4), Chunk(c, 4, 6), Chunk(b, 0, 4), Chunk(d, 0, 4)]
+    assert chunk_groups(plan) == [[plan[0], plan[2], plan[3]], [plan[1]]]
+    assert [c.last for c in plan] == [True, True, True, False]
 
 
 def test_finished_requests_leave_and_aborted_waiting_ones_too():
@@ -59,19 +122,8 @@ def test_invalid_limits():
 
 # -- a bounded KV cache --------------------------------------------------------------------------
 
-class Seq:
-    """What the scheduler reads of a sequence: tokens its cache holds after this step."""
-
-    def __init__(self, prompt: int, generated: int = 0):
-        self.prompt, self.generated = prompt, generated
-
-    @property
-    def context_length(self):
-        return self.prompt + self.generated
-
-
 def test_admission_stops_at_the_first_request_the_cache_cannot_hold():
-    s = Scheduler(SchedulerConfig(max_batch=8, max_prefills_per_step=8))
+    s = Scheduler(SchedulerConfig(max_batch=8, max_step_tokens=1000))
     s.kv_capacity = 30  # positions: sequences x the longest
     a, b, c, d = Seq(10), Seq(5), Seq(12), Seq(2)
     for r in (a, b, c, d):
@@ -82,7 +134,7 @@ def test_admission_stops_at_the_first_request_the_cache_cannot_hold():
 
 
 def test_the_latest_admitted_are_preempted_when_the_batch_outgrows_the_cache_and_come_back_first():
-    s = Scheduler(SchedulerConfig(max_batch=8, max_prefills_per_step=8))
+    s = Scheduler(SchedulerConfig(max_batch=8, max_step_tokens=1000))
     s.kv_capacity = 30
     a, b, c, late = Seq(8), Seq(6), Seq(4), Seq(1)
     for r in (a, b, c):
@@ -96,6 +148,22 @@ def test_the_latest_admitted_are_preempted_when_the_batch_outgrows_the_cache_and
     a.generated = b.generated = 0
     s.remove([a])
     assert s.schedule().prefill == [c, late]  # room again: the preempted one first
+
+
+def test_a_sequence_part_way_through_its_prefill_is_preempted_first_and_starts_over():
+    s = Scheduler(SchedulerConfig(max_batch=8, max_step_tokens=6))
+    s.kv_capacity = 40
+    a, long = Seq(5), Seq(12)
+    s.add(a)
+    s.schedule()
+    s.add(long)
+    assert chunks(s.schedule()) == [(long, 0, 5)]  # 2 x 12 = 24 reserved from admission
+    a.generated = 16  # 2 x 21 = 42 > 40
+    plan = s.schedule()
+    assert plan.preempted == [long] and plan.decode == [a] and plan.chunks == []
+    assert s.prefilling == [] and s.prefilled(long) == 0
+    a.generated = 0
+    assert chunks(s.schedule()) == [(long, 0, 5)]  # from its first token again
 
 
 def test_a_request_that_cannot_fit_even_alone_is_rejected_and_one_alone_is_never_preempted():

@@ -1,0 +1,77 @@
+"""Chunked prefill on the real engine: exact tokens, prompts of one length in one pass, and a running
+request that keeps decoding while a long prompt is prefilled (the order of the forward passes)."""
+
+import asyncio
+
+from kubemoe.frontend.sampling import SamplingParams
+from kubemoe.frontend.scheduler import SchedulerConfig
+
+from .test_correctness import generate_all, local_frontend
+
+LONG = [(7 * i + 3) % 200 + 1 for i in range(50)]  # 50 tokens: 4 chunks at 16 tokens a step
+SAME_LENGTH = [[(5 * i + k) % 150 + 2 for i in range(12)] for k in (1, 2)]
+
+
+def _forwards(fe):
+    """Record each forward pass's rows: [(requests, lengths)]."""
+    seen = []
+    fe.engine.on_forward = lambda rows: seen.append((rows.requests, rows.lengths))
+    return seen
+
+
+def test_chunked_and_grouped_prefill_give_the_tokens_of_one_shot_prefill(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    prompts = [LONG] + SAME_LENGTH
+    fe = local_frontend(path, predictor="none", max_step_tokens=512)
+    fe.engine.eos_ids = set()
+    try:
+        one_shot = [asyncio.run(generate_all(fe, [p], max_tokens=8))[0] for p in prompts]
+        assert fe.metrics.registry.get_sample_value("kubemoe_frontend_prefill_chunks_total") == 3
+    finally:
+        fe.close()
+    fe = local_frontend(path, predictor="none", max_step_tokens=16)
+    fe.engine.eos_ids = set()
+    seen = _forwards(fe)
+    try:
+        chunked = asyncio.run(generate_all(fe, [LONG], max_tokens=8))
+        assert fe.metrics.registry.get_sample_value("kubemoe_frontend_prefill_chunks_total") == 4
+        assert [lengths for _, lengths in seen[:4]] == [(16,), (16,), (16,), (2,)]
+        fe.engine.scheduler.config = SchedulerConfig(max_step_tokens=64)  # both prompts in one step
+        seen.clear()
+        grouped = asyncio.run(generate_all(fe, SAME_LENGTH, max_tokens=8))
+    finally:
+        fe.close()
+    assert seen[0] == (("r0", "r1"), (12, 12))  # one pass, two rows, no padding
+    assert chunked + grouped == one_shot
+
+
+def test_a_running_request_decodes_at_every_step_while_a_long_prompt_is_prefilled(tiny_checkpoint):
+    fe = local_frontend(tiny_checkpoint("mixtral"), predictor="none", max_step_tokens=8)
+    fe.engine.eos_ids = set()
+    seen = _forwards(fe)
+    try:
+        async def staggered():
+            first = fe.engine.generate("running", [5, 17, 33], SamplingParams(temperature=0, max_tokens=24))
+            tokens = (await anext(first)).token_ids  # it is in the batch now
+            rest = asyncio.ensure_future(_drain(first))
+            long = await generate_all(fe, [LONG], max_tokens=2)
+            return tokens + await rest, long[0]
+
+        running, long = asyncio.run(staggered())
+        seen = list(seen)  # the passes of the staggered run only
+        alone = [asyncio.run(generate_all(fe, [p], max_tokens=n))[0] for p, n in (([5, 17, 33], 24), (LONG, 2))]
+    finally:
+        fe.close()
+    assert [running, long] == alone
+    chunks = [i for i, (requests, lengths) in enumerate(seen) if requests == ("r0",) and lengths[0] > 1]
+    assert len(chunks) >= 3  # 50 tokens at 7 a step (8 less the running request's decode token)
+    for i in chunks:  # every chunk's step decoded the running request first
+        assert seen[i - 1] == (("running",), (1,)), seen
+
+
+async def _drain(stream):
+    tokens = []
+    async for delta in stream:
+        assert delta.error is None, delta.error
+        tokens += delta.token_ids
+    return tokens
