@@ -24,19 +24,8 @@ def _filled(cache) -> list[tuple[int, object]]:
     return [(i, l) for i, l in enumerate(cache.layers) if getattr(l, "keys", None) is not None]
 
 
-def stack_rows(caches: list) -> DynamicCache:
-    """One cache whose rows are these caches' (all of one length, unpadded), in order."""
-    if len(caches) == 1:
-        return caches[0]
-    stacked = DynamicCache()
-    for column in zip(*(_filled(c) for c in caches)):  # one layer of every cache
-        index = column[0][0]
-        stacked.update(torch.cat([l.keys for _, l in column]), torch.cat([l.values for _, l in column]), index)
-    return stacked
-
-
 def split_rows(cache, rows: int) -> list:
-    """The inverse of `stack_rows`: one cache per row."""
+    """One cache per row of a cache of several unpadded rows (a prefill pass over several prompts)."""
     if rows == 1:
         return [cache]
     split = [DynamicCache() for _ in range(rows)]

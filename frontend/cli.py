@@ -131,8 +131,8 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
               help="This frontend's name in load reports (default: the host name).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's).")
-def frontend_command(checkpoint, routing_table, routing_configmap, host, port, grpc_port, max_batch, max_step_tokens, micro_batches,
-                     kv_cache_bytes, kv_cache_fraction, shm_dir, predictor, prediction_distance, split_min_tokens, record_routing, record_max_mb,
+def frontend_command(checkpoint, routing_table, routing_configmap, host, port, grpc_port, max_batch, max_step_tokens,
+                     micro_batches, kv_cache_bytes, kv_cache_fraction, shm_dir, predictor, prediction_distance, split_min_tokens, record_routing, record_max_mb,
                      busy_poll_us, offload, gpu_budget, offload_predictor, offload_policy, model, name, device, dtype):
     """Serve a model: attention and routing here, routed experts per the routing table (or, with --offload,
     every expert here from host memory through a GPU cache)."""
@@ -177,8 +177,8 @@ def _prediction_fields(predictor, prediction_distance, record_routing, record_ma
               help="Architecture of the generated tiny checkpoint used when --checkpoint is not given.")
 @click.option("--experts", default=2, show_default=True, help="Local expert-function processes.")
 @serving_options
-def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, max_step_tokens, micro_batches, kv_cache_bytes,
-                  kv_cache_fraction, shm_dir, predictor,
+def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, max_step_tokens, micro_batches,
+                  kv_cache_bytes, kv_cache_fraction, shm_dir, predictor,
                   prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us, offload,
                   gpu_budget, offload_predictor, offload_policy):
     """Run everything locally: a frontend and expert functions over gRPC on loopback (with --offload: the

@@ -27,7 +27,7 @@ from typing import AsyncIterator
 import torch
 from transformers import DynamicCache
 
-from kubemoe.frontend.batch import BatchState, split_rows, stack_rows
+from kubemoe.frontend.batch import BatchState, split_rows
 from kubemoe.frontend.records import ForwardRows
 from kubemoe.frontend.sampling import SamplingParams, sample_next
 from kubemoe.frontend.kv_cache import KVCacheConfig
@@ -217,12 +217,14 @@ class Engine:
         self._record_cache(len(plan.preempted))
 
     def _prefill_chunks(self, group: list[Chunk], failed: list) -> list[Sequence]:  # -> the sequences that finished
-        """One forward pass over chunks of one start and length: the sequences' caches so far are stacked
-        into rows and split again after it. A sequence whose last chunk ran joins a micro-batch and samples
+        """One forward pass over chunks of one start and length, one row each, split into a cache per
+        sequence after it. A sequence whose last chunk ran joins a micro-batch and samples
         its first token. A failed pass ends the sequences whose rows it names; the others start their
         prefill over (their caches grew part-way), as after a preemption."""
         seqs, start, stop = [c.seq for c in group], group[0].start, group[0].stop
-        cache = stack_rows([seq.partial for seq in seqs]) if start else DynamicCache()
+        # Only a step's last chunk can stop short of its context's end (the budget ran out there), so a
+        # continued chunk is alone in its pass, on the cache its earlier chunks left.
+        cache = seqs[0].partial if start else DynamicCache()
         ids = torch.tensor([(seq.prompt_ids + seq.generated)[start:stop] for seq in seqs], device=self.device)
         if self.on_forward:
             self.on_forward(ForwardRows(tuple(s.request_id for s in seqs), (start,) * len(seqs),

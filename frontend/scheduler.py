@@ -8,7 +8,9 @@ first (in admission order), then waiting ones are admitted up to the batch limit
 last chunk runs in a step samples its first token there and decodes from the next step. Finished
 and aborted sequences leave between steps. A bounded waiting queue refuses new work when full.
 
-How chunks run is the engine's choice; `chunk_groups` says which may share one forward pass.
+Only a step's last chunk can stop short of its context's end, so at most one sequence is part-way
+through its prefill at any time. How chunks run is the engine's choice; `chunk_groups` says which
+may share one forward pass (in practice prompts that each fit the step whole).
 
 The KV cache is bounded (`kv_capacity`, in token positions of the padded batch: sequences x the
 longest one, as `batch.BatchState` lays them out; a sequence being prefilled reserves its whole

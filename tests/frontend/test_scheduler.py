@@ -65,7 +65,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes_every_step
     s.add(long)
     s.add(late)
     # budget 10 - 1 decode = 9 a step for prompts; the long one continues before the late one is admitted
-    steps = [s.schedule() for _ in range(4)]
+    steps = []
+    for _ in range(4):
+        steps.append(s.schedule())
+        assert len(s.prefilling) <= 1  # only a step's last chunk stops short
     assert all(short in p.decode for p in steps)
     assert [chunks(p) for p in steps] == [
         [(long, 0, 9)],
