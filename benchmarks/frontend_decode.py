@@ -61,6 +61,15 @@ def timed(fn, device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def cut_preset(arch: str, name: str, layers: int) -> Preset:
+    """A preset with its layer count cut to `layers` (0: as it is), to fit the lent machine and one run."""
+    preset = get_preset(arch, name)
+    if not layers:
+        return preset
+    return Preset(preset.arch, f"{preset.name}-{layers}l", {**preset.config, "num_hidden_layers": layers},
+                  preset.dtype, preset.shard_bytes)
+
+
 def hardware(device) -> dict:
     """The bounds measured here: HBM read bandwidth (a plain sum over 4 GiB) and the bf16 matmul rate."""
     if device.type != "cuda":
@@ -199,10 +208,7 @@ def main() -> None:
     device = torch.device(args.device)
     args.batch_list = [int(b) for b in args.batches.split(",")]
 
-    preset = get_preset(args.arch, args.preset)
-    if args.layers:
-        preset = Preset(preset.arch, f"{preset.name}-{args.layers}l", {**preset.config, "num_hidden_layers": args.layers},
-                        preset.dtype, preset.shard_bytes)
+    preset = cut_preset(args.arch, args.preset, args.layers)
     args.prompt = min(args.prompt, preset.config.get("max_position_embeddings", 4096) - args.warmup - args.steps - 2)
     hw = hardware(device)
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""How long a long prompt stalls the running batch: chunked prefill against one-shot prefill.
+
+`--batch` requests decode; once each has its first token, one `--long`-token prompt arrives. The
+figure is the longest gap between two tokens of a running request while the long prompt is
+prefilled (the stall every user sees), and the long prompt's own time to first token (what chunking
+costs it). One-shot is the engine with a step budget that holds the whole prompt (what it did before
+chunked prefill); chunked runs the default budget (2048 on a GPU) and a smaller one. Same engine,
+same generated checkpoint (in-process experts), in one run.
+
+  python benchmarks/chunked_prefill.py                          # this CPU, tiny Mixtral
+  python benchmarks/chunked_prefill.py --device cuda --preset mixtral-4l --layers 2   # on the H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Goal, write_results  # noqa: E402
+from frontend_decode import cut_preset  # noqa: E402
+
+from kubemoe.bundles import bundles_by_count  # noqa: E402
+from kubemoe.frontend.app import Frontend, FrontendConfig  # noqa: E402
+from kubemoe.frontend.sampling import SamplingParams  # noqa: E402
+from kubemoe.frontend.scheduler import DEFAULT_STEP_TOKENS  # noqa: E402
+from kubemoe.routing_table import LOCAL, table_for_bundles  # noqa: E402
+from kubemoe.synth import make_checkpoint  # noqa: E402
+
+
+def stall(fe: Frontend, batch: int, long: int, decode_tokens: int, vocab: int) -> dict:
+    """The running requests' longest inter-token gap while the long prompt is prefilled, and its TTFT."""
+    gen = torch.Generator().manual_seed(2)
+    short = torch.randint(0, vocab, (batch, 16), generator=gen).tolist()
+    prompt = torch.randint(0, vocab, (long,), generator=gen).tolist()
+    times: list[list[float]] = [[] for _ in range(batch)]
+    async def running(i, first: asyncio.Event):
+        async for delta in fe.engine.generate(f"run-{i}", short[i], SamplingParams(temperature=0, max_tokens=decode_tokens)):
+            times[i].append(time.perf_counter())
+            first.set()
+
+    async def run():
+        firsts = [asyncio.Event() for _ in range(batch)]
+        tasks = [asyncio.ensure_future(running(i, firsts[i])) for i in range(batch)]
+        for first in firsts:
+            await first.wait()
+        sent = time.perf_counter()
+        async for _ in fe.engine.generate("long", prompt, SamplingParams(temperature=0, max_tokens=1)):
+            first_token = time.perf_counter()
+        await asyncio.gather(*tasks)
+        gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b > sent and a < first_token]
+        steady = [b - a for ts in times for a, b in zip(ts, ts[1:]) if a > first_token]
+        return {"max_gap_ms": max(gaps) * 1e3, "steady_gap_ms": statistics.median(steady) * 1e3,
+                "long_ttft_ms": (first_token - sent) * 1e3}
+
+    asyncio.run(run())  # warm-up
+    return asyncio.run(run())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--arch", default="mixtral")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+    parser.add_argument("--batch", type=int, default=8, help="requests decoding when the long prompt arrives")
+    parser.add_argument("--long", type=int, default=4000, help="the long prompt's tokens (cut to the context)")
+    parser.add_argument("--small-budget", type=int, default=512, help="the smaller chunked budget compared")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    preset = cut_preset(args.arch, args.preset, args.layers)
+    context = preset.config.get("max_position_embeddings", 4096)
+    args.long = min(args.long, context - 2)
+    default_budget = DEFAULT_STEP_TOKENS.get(device.type, DEFAULT_STEP_TOKENS["cpu"])
+    budgets = {"oneshot": args.long + args.batch, "chunked": default_budget, "chunked_small": args.small_budget}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_checkpoint(preset, Path(tmp) / preset.name, progress=False)
+        for name, budget in budgets.items():
+            fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, predictor="none", max_step_tokens=budget))
+            fe.engine.eos_ids = set()  # every running request decodes through the whole window
+            bundles = bundles_by_count(fe.adapter.moe_layers, fe.adapter.num_experts, 2)
+            fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
+            vocab = fe.model.get_input_embeddings().num_embeddings
+            # enough decode tokens to outlast the one-shot prefill several times over
+            decode_tokens = min(context - 20, 64 if device.type == "cuda" else 24)
+            rows.append({"mode": name, "max_step_tokens": budget, "batch": args.batch, "long_prompt": args.long,
+                         **stall(fe, args.batch, args.long, decode_tokens, vocab)})
+            fe.close()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    by = {r["mode"]: r for r in rows}
+    for r in rows:
+        print(f"{r['mode']:>14} budget {r['max_step_tokens']:>5}: longest gap {r['max_gap_ms']:8.1f} ms "
+              f"(steady {r['steady_gap_ms']:6.1f} ms), long prompt TTFT {r['long_ttft_ms']:8.1f} ms")
+    goals = {}
+    if device.type == "cuda":
+        goals["prefill_stall_chunked_vs_oneshot_h200"] = Goal(by["chunked"]["max_gap_ms"] / by["oneshot"]["max_gap_ms"],
+                                                              "<= 0.6")
+        goals["long_ttft_chunked_vs_oneshot_h200"] = Goal(by["chunked"]["long_ttft_ms"] / by["oneshot"]["long_ttft_ms"],
+                                                          "<= 1.2")
+    path = write_results("chunked_prefill", device, rows, goals, out=Path(args.out),
+                         checkpoint={"arch": preset.arch, "preset": preset.name, "dtype": preset.dtype},
+                         method=f"{args.batch} requests decoding, one {args.long}-token prompt arriving; the longest gap "
+                                "between two tokens of a running request while it is prefilled, and its TTFT; second of "
+                                "two runs; in-process experts; one-shot = a step budget holding the whole prompt")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
