@@ -3,6 +3,8 @@ request that keeps decoding while a long prompt is prefilled (the order of the f
 
 import asyncio
 
+import pytest
+
 from kubemoe.frontend.sampling import SamplingParams
 from kubemoe.frontend.scheduler import SchedulerConfig
 
@@ -75,3 +77,17 @@ async def _drain(stream):
         assert delta.error is None, delta.error
         tokens += delta.token_ids
     return tokens
+
+
+@pytest.mark.gpu
+def test_chunked_prefill_on_the_gpu_gives_the_tokens_of_one_shot_prefill(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    results = []
+    for budget in (512, 16):  # one shot; 4 chunks of the long prompt, the short ones in between
+        fe = local_frontend(path, predictor="none", device="cuda", dtype="float32", max_step_tokens=budget)
+        fe.engine.eos_ids = set()
+        try:
+            results.append(asyncio.run(generate_all(fe, [LONG] + SAME_LENGTH, max_tokens=8)))
+        finally:
+            fe.close()
+    assert results[0] == results[1]
