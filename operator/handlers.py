@@ -15,7 +15,7 @@ import kopf
 
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.events import events
-from kubemoe.operator.kube import ApiError, Kube
+from kubemoe.operator.kube import Kube
 from kubemoe.operator.loads import FrontendLoads
 from kubemoe.operator.reconcile import Outcome, Reconciler
 from kubemoe.operator.spec import GROUP, PLURAL, VERSION
@@ -58,14 +58,12 @@ def reconcile(body, memo: kopf.Memo, **_) -> None:
 
 @kopf.timer(*RESOURCE, interval=CONFIG.loads_interval_s, initial_delay=CONFIG.loads_interval_s, idle=None)
 def replan(body, memo: kopf.Memo, **_) -> None:
-    try:
-        loads = memo.load_source.fetch(_deployment(body))
-    except ApiError as e:
-        kopf.event(body, type="Warning", reason="LoadsUnavailable", message=f"cannot list frontend pods: {e.message}")
-        loads = None
-    if loads is not None:
-        memo.loads = loads
-    report(body, memo.reconciler.reconcile(body, memo.get("loads")), retry_later=False)
+    # Asks the frontends for fresh loads (or keeps the last ones when none answers) and re-plans with them.
+    outcome = memo.reconciler.reconcile(body, memo.get("loads"), source=memo.load_source)
+    memo.loads = outcome.loads
+    if outcome.loads_error:
+        kopf.event(body, type="Warning", reason="LoadsUnavailable", message=outcome.loads_error)
+    report(body, outcome, retry_later=False)
 
 
 @kopf.on.delete(*RESOURCE, optional=True)
@@ -84,10 +82,3 @@ def report(body, outcome: Outcome, retry_later: bool = True) -> None:
         raise kopf.TemporaryError(outcome.error.message, delay=max(10.0, CONFIG.loads_interval_s))
     raise kopf.PermanentError(outcome.error.message)
 
-
-def _deployment(body):
-    from kubemoe.operator.spec import MoEDeployment, SpecError
-    try:
-        return MoEDeployment.from_body(body)
-    except SpecError as e:
-        raise kopf.PermanentError(str(e)) from None

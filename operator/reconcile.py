@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 from kubemoe.operator import conditions as c
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.kube import ApiError, Kube
+from kubemoe.operator.loads import LoadSource
 from kubemoe.operator.plan import (NO_LOADS, Decisions, Loads, NodeInfo, Plan, PlanError, decisions, plan,
                                    with_dra_devices)
 from kubemoe.operator.render import (COMPONENT, EXPERT, FINGERPRINT_ANNOTATION, FRONTEND, KINDS, KNATIVE,
@@ -45,6 +46,8 @@ class Outcome:
     error: c.Condition | None = None   # PlanApplied False: why nothing (more) was applied
     retry: bool = True                 # the error may clear by itself (capacity, Knative installed later)
     applied: c.Condition | None = None  # PlanApplied as reported in the status (the error, if any)
+    loads: Loads = NO_LOADS             # what the plan was made with (the handler keeps them for the next one)
+    loads_error: str | None = None      # why the frontends' loads could not be asked for
 
 
 def key_of(obj: Mapping[str, Any]) -> ObjectKey:
@@ -56,18 +59,31 @@ class Reconciler:
         self.kube, self.config, self.clock = kube, config, clock
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
 
-    def reconcile(self, body: Mapping[str, Any], loads: Loads | None = None) -> Outcome:
+    def reconcile(self, body: Mapping[str, Any], loads: Loads | None = None,
+                  source: LoadSource | None = None) -> Outcome:
+        """Plan with `loads`, or with what `source` (the frontends) reports now when it reports anything."""
         # Handlers and the timer run in worker threads: one reconcile per object at a time.
         with self._locks[body["metadata"]["uid"]]:
-            return self._reconcile(body, loads or NO_LOADS)
+            return self._reconcile(body, loads or NO_LOADS, source)
 
-    def _reconcile(self, body: Mapping[str, Any], loads: Loads) -> Outcome:
+    def _reconcile(self, body: Mapping[str, Any], loads: Loads, source: LoadSource | None) -> Outcome:
         now = self.clock()
         try:
-            deployment = MoEDeployment.from_body(body)
+            deployment = MoEDeployment.from_body(body)  # the one parse of this reconcile
         except SpecError as e:
             failed = c.Condition(c.PLAN_APPLIED, False, c.INVALID_SPEC, str(e))
-            return self._finish(body, None, [], Changes(), loads, failed, retry=False)
+            return self._finish(body, None, None, [], Changes(), loads, failed, retry=False)
+        loads_error = None
+        if source is not None:
+            try:
+                loads = source.fetch(deployment) or loads  # None: no frontend answered, keep the last loads
+            except ApiError as e:
+                loads_error = f"cannot list frontend pods: {e.message}"
+        outcome = self._apply(body, deployment, loads, now)
+        outcome.loads_error = loads_error
+        return outcome
+
+    def _apply(self, body: Mapping[str, Any], deployment: MoEDeployment, loads: Loads, now: float) -> Outcome:
         children = self._children(deployment)
         mode = deployment.spec.mode
         previous = observe(deployment.spec, mode, children.values())
@@ -77,13 +93,13 @@ class Reconciler:
         try:
             new = plan(deployment.spec, loads, nodes, previous, now)
         except PlanError as e:
-            return self._finish(body, None, list(children.values()), Changes(), loads,
+            return self._finish(body, deployment, None, list(children.values()), Changes(), loads,
                                 c.Condition(c.PLAN_APPLIED, False, e.reason, str(e)), retry=True)
         if new.mode == "distributed" and deployment.spec.experts.runtime == "knative" and not self._has_knative():
             missing = c.Condition(c.PLAN_APPLIED, False, c.RUNTIME_MISSING,
                                   "runtime knative needs Knative Serving (serving.knative.dev/v1 Services): install "
                                   "it (see the chart's README) or set spec.experts.runtime: deployment")
-            return self._finish(body, new, list(children.values()), Changes(), loads, missing, retry=True)
+            return self._finish(body, deployment, new, list(children.values()), Changes(), loads, missing, retry=True)
 
         changes = Changes()
         wanted = render(deployment, new, self.config)
@@ -106,9 +122,9 @@ class Reconciler:
         except ApiError as e:
             failed = c.Condition(c.PLAN_APPLIED, False, c.APPLY_FAILED,
                                  f"the API server refused an object ({e.message}); the operator retries")
-            return self._finish(body, new, list(children.values()), changes, loads, failed, retry=True)
+            return self._finish(body, deployment, new, list(children.values()), changes, loads, failed, retry=True)
         changes.decisions = decisions(previous, new)
-        return self._finish(body, new, list(children.values()), changes, loads, None, retry=False,
+        return self._finish(body, deployment, new, list(children.values()), changes, loads, None, retry=False,
                             fresh={key_of(o) for o in wanted if f"{o['kind']}/{o['metadata']['name']}" in changes.applied})
 
     # -- observation --------------------------------------------------------------------------------
@@ -147,8 +163,8 @@ class Reconciler:
 
     # -- status -------------------------------------------------------------------------------------
 
-    def _finish(self, body: Mapping[str, Any], new: Plan | None, children: list[Object], changes: Changes,
-                loads: Loads, error: c.Condition | None, retry: bool,
+    def _finish(self, body: Mapping[str, Any], deployment: MoEDeployment | None, new: Plan | None,
+                children: list[Object], changes: Changes, loads: Loads, error: c.Condition | None, retry: bool,
                 fresh: set[ObjectKey] = frozenset()) -> Outcome:
         meta = body["metadata"]
         generation = int(meta.get("generation", 0))
@@ -165,12 +181,12 @@ class Reconciler:
                                       generation, dt.datetime.fromtimestamp(self.clock(), dt.timezone.utc)),
             "loads": {"frontends": loads.frontends, "tokensPerSecond": round(loads.tokens_per_second, 3)},
         }
-        if new is not None:
+        if deployment is not None and new is not None:
             status["mode"] = new.mode
             status["plan"] = _plan_status(new)
-            status["cost"] = _cost(MoEDeployment.from_body(body).spec, new, loads)
+            status["cost"] = _cost(deployment.spec, new, loads)
         self.kube.patch_status(meta["namespace"], meta["name"], status)
-        return Outcome(new, changes, status, error, retry, applied)
+        return Outcome(new, changes, status, error, retry, applied, loads)
 
 
 def _plan_applied(new: Plan) -> c.Condition:

@@ -1,98 +1,25 @@
-"""The MoEDeployment resource as one typed config, built once from the custom resource.
+"""The MoEDeployment resource as one typed config, built once per reconcile from the custom resource.
 
-The API server has already validated and defaulted the object against the CRD (`crd.py`), which
-takes its defaults from `DEFAULTS` below, so the two can never disagree. Parsing here still fills
-defaults itself: unit tests and `kubemoe operator plan` read specs that never went through a server.
+The fields, their defaults and their validation are declared in `fields.py`, from which the CRD is
+made too: the API server has already checked and defaulted what the operator reads, and parsing checks
+and defaults the same way again for specs that never went through a server (unit tests, benchmarks).
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kubernetes.utils import parse_quantity
-
 from kubemoe.bundles import Bundle, bundles_by_bytes
+from kubemoe.operator.fields import SPEC
+from kubemoe.operator.schema import SpecError, parse_bytes, parse_duration
+
+__all__ = ["MoEDeployment", "MoESpec", "SpecError", "parse_bytes", "parse_duration"]
 
 GROUP, VERSION, PLURAL, KIND = "kubemoe.io", "v1alpha1", "moedeployments", "MoEDeployment"
 API_VERSION = f"{GROUP}/{VERSION}"
-
-MODES = ("distributed", "offload", "auto")
-RUNTIMES = ("knative", "deployment")
-DTYPES = ("bfloat16", "float16", "float32")
-PREDICTORS = ("llapor", "frequency")
 URI_SCHEMES = ("pvc", "hostpath", "s3", "gs")
-# How expert functions share a GPU (spec.experts.gpuSharing.mode), as clusters configure it:
-# exclusive: whole GPUs per replica (spec.experts.gpus); timeSlicing / mps: one share of the NVIDIA device
-# plugin's replicated resource per function; dra: a ResourceClaim per GPU, shared by the functions on it.
-SHARING_MODES = ("exclusive", "timeSlicing", "mps", "dra")
-DRA_STRATEGIES = ("TimeSlicing", "MPS")  # the NVIDIA DRA driver's GpuConfig sharing strategies
-# An extended resource name (domain/name), what a device plugin advertises.
-RESOURCE_NAME_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?[.])*[a-z0-9]([-a-z0-9]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
-DRA_NEEDS_DEPLOYMENT_MESSAGE = ("spec.experts.gpuSharing.mode dra needs spec.experts.runtime: deployment (Knative "
-                                "Serving rejects pods with resourceClaims, knative/serving#15332): set runtime: "
-                                "deployment, or share GPUs with mode timeSlicing or mps")
-SHARED_GPUS_MESSAGE = ("spec.experts.gpus counts whole GPUs per replica and applies to gpuSharing.mode exclusive; "
-                       "with timeSlicing, mps or dra every function takes one share of one GPU: set gpus to 1 "
-                       "(or remove it), or set gpuSharing.mode: exclusive")
-
-# The defaults of every optional field: the CRD schema (`crd.py`) and the parser below both read them.
-DEFAULTS: dict[str, Any] = {
-    "model.dtype": "bfloat16",
-    "mode": "distributed",
-    "frontend.replicas": 1,
-    "frontend.gpus": 1,
-    "experts.runtime": "knative",
-    "experts.bundleBytes": "256Mi",
-    "experts.gpus": 1,
-    "experts.gpuSharing.mode": "exclusive",
-    "experts.gpuSharing.resourceName": "nvidia.com/gpu",
-    "experts.gpuSharing.functionOverhead": "1Gi",
-    "experts.gpuSharing.deviceClassName": "gpu.nvidia.com",
-    "experts.gpuSharing.draStrategy": "TimeSlicing",
-    "experts.scaling.cvThreshold": 0.2,
-    "experts.scaling.predictionDistance": 1,
-    "experts.scaling.keepAlive": "10m",
-    "experts.scaling.maxReplicasPerExpert": 8,
-    "experts.knative.progressDeadline": "15m",
-    "experts.knative.containerConcurrency": 0,
-    "offload.predictor": "llapor",
-    "cost.gpuHourPrice": 0.0,
-}
-
-# Go's time.ParseDuration syntax (what Knative's scale-down-delay takes): "10m", "1h30m", "90s".
-DURATION_PATTERN = r"^([0-9]+([.][0-9]+)?(ns|us|ms|s|m|h))+$"
-_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-# Knative rejects a scale-down-delay above 1h, and keepAlive is rendered as that annotation: with runtime
-# knative a longer keepAlive is refused (by the CRD's CEL rule and by the parser, with this message).
-KNATIVE_MAX_KEEP_ALIVE = "1h"
-KNATIVE_KEEP_ALIVE_MESSAGE = (f"spec.experts.scaling.keepAlive is at most {KNATIVE_MAX_KEEP_ALIVE} with runtime knative "
-                              "(Knative caps the scale-down-delay it is rendered as at 1h): write 1h or less, or set "
-                              "spec.experts.runtime: deployment, which keeps replicas warm for any keepAlive")
-
-
-class SpecError(ValueError):
-    """A spec the operator cannot serve; the message names the field and what to write instead."""
-
-
-def parse_duration(text: str, field_name: str) -> float:
-    """Go duration -> seconds."""
-    if not isinstance(text, str) or not re.fullmatch(DURATION_PATTERN, text):
-        raise SpecError(f"{field_name}: {text!r} is not a duration; write e.g. 90s, 10m or 1h30m")
-    return sum(float(n) * _DURATION_UNITS[unit] for n, _, unit in re.findall(r"([0-9]+([.][0-9]+)?)(ns|us|ms|s|m|h)", text))
-
-
-def parse_bytes(value: Any, field_name: str) -> int:
-    try:
-        quantity = parse_quantity(value)
-    except (ValueError, TypeError):
-        raise SpecError(f"{field_name}: {value!r} is not a quantity; write bytes like 268435456, 256Mi or 1Gi") from None
-    if quantity <= 0:
-        raise SpecError(f"{field_name} must be positive, got {value!r}")
-    return int(quantity)
 
 
 @dataclass(frozen=True)
@@ -210,68 +137,30 @@ class MoESpec:
 
     @classmethod
     def parse(cls, spec: Mapping[str, Any]) -> "MoESpec":
-        """Raise SpecError for what the CRD schema cannot express (or a spec that skipped the server)."""
-        model = _section(spec, "model")
-        if "uri" not in model:
-            raise SpecError("spec.model.uri is required: pvc://CLAIM/path, hostpath:///path, s3://... or gs://...")
-        raw_layout = model.get("layout")
-        if not raw_layout:
-            raise SpecError("spec.model.layout is required: moeLayers, expertsPerLayer and expertBytes of the checkpoint")
-        layout = Layout(tuple(int(x) for x in raw_layout["moeLayers"]), int(raw_layout["expertsPerLayer"]),
-                        parse_bytes(raw_layout["expertBytes"], "spec.model.layout.expertBytes"))
-        if not layout.moe_layers or layout.experts_per_layer < 1:
-            raise SpecError("spec.model.layout needs at least one MoE layer and one expert per layer")
-        mode = _get(spec, "mode")
-        if mode not in MODES:
-            raise SpecError(f"spec.mode {mode!r}: choose one of {', '.join(MODES)}")
-
-        experts, frontend = _section(spec, "experts"), _section(spec, "frontend")
-        scaling, knative = _section(experts, "scaling"), _section(experts, "knative")
-        cap = scaling.get("layerMemoryCap")
-        keep_alive = _get(scaling, "keepAlive", "experts.scaling")
-        parsed_experts = Experts(
-            runtime=_get(experts, "runtime", "experts"),
-            image=experts.get("image"),
-            bundle_bytes=parse_bytes(_get(experts, "bundleBytes", "experts"), "spec.experts.bundleBytes"),
-            gpus=int(_get(experts, "gpus", "experts")),
-            sharing=_sharing(_section(experts, "gpuSharing")),
-            resources=experts.get("resources", {}),
-            scaling=Scaling(
-                cv_threshold=float(_get(scaling, "cvThreshold", "experts.scaling")),
-                layer_memory_cap=parse_bytes(cap, "spec.experts.scaling.layerMemoryCap") if cap is not None else None,
-                prediction_distance=int(_get(scaling, "predictionDistance", "experts.scaling")),
-                keep_alive_s=parse_duration(keep_alive, "spec.experts.scaling.keepAlive"),
-                keep_alive=keep_alive,
-                max_replicas_per_expert=int(_get(scaling, "maxReplicasPerExpert", "experts.scaling")),
-            ),
-            placement=_placement(experts),
-            knative=Knative(_get(knative, "progressDeadline", "experts.knative"),
-                            int(_get(knative, "containerConcurrency", "experts.knative"))),
-        )
-        if parsed_experts.runtime not in RUNTIMES:
-            raise SpecError(f"spec.experts.runtime {parsed_experts.runtime!r}: choose knative or deployment")
-        sharing = parsed_experts.sharing
-        if sharing.shared and parsed_experts.gpus != 1:
-            raise SpecError(SHARED_GPUS_MESSAGE)
-        if sharing.mode == "dra" and parsed_experts.runtime != "deployment":
-            raise SpecError(DRA_NEEDS_DEPLOYMENT_MESSAGE)
-        if parsed_experts.runtime == "knative" and parsed_experts.scaling.keep_alive_s > parse_duration(
-                KNATIVE_MAX_KEEP_ALIVE, "KNATIVE_MAX_KEEP_ALIVE"):
-            raise SpecError(KNATIVE_KEEP_ALIVE_MESSAGE)
-        offload = None
-        if spec.get("offload"):
-            raw = spec["offload"]
-            offload = Offload(parse_bytes(raw.get("gpuMemoryBudget"), "spec.offload.gpuMemoryBudget"),
-                              _get(raw, "predictor", "offload"))
-        if mode == "offload" and offload is None:
-            raise SpecError("mode offload needs spec.offload.gpuMemoryBudget (GPU memory for hot experts, e.g. 20Gi)")
+        """Raise SpecError, with the CRD's message where the CRD has the rule, for a spec the operator cannot serve."""
+        s = SPEC.read(spec, "spec")
+        model, frontend, experts = s["model"], s["frontend"], s["experts"]
+        scaling, sharing, knative = experts["scaling"], experts["gpuSharing"], experts["knative"]
+        layout = model["layout"]
         return cls(
-            model_uri=model["uri"], source=ModelSource.parse(model["uri"]), dtype=_get(model, "dtype", "model"),
-            layout=layout, mode=mode,
-            frontend=Frontend(int(_get(frontend, "replicas", "frontend")), int(_get(frontend, "gpus", "frontend")),
-                              frontend.get("image"), frontend.get("resources", {}), _placement(frontend)),
-            experts=parsed_experts, offload=offload,
-            gpu_hour_price=float(_get(_section(spec, "cost"), "gpuHourPrice", "cost")),
+            model_uri=model["uri"], source=ModelSource.parse(model["uri"]), dtype=model["dtype"],
+            layout=Layout(tuple(layout["moeLayers"]), layout["expertsPerLayer"], layout["expertBytes"]),
+            mode=s["mode"],
+            frontend=Frontend(frontend["replicas"], frontend["gpus"], frontend.get("image"), frontend["resources"],
+                              _placement(frontend["placement"])),
+            experts=Experts(
+                runtime=experts["runtime"], image=experts.get("image"), bundle_bytes=experts["bundleBytes"],
+                gpus=experts["gpus"],
+                sharing=GpuSharing(sharing["mode"], sharing["resourceName"], sharing["functionOverhead"],
+                                   sharing["deviceClassName"], sharing["draStrategy"]),
+                resources=experts["resources"],
+                scaling=Scaling(scaling["cvThreshold"], scaling.get("layerMemoryCap"), scaling["predictionDistance"],
+                                parse_duration(scaling["keepAlive"], "spec.experts.scaling.keepAlive"),
+                                scaling["keepAlive"], scaling["maxReplicasPerExpert"]),
+                placement=_placement(experts["placement"]),
+                knative=Knative(knative["progressDeadline"], knative["containerConcurrency"])),
+            offload=Offload(s["offload"]["gpuMemoryBudget"], s["offload"]["predictor"]) if "offload" in s else None,
+            gpu_hour_price=s["cost"]["gpuHourPrice"],
         )
 
 
@@ -298,30 +187,5 @@ def _bundles(layout: Layout, bundle_bytes: int) -> tuple[Bundle, ...]:
     return tuple(bundles_by_bytes(layout.moe_layers, layout.experts_per_layer, layout.expert_bytes, bundle_bytes))
 
 
-def _section(parent: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    return parent.get(key) or {}
-
-
-def _get(section: Mapping[str, Any], key: str, path: str = "") -> Any:
-    return section[key] if key in section else DEFAULTS[f"{path}.{key}" if path else key]
-
-
-def _sharing(raw: Mapping[str, Any]) -> GpuSharing:
-    path = "experts.gpuSharing"
-    sharing = GpuSharing(
-        mode=_get(raw, "mode", path), resource_name=_get(raw, "resourceName", path),
-        function_overhead=parse_bytes(_get(raw, "functionOverhead", path), "spec.experts.gpuSharing.functionOverhead"),
-        device_class=_get(raw, "deviceClassName", path), strategy=_get(raw, "draStrategy", path))
-    if sharing.mode not in SHARING_MODES:
-        raise SpecError(f"spec.experts.gpuSharing.mode {sharing.mode!r}: choose one of {', '.join(SHARING_MODES)}")
-    if sharing.strategy not in DRA_STRATEGIES:
-        raise SpecError(f"spec.experts.gpuSharing.draStrategy {sharing.strategy!r}: choose TimeSlicing or MPS")
-    if not re.fullmatch(RESOURCE_NAME_PATTERN, sharing.resource_name):
-        raise SpecError(f"spec.experts.gpuSharing.resourceName {sharing.resource_name!r}: write the extended resource "
-                        "the device plugin advertises, e.g. nvidia.com/gpu or nvidia.com/gpu.shared")
-    return sharing
-
-
-def _placement(section: Mapping[str, Any]) -> Placement:
-    raw = _section(section, "placement")
+def _placement(raw: Mapping[str, Any]) -> Placement:
     return Placement(dict(raw.get("nodeSelector", {})), tuple(raw.get("tolerations", ())))

@@ -173,5 +173,5 @@ def test_scaling_obeys_the_spec_caps(f):
     # 128 MiB experts, two a bundle: a 1 GiB layer cap holds 4 bundle replicas, 2 of them the layer's own.
     memory = plan(spec_of(f, experts={"scaling": {"layerMemoryCap": "1Gi"}}), skewed, f.gpu_nodes(2), None, NOW)
     assert len(memory.nodes["l0-e0-1"]) == 3 and len(memory.nodes["l0-e2-3"]) == 1
-    loose = plan(spec_of(f, experts={"scaling": {"cvThreshold": 5.0}}), skewed, f.gpu_nodes(2), None, NOW)
+    loose = plan(spec_of(f, experts={"scaling": {"cvThreshold": 1.0}}), skewed, f.gpu_nodes(2), None, NOW)
     assert loose.replicas == 4

@@ -195,3 +195,36 @@ def test_unplaced_replicas_leave_the_model_ready_and_say_so(f):
     for kind in (c.READY, c.EXPERTS_READY, c.PLAN_APPLIED):
         assert (found[kind]["status"], found[kind]["reason"]) == ("True", c.REPLICAS_UNPLACED), found[kind]
     assert "1 scaled-out replicas fit on no GPU" in found[c.READY]["message"]
+
+
+class Frontends:
+    """A LoadSource: what the frontends of a deployment report, or an API error listing their pods."""
+
+    def __init__(self, answers):
+        self.answers, self.asked = list(answers), []
+
+    def fetch(self, deployment):
+        self.asked.append(deployment)
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def test_the_timer_plans_with_fresh_loads_and_keeps_the_last_ones_when_none_come(f, monkeypatch):
+    from kubemoe.operator.kube import ApiError
+    from kubemoe.operator.spec import MoESpec
+
+    body, kube, clock, reconciler = setup(f)
+    parsed = []
+    parse = MoESpec.parse
+    monkeypatch.setattr(MoESpec, "parse", classmethod(lambda cls, spec: parsed.append(spec) or parse(spec)))
+    source = Frontends([SKEWED, None, ApiError(403, "pods is forbidden")])
+    first = reconciler.reconcile(body, None, source=source)
+    assert first.loads is SKEWED and first.plan.replicas > 4 and first.loads_error is None
+    assert len(parsed) == 1 and source.asked[0].name == "tiny"  # one parse, and the loads asked with it
+    silent = reconciler.reconcile(body, first.loads, source=source)  # no frontend answered
+    assert silent.loads is SKEWED and silent.plan.replicas == first.plan.replicas
+    refused = reconciler.reconcile(body, silent.loads, source=source)
+    assert refused.loads is SKEWED and "pods is forbidden" in refused.loads_error
+    assert len(parsed) == 3

@@ -1,12 +1,12 @@
 import pytest
 
-from kubemoe.operator.spec import DEFAULTS, MoESpec, ModelSource, SpecError, parse_bytes, parse_duration
+from kubemoe.operator.spec import MoESpec, ModelSource, SpecError, parse_bytes, parse_duration
 
 
 def test_minimal_spec_gets_the_documented_defaults(f):
     spec = MoESpec.parse({"model": {"uri": "pvc://models/m", "layout": {
         "moeLayers": [0], "expertsPerLayer": 8, "expertBytes": 1024}}})
-    assert spec.mode == DEFAULTS["mode"] and spec.dtype == "bfloat16"
+    assert spec.mode == "distributed" and spec.dtype == "bfloat16"
     assert spec.experts.runtime == "knative" and spec.experts.bundle_bytes == 256 * 2**20
     assert spec.experts.scaling.keep_alive_s == 600 and spec.experts.scaling.max_replicas_per_expert == 8
     assert spec.frontend.replicas == 1 and spec.offload is None and spec.gpu_hour_price == 0.0

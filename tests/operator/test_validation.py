@@ -1,5 +1,7 @@
 """Malformed MoEDeployments are refused by the real API server with a message that says what to fix:
-OpenAPI types and enums by the server's own words, everything else by the CRD's CEL rules."""
+OpenAPI types and enums by the server's own words, everything else by the CRD's CEL rules. The parser,
+made from the same field declarations (operator/fields.py), refuses each of them too, with the CEL
+rule's message where there is one."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-pytestmark = pytest.mark.cluster
+from kubemoe.operator.spec import MoESpec, SpecError
 
 MOED = dict(group="kubemoe.io", version="v1alpha1", plural="moedeployments")
 
@@ -87,6 +89,11 @@ BAD_SPECS = [
 ]
 
 
+# The API server's own words (OpenAPI types, enums, required fields, list bounds): the parser words them its way.
+SERVER_WORDING = ("Invalid value: \"string\"", "supported values", "Required value", "should have at least",
+                  "Duplicate value", "must be of type")
+
+
 @pytest.fixture(scope="module")
 def valid_body(f):
     body = f.moed_body(name="bad")
@@ -98,12 +105,23 @@ def test_the_corpus_is_large_enough():
     assert len(BAD_SPECS) >= 20 and len({case[0] for case in BAD_SPECS}) == len(BAD_SPECS)
 
 
+@pytest.mark.parametrize("case, path, value, message", BAD_SPECS, ids=[c[0] for c in BAD_SPECS])
+def test_the_parser_refuses_every_bad_spec_with_the_crds_message(valid_body, case, path, value, message):
+    MoESpec.parse(valid_body["spec"])
+    with pytest.raises(SpecError) as refused:
+        MoESpec.parse(_set(valid_body, path, value)["spec"])
+    if not any(words in message for words in SERVER_WORDING):
+        assert message in str(refused.value)
+
+
+@pytest.mark.cluster
 def test_the_valid_body_is_accepted(api, chart, namespace, valid_body):
     objects = client.CustomObjectsApi(api)
     created = objects.create_namespaced_custom_object(namespace=namespace, body=valid_body, **MOED)
     assert created["spec"]["experts"]["scaling"]["keepAlive"] == "10m"  # defaults applied by the server
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("keep_alive, runtime", [("1h", "knative"), ("3600s", "knative"), ("24h", "deployment")])
 def test_keepalive_up_to_knatives_cap_or_any_with_deployments_is_accepted(api, chart, namespace, valid_body,
                                                                            keep_alive, runtime):
@@ -112,6 +130,7 @@ def test_keepalive_up_to_knatives_cap_or_any_with_deployments_is_accepted(api, c
     client.CustomObjectsApi(api).create_namespaced_custom_object(namespace=namespace, body=body, **MOED)
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("case, path, value, message", BAD_SPECS, ids=[c[0] for c in BAD_SPECS])
 def test_bad_spec_is_rejected_with_a_message_that_says_what_to_fix(api, chart, namespace, valid_body, case, path,
                                                                    value, message):
@@ -122,7 +141,11 @@ def test_bad_spec_is_rejected_with_a_message_that_says_what_to_fix(api, chart, n
     assert message in rejected.value.body.replace('\\"', '"'), rejected.value.body
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "phi-3.5-moe", "llama-4-scout", "deepseek-v2-lite", "qwen3-30b-a3b",
                                   "moonlight-16b-a3b"])
-def test_every_sample_is_accepted(api, chart, namespace, f, name):
-    client.CustomObjectsApi(api).create_namespaced_custom_object(namespace=namespace, body=f.sample(name), **MOED)
+def test_every_sample_is_accepted_and_defaulted_as_the_parser_defaults_it(api, chart, namespace, f, name):
+    body = f.sample(name)
+    stored = client.CustomObjectsApi(api).create_namespaced_custom_object(namespace=namespace, body=body, **MOED)
+    assert stored["spec"] != body["spec"]  # the server filled defaults in
+    assert MoESpec.parse(stored["spec"]) == MoESpec.parse(body["spec"])
