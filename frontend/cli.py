@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from kubemoe import offload_env, ports
+from kubemoe import offload_env, pod_args, ports
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.expert_fn.cli import busy_poll_option, shm_dir_option
 from kubemoe.frontend.offload.config import POLICIES
@@ -127,7 +127,7 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
 @click.option("--routing-configmap", metavar="NAMESPACE/NAME", help="ConfigMap holding routing.json (watched).")
 @serving_options
 @click.option("--model", default="", help="Model id clients send (default: the checkpoint folder's name).")
-@click.option("--name", default="", envvar="KUBEMOE_FRONTEND_NAME",
+@click.option("--name", default="", envvar=pod_args.FRONTEND_NAME_ENV,
               help="This frontend's name in load reports (default: the host name).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's).")

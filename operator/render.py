@@ -19,6 +19,7 @@ import re
 from typing import Any, Iterable, Mapping
 
 from kubemoe import offload_env, ports
+from kubemoe.pod_args import ExpertFnArgs, FrontendArgs
 from kubemoe.bundles import Bundle
 from google.protobuf import json_format
 
@@ -143,18 +144,15 @@ def _frontend(deployment: MoEDeployment, plan: Plan, config: OperatorConfig) -> 
     meta = {"name": name, "labels": labels(deployment, FRONTEND)}
     match = {INSTANCE: deployment.name, COMPONENT: FRONTEND}
     routing = routing_configmap_name(deployment)
-    args = ["frontend", "--checkpoint", checkpoint_path(spec), "--routing-configmap",
-            f"{deployment.namespace}/{routing}", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
-            "--grpc-port", str(GRPC_PORT), "--model", deployment.name, "--dtype", spec.dtype,
-            # The predictor's d: at layer l the frontend predicts layer l+d's loads for /loads and the split.
-            "--prediction-distance", str(spec.experts.scaling.prediction_distance)]
+    args = FrontendArgs(checkpoint=checkpoint_path(spec), routing_configmap=f"{deployment.namespace}/{routing}",
+                        model=deployment.name, dtype=spec.dtype,
+                        prediction_distance=spec.experts.scaling.prediction_distance)
     # The mode and the offload settings, as `kubemoe frontend` reads them (kubemoe/offload_env.py).
-    env = [{"name": "KUBEMOE_FRONTEND_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-           *offload_env.render(plan.mode, spec.offload.gpu_memory_budget if spec.offload else None,
-                               spec.offload.predictor if spec.offload else None)]
+    env = [*args.env(), *offload_env.render(plan.mode, spec.offload.gpu_memory_budget if spec.offload else None,
+                                            spec.offload.predictor if spec.offload else None)]
     container = {
-        "name": FRONTEND, "image": spec.frontend.image or config.frontend_image, "args": args, "env": env,
-        "ports": [{"name": "http", "containerPort": HTTP_PORT}, {"name": "grpc", "containerPort": GRPC_PORT}],
+        "name": FRONTEND, "image": spec.frontend.image or config.frontend_image, "args": args.args(), "env": env,
+        "ports": [{"name": "http", "containerPort": args.port}, {"name": "grpc", "containerPort": args.grpc_port}],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 20,
                           "failureThreshold": 6},
@@ -235,19 +233,13 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
     if retired is not None:
         annotations[RETIRED_ANNOTATION] = f"{retired.since:.0f}"
     meta = {"name": name, "labels": pod_labels, "annotations": annotations}
+    args = ExpertFnArgs(checkpoint=checkpoint_path(spec), bundle=bundle.spec(), model=deployment.name,
+                        dtype=spec.dtype, routing_configmap=f"{deployment.namespace}/{routing_configmap_name(deployment)}",
+                        address=expert_address(deployment, bundle_name, site),
+                        drop_after=int(spec.experts.scaling.keep_alive_s))
     container = {
-        "name": "expert-fn", "image": spec.experts.image or config.expert_image,
-        "args": ["expert-fn", "--checkpoint", checkpoint_path(spec), "--bundle", bundle.spec(),
-                 "--port", str(EXPERT_PORT), "--metrics-port", str(METRICS_PORT), "--model", deployment.name,
-                 "--dtype", spec.dtype, "--data-port", str(ports.EXPERT_DATA), "--data-host", "$(POD_IP)",
-                 # Experts the routing table hosts here in place (plan.py) are loaded and dropped by the
-                 # function itself; one the table stops naming stays warm for keepAlive.
-                 "--routing-configmap", f"{deployment.namespace}/{routing_configmap_name(deployment)}",
-                 "--address", expert_address(deployment, bundle_name, site),
-                 "--drop-after", str(int(spec.experts.scaling.keep_alive_s))],
-        # Frontends on other nodes connect TCP lanes straight to this pod (expert_fn/frames.py).
-        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-        "ports": [{"name": "h2c", "containerPort": EXPERT_PORT}],
+        "name": "expert-fn", "image": spec.experts.image or config.expert_image, "args": args.args(),
+        "env": args.env(), "ports": [{"name": "h2c", "containerPort": args.port}],
         **_gpu_share(spec, bundle),
     }
     tolerations = spec.experts.placement.tolerations
@@ -269,7 +261,7 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
         pod["containerConcurrency"] = spec.experts.knative.container_concurrency
         return [{"apiVersion": KNATIVE[0], "kind": KNATIVE[1], "metadata": meta, "spec": {"template": {
             "metadata": {"labels": pod_labels, "annotations": template_annotations}, "spec": pod}}}]
-    container["readinessProbe"] = {"grpc": {"port": EXPERT_PORT}, "periodSeconds": 5}
+    container["readinessProbe"] = {"grpc": {"port": args.port}, "periodSeconds": 5}
     match = {INSTANCE: deployment.name, COMPONENT: EXPERT, BUNDLE_LABEL: bundle_name, NODE_LABEL: node_hash(site)}
     return [
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": {

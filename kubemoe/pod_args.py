@@ -1,0 +1,79 @@
+"""The command lines of kubemoe's pods, defined once: the operator renders them into the expert-function
+and frontend containers, and `kubemoe expert-fn` / `kubemoe frontend` parse them.
+
+Each field is the click parameter of the same name in the command (flag `--field-name`), so the two
+sides cannot name an argument differently: tests/unit/test_pod_args.py parses every command line built
+here with the real commands, and tests/operator/test_rendered_pods_cluster.py starts the processes the
+operator rendered on a control plane and serves a request through them. The ports come from
+`kubemoe/ports.py`, the offload settings travel as environment (`kubemoe/offload_env.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+from kubemoe import ports
+
+# Environment the pods get from the downward API (the kubelet resolves them; $(NAME) in args expands them).
+POD_IP_ENV = "POD_IP"
+FRONTEND_NAME_ENV = "KUBEMOE_FRONTEND_NAME"  # `kubemoe frontend --name`'s envvar: its name in load reports
+
+
+def field_ref(name: str, field_path: str) -> dict:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
+
+
+def _flags(args) -> list[str]:
+    return [item for f in fields(args) for item in (f"--{f.name.replace('_', '-')}", str(getattr(args, f.name)))]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertFnArgs:
+    """`kubemoe expert-fn` in an expert-function pod."""
+
+    command: ClassVar[str] = "expert-fn"
+    checkpoint: str
+    bundle: str                  # LAYER:EXPERTS[;...] (kubemoe.bundles.Bundle.spec())
+    port: int = ports.EXPERT_GRPC
+    metrics_port: int = ports.EXPERT_METRICS
+    model: str
+    dtype: str
+    # Frontends on other nodes connect TCP lanes straight to this pod (expert_fn/frames.py), at its IP.
+    data_port: int = ports.EXPERT_DATA
+    data_host: str = f"$({POD_IP_ENV})"
+    # Experts the routing table hosts here in place (operator/plan.py) are loaded and dropped by the
+    # function itself; one the table stops naming stays warm for drop_after seconds (the keepAlive).
+    routing_configmap: str       # NAMESPACE/NAME of the routing table, watched through the API server
+    address: str                 # how the routing table names this function
+    drop_after: int
+
+    def args(self) -> list[str]:
+        return [self.command, *_flags(self)]
+
+    @staticmethod
+    def env() -> list[dict]:
+        return [field_ref(POD_IP_ENV, "status.podIP")]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontendArgs:
+    """`kubemoe frontend` in a frontend pod (its mode and offload settings: `offload_env.render`)."""
+
+    command: ClassVar[str] = "frontend"
+    checkpoint: str
+    routing_configmap: str       # NAMESPACE/NAME of the routing table, watched through the API server
+    host: str = "0.0.0.0"
+    port: int = ports.FRONTEND_HTTP
+    grpc_port: int = ports.FRONTEND_GRPC
+    model: str
+    dtype: str
+    # The predictor's d: at layer l the frontend predicts layer l+d's loads for /loads and the split.
+    prediction_distance: int
+
+    def args(self) -> list[str]:
+        return [self.command, *_flags(self)]
+
+    @staticmethod
+    def env() -> list[dict]:
+        return [field_ref(FRONTEND_NAME_ENV, "metadata.name")]

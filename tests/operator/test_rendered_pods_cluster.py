@@ -1,0 +1,310 @@
+"""Rendered objects run as rendered: the frontend and expert-function containers the operator created on
+the control plane are started as local `kubemoe` processes with exactly their rendered arguments and
+environment, and a completion is served through them.
+
+What the kubelet and the cluster network would do, done here on one machine:
+- command: the image's ENTRYPOINT (`kubemoe`, Dockerfile) with the container's args; env as the kubelet
+  builds it (`value` with $(VAR) expanded from the entries before it, `fieldRef` from the pod: its name,
+  namespace, and an IP of its own, 127.0.0.x); $(VAR) in args expanded from that env.
+- volumes: every mountPath in an argument or env value is mapped to a folder (the hostPath model volume
+  to a generated tiny checkpoint, emptyDirs to fresh folders). A pod's /dev/shm is its own, not the
+  node's: each process gets `--shm-dir` of a folder of its own (the default, /dev/shm, would let them
+  share memory no two pods share), so tensors travel the TCP lanes the rendered --data-port and
+  --data-host $(POD_IP) offer.
+- ports: every pod binds the rendered ports (8080, 9095, 9096; 8000, 50051) on all addresses, so two
+  expert functions would collide on one machine: the values of the port flags (and nothing else) are
+  mapped to free ports, and every container port must be among them.
+- cluster DNS and Services: the frontend dials the routing table's addresses
+  (<service>.<namespace>.svc.cluster.local:<port>) through an HTTP CONNECT proxy (gRPC's grpc_proxy),
+  which sends each address where the rendered Service (or Knative Service) routes it: its targetPort,
+  by name, to the container port, that is to the mapped port of the pod's process.
+- the frontend's ServiceAccount token: a kubeconfig with a token of the rendered ServiceAccount, so the
+  rendered Role is what lets it watch the routing ConfigMap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from kubemoe.adapters import MoEAdapter
+from kubemoe.checkpoint import Checkpoint
+from kubemoe.devcluster import ClusterError, wait_for
+from kubemoe.net import free_port
+from kubemoe.pod_args import ExpertFnArgs, FrontendArgs
+
+pytestmark = pytest.mark.cluster
+
+MOED = dict(group="kubemoe.io", version="v1alpha1", plural="moedeployments")
+KSVC = dict(group="serving.knative.dev", version="v1", plural="services")
+HOSTPATH = "/models/tiny"  # the spec's model; the test maps it to the generated checkpoint
+PORT_FLAGS = {f"--{f.name.replace('_', '-')}" for args in (ExpertFnArgs, FrontendArgs) for f in fields(args)
+              if f.name.endswith("port")}
+ENTRYPOINT = ["kubemoe"]  # of the frontend and expert-fn images (Dockerfile)
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion: defined variables are replaced, $$ is a literal $, the rest stays."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
+class ServiceNetwork:
+    """Cluster DNS and Services for local processes: an HTTP CONNECT proxy that sends
+    `<host>:<port>` to the local port `routes` names, and remembers what was dialled."""
+
+    def __init__(self):
+        self.routes: dict[tuple[str, int], int] = {}
+        self.dialled: list[str] = []
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._connect, args=(conn,), daemon=True).start()
+
+    def _connect(self, conn: socket.socket) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = conn.recv(4096)
+            if not chunk:
+                return conn.close()
+            head += chunk
+        target = head.split()[1].decode()
+        self.dialled.append(target)
+        host, _, port = target.rpartition(":")
+        local = self.routes.get((host, int(port)))
+        if local is None:  # no such Service: what a cluster's DNS would answer
+            conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\n\r\n")
+            return conn.close()
+        upstream = socket.create_connection(("127.0.0.1", local))
+        conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n" + head.partition(b"\r\n\r\n")[2])
+        for a, b in ((conn, upstream), (upstream, conn)):
+            threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class Pod:
+    """One rendered pod's only container, run as a local process the way the kubelet would run it."""
+
+    def __init__(self, name: str, namespace: str, ip: str, pod_spec: dict, folder: Path, checkpoint: Path,
+                 extra_env: dict[str, str] | None = None):
+        self.name, self.folder = name, folder
+        folder.mkdir(parents=True)
+        (container,) = pod_spec["containers"]  # one container (Knative allows no more)
+        assert "command" not in container, "the image's ENTRYPOINT runs: kubemoe"
+        self.container = container
+        self.mounts = self._mounts(pod_spec, container, checkpoint)
+        fields_of_pod = {"metadata.name": name, "metadata.namespace": namespace, "status.podIP": ip}
+        env: dict[str, str] = {}
+        for entry in container.get("env", []):
+            if "valueFrom" in entry:
+                env[entry["name"]] = fields_of_pod[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+            else:
+                env[entry["name"]] = self._local(expand(entry["value"], env))
+        self.env = env
+        args = [self._local(expand(a, env)) for a in container["args"]]
+        # Ports: the value after each port flag, mapped to a free port.
+        self.ports: dict[int, int] = {}
+        for i, arg in enumerate(args[:-1]):
+            if arg in PORT_FLAGS:
+                rendered = int(args[i + 1])
+                self.ports[rendered] = free_port()
+                args[i + 1] = str(self.ports[rendered])
+        for port in container.get("ports", []):
+            assert port["containerPort"] in self.ports, f"container port {port} is not among the ports the args bind"
+        self.args = args + ["--shm-dir", str(self._shm())]
+        self.process_env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+                            **env, **(extra_env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def _mounts(self, pod_spec: dict, container: dict, checkpoint: Path) -> dict[str, Path]:
+        volumes = {v["name"]: v for v in pod_spec["volumes"]}
+        mounts = {}
+        for mount in container["volumeMounts"]:
+            volume = volumes[mount["name"]]
+            if "hostPath" in volume:
+                assert volume["hostPath"]["path"] == HOSTPATH
+                mounts[mount["mountPath"]] = checkpoint
+            else:
+                assert "emptyDir" in volume, volume
+                mounts[mount["mountPath"]] = self.folder / mount["name"]
+                mounts[mount["mountPath"]].mkdir()
+        return mounts
+
+    def _local(self, text: str) -> str:
+        for path in sorted(self.mounts, key=len, reverse=True):
+            if text == path or text.startswith(path + "/"):
+                return str(self.mounts[path]) + text[len(path):]
+        return text
+
+    def _shm(self) -> Path:
+        shm = self.folder / "dev-shm"
+        shm.mkdir()
+        return shm
+
+    def port(self, name: str) -> int:
+        """The local port of a container port, by its name."""
+        return self.ports[next(p["containerPort"] for p in self.container["ports"] if p["name"] == name)]
+
+    def start(self) -> "Pod":
+        with open(self.folder / "log", "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kubemoe.cli", *self.args], env=self.process_env,
+                                         cwd=self.folder, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def log(self, lines: int = 30) -> str:
+        text = (self.folder / "log").read_text(errors="replace") if (self.folder / "log").exists() else ""
+        return f"--- {self.name}: " + "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def layout_of(checkpoint: Path) -> dict:
+    adapter = MoEAdapter(Checkpoint(checkpoint).config)
+    import torch
+    return {"moeLayers": list(adapter.moe_layers), "expertsPerLayer": adapter.num_experts,
+            "expertBytes": adapter.expert_bytes(torch.float32)}
+
+
+def http(url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, str]:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url, data=json.dumps(body).encode() if body else None,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_the_dockerfiles_serving_images_run_kubemoe(f):
+    dockerfile = (f.repo / "Dockerfile").read_text()
+    for stage in ("frontend", "expert-fn", "frontend-cpu", "expert-fn-cpu"):
+        section = dockerfile.split(f" AS {stage}\n")[1].split("\nFROM ")[0]
+        assert f"ENTRYPOINT {json.dumps(ENTRYPOINT)}" in section, stage
+
+
+@pytest.mark.parametrize("runtime", ["deployment", "knative"])
+def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, api, operator, namespace, f,
+                                                                        tiny_checkpoint, tmp_path, runtime):
+    checkpoint = tiny_checkpoint("mixtral")
+    layout = layout_of(checkpoint)
+    layer_bytes = layout["expertsPerLayer"] * layout["expertBytes"]  # one bundle per MoE layer
+    body = f.moed_body(name="run", namespace=namespace, model={"uri": f"hostpath://{HOSTPATH}", "dtype": "float32",
+                                                                "layout": layout},
+                       frontend={"replicas": 1, "gpus": 0}, experts={"runtime": runtime, "bundleBytes": layer_bytes})
+    del body["metadata"]["uid"], body["metadata"]["generation"]
+    f.apply(cluster, body)
+    objects = client.CustomObjectsApi(api)
+    f.wait(lambda: any(c["type"] == "PlanApplied" and c["status"] == "True" for c in (
+        objects.get_namespaced_custom_object(namespace=namespace, name="run", **MOED).get("status") or {}).get(
+        "conditions", [])), 60, "PlanApplied=True", operator)
+
+    # What the operator created: the frontend Deployment, one expert service per bundle, and their Services.
+    selector = "app.kubernetes.io/instance=run,app.kubernetes.io/managed-by=kubemoe-operator"
+    apps, core = client.AppsV1Api(api), client.CoreV1Api(api)
+    deployments = {d["metadata"]["name"]: d for d in (
+        api.sanitize_for_serialization(x) for x in apps.list_namespaced_deployment(namespace, label_selector=selector).items)}
+    frontend = deployments.pop("run-frontend")
+    if runtime == "knative":
+        experts = objects.list_namespaced_custom_object(namespace=namespace, label_selector=selector, **KSVC)["items"]
+        assert not deployments
+    else:
+        experts = list(deployments.values())
+    assert len(experts) == len(layout["moeLayers"])
+    services = [api.sanitize_for_serialization(s) for s in
+                core.list_namespaced_service(namespace, label_selector=selector).items]
+
+    network = ServiceNetwork()
+    pods: list[Pod] = []
+    try:
+        for i, expert in enumerate(experts):
+            pods.append(Pod(f"{expert['metadata']['name']}-0", namespace, f"127.0.0.{10 + i}",
+                            expert["spec"]["template"]["spec"], tmp_path / f"expert-{i}", checkpoint).start())
+            # Knative's cluster-local address (port 80) reaches the pod's only container port; a Service
+            # reaches the container port its targetPort names.
+            name = expert["metadata"]["name"]
+            if runtime == "knative":
+                network.routes[(f"{name}.{namespace}.svc.cluster.local", 80)] = pods[-1].port("h2c")
+            else:
+                service = next(s for s in services if s["metadata"]["name"] == name)
+                for port in service["spec"]["ports"]:
+                    network.routes[(f"{name}.{namespace}.svc.cluster.local", port["port"])] = pods[-1].port(
+                        port["targetPort"])
+        pod_spec = frontend["spec"]["template"]["spec"]
+        kubeconfig = f.service_account_kubeconfig(cluster, pod_spec["serviceAccountName"], namespace,
+                                                  tmp_path / "frontend-kubeconfig")
+        pods.append(Pod("run-frontend-0", namespace, "127.0.0.2", pod_spec, tmp_path / "frontend", checkpoint,
+                        extra_env={"KUBECONFIG": str(kubeconfig), "grpc_proxy": network.url}).start())
+        front = pods[-1]
+        url = f"http://127.0.0.1:{front.port('http')}"
+
+        def ready():
+            for pod in pods:
+                if pod.proc.poll() is not None:  # waiting longer cannot help
+                    raise ClusterError(f"{pod.name} exited with {pod.proc.returncode}\n{pod.log()}")
+            return http(f"{url}/readyz", timeout=5)[0] == 200
+        wait_for(ready, 180, "the frontend to be ready", detail=lambda: "\n".join(p.log() for p in pods))
+
+        status, text = http(f"{url}/v1/completions", {"model": "run", "prompt": "Hello", "max_tokens": 4,
+                                                       "temperature": 0})
+        assert status == 200, text
+        completion = json.loads(text)
+        assert completion["model"] == "run" and completion["usage"]["completion_tokens"] >= 1
+
+        # The request went through every expert function, at the routing table's addresses, over TCP lanes.
+        table = json.loads(core.read_namespaced_config_map("run-routing", namespace).data["routing.json"])
+        addresses = {e["address"] for r in table["routes"] for e in r["endpoints"]}
+        assert set(network.dialled) == addresses
+        for pod in pods[:-1]:
+            _, metrics = http(f"http://127.0.0.1:{pod.ports[ExpertFnArgs.metrics_port]}/metrics")
+            tokens = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                         if line.startswith("kubemoe_expert_fn_tokens_total"))
+            assert tokens > 0, metrics[:2000]
+            assert "no shared memory with a client" in pod.log(200)  # its own /dev/shm: the TCP lane it is
+        assert "travel inline" not in front.log(400)
+    finally:
+        for pod in reversed(pods):
+            pod.stop()
+        network.close()
