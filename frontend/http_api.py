@@ -22,12 +22,12 @@ from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kubemoe.frontend.app import NOT_READY
+from kubemoe.load_report import PROTOBUF
 from kubemoe.frontend.engine import Delta, InvalidPrompt, PromptTooLong, QueueFull
 from kubemoe.frontend.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-PROTOBUF = "application/x-protobuf"
 # OpenAI parameters this server does not implement: accepted only at a value that changes nothing.
 NO_OP_VALUES = {
     "n": (None, 1), "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),

@@ -15,6 +15,9 @@ from google.protobuf import json_format
 from kubemoe.proto import kubemoe_pb2 as pb
 
 ExpertKey = tuple[int, int]  # (layer, expert)
+# What /loads answers in when asked for it (Accept): the binary LoadReport, ~50x faster to parse than its
+# JSON, which for a DeepSeek-V3-sized model (58 x 256 experts) is 1.7 MB per frontend and window.
+PROTOBUF = "application/x-protobuf"
 
 
 class LoadReportError(ValueError):

@@ -64,10 +64,14 @@ class Kube:
             method=method, resource_path=url, header_params=headers, body=body, auth_settings=["BearerToken"])
         response = self.api.call_api(method, full_url, header_params=headers, body=payload)
         response.read()
-        data = json.loads(response.data or b"{}")
         if response.status >= 300:
-            raise ApiError(response.status, data.get("message", response.data.decode(errors="replace")))
-        return data
+            # A Status object, or plain text: a group the server does not serve (no Knative) is "404 page not found".
+            try:
+                message = json.loads(response.data).get("message")
+            except (ValueError, AttributeError):
+                message = None
+            raise ApiError(response.status, message or response.data.decode(errors="replace").strip())
+        return json.loads(response.data or b"{}")
 
     def apply(self, obj: Mapping[str, Any], force: bool = True) -> dict[str, Any]:
         """Server-side apply: the operator owns every field it renders, and only those."""

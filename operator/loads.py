@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Protocol
 
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
-from kubemoe.load_report import expert_rate
+from kubemoe.load_report import PROTOBUF, expert_rate
 from kubemoe.operator.kube import Kube
 from kubemoe.operator.plan import Loads
 from kubemoe.operator.render import FRONTEND, selector
@@ -65,8 +66,12 @@ class FrontendLoads:
     def _report(self, ip: str) -> pb.LoadReport | None:
         url = f"http://{ip}:{self.port}/loads"
         try:
-            with self._opener.open(url, timeout=self.timeout_s) as response:
-                return json_format.Parse(response.read(), pb.LoadReport(), ignore_unknown_fields=True)
-        except (OSError, json_format.ParseError) as e:  # one silent frontend must not stop planning
+            with self._opener.open(urllib.request.Request(url, headers={"Accept": PROTOBUF}),
+                                   timeout=self.timeout_s) as response:
+                body = response.read()
+                if response.headers.get_content_type() == PROTOBUF:
+                    return pb.LoadReport.FromString(body)
+                return json_format.Parse(body, pb.LoadReport(), ignore_unknown_fields=True)  # an older frontend
+        except (OSError, json_format.ParseError, DecodeError) as e:  # one silent frontend must not stop planning
             log.info("no loads from %s: %s", url, e)
             return None

@@ -67,7 +67,6 @@ class GpuSharing:
             return None
         return "nvidia.com/gpu.shared" if self.rename and self.strategy != "none" else "nvidia.com/gpu"
 KNATIVE_NAMESPACE = "knative-serving"
-SERVICE_CIDR = "10.0.0.0/24"  # allocation only: no proxy runs, so nothing routes to these addresses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +84,14 @@ class ClusterConfig:
     knative_crds: bool = True      # Knative Serving's CRDs and the knative-serving namespace
     data_dir: Path | None = None   # default: a fresh temp dir, removed by stop()
     apiserver_args: tuple[str, ...] = ()
+    controller_manager_args: tuple[str, ...] = ()  # e.g. client QPS for clusters of thousands of objects
+    scheduler_args: tuple[str, ...] = ()
     # kwok gives fake pods IPs from this range. Loopback, so that code under test that dials a pod IP
     # stays on this machine (connection refused) instead of sending packets into a private network.
     # The price: EndpointSlices may not hold loopback addresses, so Services get no endpoints.
     pod_cidr: str = "127.128.0.1/16"
+    # ClusterIPs: allocation only (no proxy runs, so nothing routes to them); a /24 holds 254 Services.
+    service_cidr: str = "10.0.0.0/24"
     timeout_s: float = 120.0       # per readiness wait
 
 
@@ -233,13 +236,14 @@ class Cluster:
         if cfg.scheduler:
             health["kube-scheduler"] = port = free_port()
             self._spawn("kube-scheduler", kubeconfig, *delegated, "--leader-elect=false",
-                        "--bind-address=127.0.0.1", f"--secure-port={port}")
+                        "--bind-address=127.0.0.1", f"--secure-port={port}", *cfg.scheduler_args)
         if cfg.controller_manager:
             health["kube-controller-manager"] = port = free_port()
             self._spawn("kube-controller-manager", kubeconfig, *delegated, "--leader-elect=false",
                         "--bind-address=127.0.0.1", f"--secure-port={port}",
                         f"--service-account-private-key-file={self.pki.key('sa')}",
-                        f"--root-ca-file={self.pki.ca_cert}", "--use-service-account-credentials=false")
+                        f"--root-ca-file={self.pki.ca_cert}", "--use-service-account-credentials=false",
+                        *cfg.controller_manager_args)
         crds = []
         if cfg.kwok:
             crds.append(self.testbin.kwok_manifests / "kwok.x-k8s.io_stages.yaml")
@@ -338,7 +342,7 @@ class Cluster:
             f"--service-account-key-file={pki.dir / 'sa.pub'}",
             f"--service-account-signing-key-file={pki.key('sa')}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--service-cluster-ip-range={self.config.service_cidr}",
             "--allow-privileged=true",
             # The `kubernetes` Service would point at 127.0.0.1, which Endpoints may not hold.
             "--endpoint-reconciler-type=none",
@@ -383,6 +387,17 @@ class Cluster:
     def write_kubeconfig(self, path: Path | str) -> Path:
         """Copy the admin kubeconfig (certificates embedded) to `path`."""
         self._write_kubeconfig(Path(path))
+        return Path(path)
+
+    def service_account_kubeconfig(self, service_account: str, namespace: str, path: Path | str) -> Path:
+        """A kubeconfig at `path` that authenticates as a ServiceAccount (what a pod's mounted token gives it),
+        so that its RBAC is what a process using it is allowed."""
+        token = self.kubectl("create", "token", service_account, f"--namespace={namespace}",
+                             "--duration=2h").stdout.strip()
+        config = json.loads(self.kubeconfig.read_text())
+        config["users"] = [{"name": service_account, "user": {"token": token}}]
+        config["contexts"][0]["context"]["user"] = service_account
+        Path(path).write_text(json.dumps(config))
         return Path(path)
 
     def api_client(self):

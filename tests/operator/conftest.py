@@ -112,21 +112,10 @@ class OperatorProcess:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
 
 
-def service_account_kubeconfig(cluster, service_account: str, namespace: str, path: Path) -> Path:
-    """A kubeconfig that authenticates as a ServiceAccount (what a pod's mounted token gives it)."""
-    token = cluster.kubectl("create", "token", service_account, f"--namespace={namespace}",
-                            "--duration=2h").stdout.strip()
-    config = json.loads(cluster.kubeconfig.read_text())
-    config["users"] = [{"name": service_account, "user": {"token": token}}]
-    config["contexts"][0]["context"]["user"] = service_account
-    path.write_text(json.dumps(config))
-    return path
-
-
 def start_operator(cluster, folder: Path) -> OperatorProcess:
     """The operator process on `cluster` (chart installed) with the chart's ServiceAccount token."""
     sa = f"{RELEASE}"  # the chart's fullname when the release is named like the chart
-    kubeconfig = service_account_kubeconfig(cluster, sa, SYSTEM_NAMESPACE, folder / "kubeconfig")
+    kubeconfig = cluster.service_account_kubeconfig(sa, SYSTEM_NAMESPACE, folder / "kubeconfig")
     return OperatorProcess(cluster, kubeconfig, folder / "operator.log").start()
 
 
@@ -160,7 +149,6 @@ class Factories:
     apply = staticmethod(apply)
     install_chart = staticmethod(install_chart)
     start_operator = staticmethod(start_operator)
-    service_account_kubeconfig = staticmethod(service_account_kubeconfig)
     wait = staticmethod(wait)
     repo = REPO
     chart = CHART

@@ -54,3 +54,31 @@ def test_frontend_loads_pulls_every_running_frontend_and_skips_silent_ones(f):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_frontend_loads_asks_for_the_binary_report_a_frontend_serves(f):
+    from kubemoe.load_report import PROTOBUF
+    sent = report("a", l0e1=2.5, l1e3=7.0)
+    asked = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # as frontend/http_api.py answers /loads
+            asked.append(self.headers.get("Accept", ""))
+            self.send_response(200)
+            self.send_header("Content-Type", PROTOBUF)
+            self.end_headers()
+            self.wfile.write(sent.SerializeToString())
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        pods = [{"status": {"phase": "Running", "podIP": "127.0.0.1"}}]
+        loads = FrontendLoads(FakeKube(pods), server.server_port, timeout_s=1.0).fetch(
+            MoEDeployment.from_body(f.moed_body()))
+        assert asked == [PROTOBUF] and loads.per_expert == {(0, 1): 2.5, (1, 3): 7.0}
+    finally:
+        server.shutdown()
+        server.server_close()

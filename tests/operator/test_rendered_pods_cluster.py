@@ -273,8 +273,8 @@ def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, 
                     network.routes[(f"{name}.{namespace}.svc.cluster.local", port["port"])] = pods[-1].port(
                         port["targetPort"])
         pod_spec = frontend["spec"]["template"]["spec"]
-        kubeconfig = f.service_account_kubeconfig(cluster, pod_spec["serviceAccountName"], namespace,
-                                                  tmp_path / "frontend-kubeconfig")
+        kubeconfig = cluster.service_account_kubeconfig(pod_spec["serviceAccountName"], namespace,
+                                                        tmp_path / "frontend-kubeconfig")
         pods.append(Pod("run-frontend-0", namespace, "127.0.0.2", pod_spec, tmp_path / "frontend", checkpoint,
                         extra_env={"KUBECONFIG": str(kubeconfig), "grpc_proxy": network.url}).start())
         front = pods[-1]
