@@ -1,7 +1,7 @@
 """Operator at scale, through the real operator process: a DeepSeek-V3-sized MoEDeployment on a control plane
 of 1000 fake GPU nodes, from `kubectl apply` to Ready with every pod Ready, and load changes that change the plan.
 
-    python benchmarks/operator_plan.py                  # 1000 nodes (about 6 minutes on 2 cores)
+    python benchmarks/operator_plan.py                  # 1000 nodes (at most ~13 minutes: --timeout per step)
     python benchmarks/operator_plan.py --nodes 100      # another size
 
 The operator runs as in a cluster: the chart installed with helm, `python -m kubemoe.operator.cli` (kopf,
@@ -19,6 +19,9 @@ watches the API (and serves the frontends' /loads on their pods' IPs, which kwok
 
 Ready is written by the operator's reconciles, which run on spec changes and every --interval: the status
 turns Ready at the first tick after the pods are, so `ready_s` - `pods_ready_s` is up to one interval.
+A step that does not converge within --timeout is recorded as far as it got (`timed_out`, `pods_ready`),
+and the steps after it are skipped. `cpu_s` per step: CPU seconds of each process (etcd, kube-apiserver,
+kube-scheduler, kube-controller-manager, kwok, the operator, this benchmark), where the time went.
 """
 
 from __future__ import annotations
@@ -189,7 +192,8 @@ def until(check, timeout_s: float, what: str, interval_s: float = 0.25):
 def converge(watch: Watch, t0: float, version_after: int, timeout_s: float, pids: dict[str, int]) -> dict:
     """Seconds from t0 until the routing table's version passes `version_after`, every pod is Ready,
     and the status is Ready for that plan (the retired replicas gone); and the CPU seconds each process
-    of the control plane, the operator and this one spent meanwhile (where the time goes)."""
+    of the control plane, the operator and this one spent meanwhile (where the time goes). A step that
+    does not finish within `timeout_s` says which and how far it got."""
     marks: dict = {}
     cpu_before = cpu_seconds(pids)
 
@@ -199,14 +203,12 @@ def converge(watch: Watch, t0: float, version_after: int, timeout_s: float, pids
                 "status") == "True":
             marks.setdefault("applied_s", time.monotonic() - t0)
             return status
-    until(plan_applied, timeout_s, "the new plan applied")
 
     def pods_ready():
-        wanted, ready = watch.pods()
-        if wanted and ready >= wanted:
+        marks["pods_wanted"], marks["pods_ready"] = watch.pods()
+        if marks["pods_wanted"] and marks["pods_ready"] >= marks["pods_wanted"]:
             marks.setdefault("pods_ready_s", time.monotonic() - t0)
             return True
-    until(pods_ready, timeout_s, "every pod Ready", interval_s=2.0)  # listing ~650 pods costs the server too
 
     def ready():
         status = watch.moed().get("status") or {}
@@ -214,10 +216,19 @@ def converge(watch: Watch, t0: float, version_after: int, timeout_s: float, pids
             marks["ready_s"] = time.monotonic() - t0
             marks["plan"] = {k: v for k, v in status["plan"].items() if k != "layers"}
             return True
-    until(ready, timeout_s, "status Ready=True")
+
+    deadline = t0 + timeout_s
+    try:
+        until(plan_applied, deadline - time.monotonic(), "the new plan applied")
+        # Listing ~650 pods and Deployments costs the API server too: every 5 s.
+        until(pods_ready, deadline - time.monotonic(), "every pod Ready", interval_s=5.0)
+        until(ready, deadline - time.monotonic(), "status Ready=True")
+    except TimeoutError as e:
+        marks["timed_out"] = str(e)
+        marks["elapsed_s"] = time.monotonic() - t0
+        pods_ready()
     cpu = cpu_seconds(pids)
     marks["cpu_s"] = {name: round(cpu[name] - cpu_before.get(name, 0.0), 1) for name in cpu}
-    marks["pods"] = watch.pods()[1]
     return marks
 
 
@@ -268,6 +279,8 @@ def run(node_count: int, interval_s: float, timeout_s: float) -> dict:
             row["create"] = converge(watch, t0, 0, timeout_s, pids)
             row["create"]["objects"] = counted({}, watch.children())
             print(f"    create: {row['create']}", flush=True)
+            if "timed_out" in row["create"]:
+                return row  # a load change on a plan that never converged measures nothing of its own
 
             ips = [p["status"]["podIP"] for p in kube.list("v1", "Pod", NAMESPACE,
                                                            f"app.kubernetes.io/instance={NAME},"
@@ -281,14 +294,12 @@ def run(node_count: int, interval_s: float, timeout_s: float) -> dict:
                     row[step] = converge(watch, t0, version, timeout_s, pids)
                     row[step]["objects"] = counted(before, watch.children())
                     print(f"    {step}: {row[step]}", flush=True)
+                    if "timed_out" in row[step]:
+                        break
             finally:
                 loads.close()
-        except TimeoutError:
-            log = (Path(tmp) / "operator.log").read_text(errors="replace").splitlines()
-            status = json.dumps((watch.moed().get("status") or {}).get("conditions"), indent=1)
-            print("\n".join(log[-30:]) + f"\nconditions: {status}", file=sys.stderr)
-            raise
         finally:
+            row["conditions"] = (watch.moed().get("status") or {}).get("conditions")
             operator.send_signal(signal.SIGTERM)
             operator.wait(30)
     return row
@@ -297,12 +308,20 @@ def run(node_count: int, interval_s: float, timeout_s: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="*", default=[1000])
-    parser.add_argument("--interval", type=float, default=2.0, help="the operator's loads interval (s)")
-    parser.add_argument("--timeout", type=float, default=240.0, help="per convergence (s)")
+    parser.add_argument("--interval", type=float, default=5.0, help="the operator's loads interval (s)")
+    parser.add_argument("--timeout", type=float, default=240.0, help="per step (s)")
     args = parser.parse_args()
+    load_before = os.getloadavg()  # this machine is shared: what else ran says how much CPU the cluster had
     rows = [run(n, args.interval, args.timeout) for n in args.nodes]
-    flat = [{"nodes": r["nodes"], "plan_ms": r["plan_ms_median"], **{f"{step}_{k}": r[step][k] for step in (
-        "create", "loads", "loads_moved") for k in ("applied_s", "pods_ready_s", "ready_s")}} for r in rows]
+    steps = ("create", "loads", "loads_moved")
+
+    def seconds(row: dict, step: str, key: str) -> float:
+        # A step that timed out took at least its elapsed time; one never reached counts as nan.
+        marks = row.get(step) or {}
+        return marks.get(key, marks.get("elapsed_s", float("nan")) if key == "ready_s" else float("nan"))
+    flat = [{"nodes": r["nodes"], "plan_ms": r["plan_ms_median"],
+             **{f"{step}_{k}": seconds(r, step, k) for step in steps for k in ("applied_s", "pods_ready_s", "ready_s")}}
+            for r in rows]
     print_table(flat, [("nodes", "nodes", "d"), ("plan_ms", "plan ms", ".1f"),
                        ("create_applied_s", "applied s", ".1f"), ("create_pods_ready_s", "pods s", ".1f"),
                        ("create_ready_s", "Ready s", ".1f"), ("loads_ready_s", "loads s", ".1f"),
@@ -311,14 +330,15 @@ def main() -> None:
     goals = {}
     if big:
         goals["plan_ms_1000_nodes"] = Goal(big["plan_ms_median"], "<= 100")
-        goals["converge_s_1000_nodes"] = Goal(max(big[s]["ready_s"] for s in ("create", "loads", "loads_moved")),
-                                              "<= 10")
+        reached = [seconds(big, s, "ready_s") for s in steps if s in big]
+        goals["converge_s_1000_nodes"] = Goal(max(reached), "<= 10")
     path = write_results("operator", torch.device("cpu"), rows, goals, model="DeepSeek-V3 layout (58 x 256, bf16)",
                          runtime="deployment: kube-controller-manager, kube-scheduler and kwok pods",
                          operator="python -m kubemoe.operator.cli (kopf, peering) with the chart's RBAC",
                          converge_means="kubectl apply (or the frontends' new loads) -> status Ready=True with "
                                         "every pod Ready; converge_s_1000_nodes is the slowest of create, loads "
-                                        "and loads_moved")
+                                        "and loads_moved, or the time a step ran before timing out (timed_out)",
+                         load_average_before=load_before, interval_s=args.interval)
     print(f"wrote {path}")
 
 
