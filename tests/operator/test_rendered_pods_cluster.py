@@ -18,8 +18,8 @@ What the kubelet and the cluster network would do, done here on one machine:
   (<service>.<namespace>.svc.cluster.local:<port>) through an HTTP CONNECT proxy (gRPC's grpc_proxy),
   which sends each address where the rendered Service (or Knative Service) routes it: its targetPort,
   by name, to the container port, that is to the mapped port of the pod's process.
-- the frontend's ServiceAccount token: a kubeconfig with a token of the rendered ServiceAccount, so the
-  rendered Role is what lets it watch the routing ConfigMap.
+- a pod's ServiceAccount token: a kubeconfig with a token of the rendered ServiceAccount, so the
+  rendered Role is what lets the frontend and the expert functions watch the routing ConfigMap.
 """
 
 from __future__ import annotations
@@ -259,9 +259,18 @@ def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, 
     network = ServiceNetwork()
     pods: list[Pod] = []
     try:
+        def token(pod_spec: dict) -> dict[str, str]:
+            # The pod's ServiceAccount token, as the kubelet mounts it: what its RBAC lets it read.
+            account = pod_spec.get("serviceAccountName")
+            if not account or pod_spec.get("automountServiceAccountToken") is False:
+                return {}
+            return {"KUBECONFIG": str(cluster.service_account_kubeconfig(account, namespace,
+                                                                         tmp_path / f"kubeconfig-{account}"))}
+
         for i, expert in enumerate(experts):
-            pods.append(Pod(f"{expert['metadata']['name']}-0", namespace, f"127.0.0.{10 + i}",
-                            expert["spec"]["template"]["spec"], tmp_path / f"expert-{i}", checkpoint).start())
+            pod_spec = expert["spec"]["template"]["spec"]
+            pods.append(Pod(f"{expert['metadata']['name']}-0", namespace, f"127.0.0.{10 + i}", pod_spec,
+                            tmp_path / f"expert-{i}", checkpoint, extra_env=token(pod_spec)).start())
             # Knative's cluster-local address (port 80) reaches the pod's only container port; a Service
             # reaches the container port its targetPort names.
             name = expert["metadata"]["name"]
@@ -273,10 +282,9 @@ def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, 
                     network.routes[(f"{name}.{namespace}.svc.cluster.local", port["port"])] = pods[-1].port(
                         port["targetPort"])
         pod_spec = frontend["spec"]["template"]["spec"]
-        kubeconfig = cluster.service_account_kubeconfig(pod_spec["serviceAccountName"], namespace,
-                                                        tmp_path / "frontend-kubeconfig")
+        assert token(pod_spec), "the frontend watches the routing ConfigMap with its ServiceAccount's token"
         pods.append(Pod("run-frontend-0", namespace, "127.0.0.2", pod_spec, tmp_path / "frontend", checkpoint,
-                        extra_env={"KUBECONFIG": str(kubeconfig), "grpc_proxy": network.url}).start())
+                        extra_env={**token(pod_spec), "grpc_proxy": network.url}).start())
         front = pods[-1]
         url = f"http://127.0.0.1:{front.port('http')}"
 
