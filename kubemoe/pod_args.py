@@ -24,12 +24,17 @@ def field_ref(name: str, field_path: str) -> dict:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
 
 
-def _flags(args) -> list[str]:
-    return [item for f in fields(args) for item in (f"--{f.name.replace('_', '-')}", str(getattr(args, f.name)))]
+class _Command:
+    command: ClassVar[str]
+
+    def args(self) -> list[str]:
+        """The container's args: the subcommand, then every field as --field-name VALUE."""
+        return [self.command, *(item for f in fields(self)
+                                for item in (f"--{f.name.replace('_', '-')}", str(getattr(self, f.name))))]
 
 
 @dataclass(frozen=True, kw_only=True)
-class ExpertFnArgs:
+class ExpertFnArgs(_Command):
     """`kubemoe expert-fn` in an expert-function pod."""
 
     command: ClassVar[str] = "expert-fn"
@@ -48,16 +53,13 @@ class ExpertFnArgs:
     address: str                 # how the routing table names this function
     drop_after: int
 
-    def args(self) -> list[str]:
-        return [self.command, *_flags(self)]
-
     @staticmethod
     def env() -> list[dict]:
         return [field_ref(POD_IP_ENV, "status.podIP")]
 
 
 @dataclass(frozen=True, kw_only=True)
-class FrontendArgs:
+class FrontendArgs(_Command):
     """`kubemoe frontend` in a frontend pod (its mode and offload settings: `offload_env.render`)."""
 
     command: ClassVar[str] = "frontend"
@@ -70,9 +72,6 @@ class FrontendArgs:
     dtype: str
     # The predictor's d: at layer l the frontend predicts layer l+d's loads for /loads and the split.
     prediction_distance: int
-
-    def args(self) -> list[str]:
-        return [self.command, *_flags(self)]
 
     @staticmethod
     def env() -> list[dict]:
