@@ -90,6 +90,16 @@ class ExpertServiceServicer:
         at most 64 KiB (requests naming SharedRegions; inline tensors stay on the stream). The lane
         lives as long as the stream: either one ending ends the other, and calls in flight fail as
         UNAVAILABLE.
+
+        The TCP lane, where no shared memory attached (another node or pod): the client may offer
+        `kubemoe-tcp: <arena bytes>:<token>` (32 hex digits), and a server with a data port answers
+        `kubemoe-tcp-lane: [<host>:]<port>` (no host: the one the client dialled). The client connects
+        there, sends the token, and the server answers `attached`. Both sides then hold an arena of that
+        size; requests and replies name SharedRegions of it, and each travels as a frame: u32 message
+        length, u32 payload length (little-endian), the message, then exactly the bytes of the region
+        its hidden names, which the receiver reads into the same region of its arena. A reply
+        overwrites its request's region, as on shared memory. The token serves once; a frame that
+        breaks these rules ends the lane, and with it the stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
