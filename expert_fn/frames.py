@@ -54,6 +54,7 @@ _TOKEN = re.compile(rb"[0-9a-f]{32}")
 # Header, message and the start of a small payload come in one read; a larger payload's rest is
 # read straight into its region.
 _STAGING_BYTES = 128 << 10
+_MAX_PIECES = 512  # buffers per sendmsg, below Linux's IOV_MAX of 1024
 log = logging.getLogger(__name__)
 
 # Where a received message's payload goes: (offset, bytes) in the arena; raises ValueError saying
@@ -205,18 +206,22 @@ class Frames(SocketCarrier):
         self.try_send(message)
 
     def _write(self, pieces: list[memoryview]) -> None:
+        batch = pieces[:_MAX_PIECES]  # sendmsg takes at most IOV_MAX buffers
         try:
-            sent = self.sock.sendmsg(pieces)
+            sent = self.sock.sendmsg(batch)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError as e:
             raise LaneClosed(f"lane broke: {e.strerror}") from None
-        for i, piece in enumerate(pieces):
+        for i, piece in enumerate(batch):
             if sent < len(piece):
                 self._backlog.extend([piece[sent:], *pieces[i + 1:]])
                 self._loop.add_writer(self.sock, self._writable)
                 return
             sent -= len(piece)
+        if len(pieces) > len(batch):
+            self._backlog.extend(pieces[len(batch):])
+            self._loop.add_writer(self.sock, self._writable)
 
     def _writable(self) -> None:
         pieces = list(self._backlog)

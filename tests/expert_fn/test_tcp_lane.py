@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from kubemoe import wire
 from kubemoe.expert_fn.frames import (MAX_MESSAGE_BYTES, TCP_LANE_METADATA_KEY, TCP_METADATA_KEY, lane_address,
+                                      tensor_region,
                                       new_offer)
 from kubemoe.expert_fn.frames import connect as connect_tcp
 from kubemoe.expert_fn.lane import ClientLane
@@ -261,3 +262,34 @@ def test_lane_addresses_default_to_the_dialled_host():
     with pytest.raises(SharedMemoryError):
         lane_address("not-a-port", "x:1")
     assert METADATA_KEY != TCP_METADATA_KEY
+
+
+async def test_frames_queued_faster_than_the_peer_reads_all_arrive_whole_and_in_order():
+    """More frames than one sendmsg may carry (IOV_MAX), queued while the peer does not read, then read."""
+    from kubemoe.expert_fn.frames import Frames
+
+    arena = Segment.private(HEADER_BYTES + (1 << 20))
+    listener = socket.create_server(("127.0.0.1", 0))
+    loop = asyncio.get_running_loop()
+    sender_sock = socket.socket()
+    sender_sock.setblocking(False)
+    await loop.sock_connect(sender_sock, listener.getsockname())
+    receiver_sock, _ = await loop.sock_accept(listener)
+    listener.close()
+    got: list[str] = []
+    sender = Frames(sender_sock, arena, pb.ForwardRequest, lambda m: (0, 0), lambda ms: None, lambda why: None)
+    receiver = Frames(receiver_sock, arena, pb.ForwardRequest, lambda m: tensor_region(m, arena.size),
+                      lambda ms: got.extend(m.request_id for m in ms), lambda why: None)
+    for n in range(3000):
+        req = pb.ForwardRequest(model="m", request_id=str(n), layer=1, experts=[0], counts=[8])
+        wire.describe_shared(req.hidden, torch.float32, [8, H], HEADER_BYTES + (n % 8) * 4096)
+        sender.try_send(req)  # 4 KiB each: far more than the socket buffers hold unread
+    assert sender._backlog  # the rest waits for the socket
+    receiver.start_reading()
+    for _ in range(500):
+        if len(got) == 3000:
+            break
+        await asyncio.sleep(0.01)
+    assert got == [str(n) for n in range(3000)] and not sender.closed and not receiver.closed
+    sender.close()
+    receiver.close()
