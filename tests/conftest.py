@@ -7,8 +7,11 @@ down at the end of the session, also when tests fail.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -21,6 +24,31 @@ from kubemoe.presets import get_preset
 from kubemoe.synth import make_checkpoint
 
 ARCHS = arch_names()
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="session")
+def benchmark_module():
+    """benchmark_module(name): benchmarks/<name>.py imported as a module, for tests of a benchmark's
+    own pieces. Its folder is on sys.path meanwhile (scripts import `common`); both are undone at the end."""
+    loaded: list[str] = []
+    sys.path.insert(0, str(BENCHMARKS))
+
+    def load(name: str):
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module  # dataclasses look their module up while it loads
+            loaded.append(name)
+            spec.loader.exec_module(module)
+        return sys.modules[name]
+
+    try:
+        yield load
+    finally:
+        for name in loaded:
+            sys.modules.pop(name, None)
+        sys.path.remove(str(BENCHMARKS))
 
 
 def pytest_asyncio_loop_factories(config, item):

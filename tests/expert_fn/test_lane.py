@@ -55,6 +55,10 @@ class Replies:
     def on_response(self, response: pb.ForwardResponse) -> None:
         self.waiting.pop(response.request_id).set_result(response)
 
+    def on_responses(self, responses: list[pb.ForwardResponse]) -> None:  # a carrier's own callback (frames.py)
+        for response in responses:
+            self.on_response(response)
+
     def on_closed(self, why) -> None:
         if not self.closed.done():
             self.closed.set_result(why)

@@ -16,13 +16,14 @@ from hypothesis import strategies as st
 
 from kubemoe import wire
 from kubemoe.expert_fn.frames import (MAX_MESSAGE_BYTES, TCP_LANE_METADATA_KEY, TCP_METADATA_KEY, lane_address,
-                                      tensor_region,
-                                      new_offer)
+                                      new_offer, tensor_region)
 from kubemoe.expert_fn.frames import connect as connect_tcp
 from kubemoe.expert_fn.lane import ClientLane
-from kubemoe.expert_fn.shm import HEADER_BYTES, METADATA_KEY, Segment, SharedMemoryError
+from kubemoe.expert_fn.shm import HEADER_BYTES, Segment, SharedMemoryError
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
+
+from .test_lane import Replies
 
 ARCH = "mixtral"  # tiny: MoE layers 0 and 1, 8 experts, hidden 128, float32
 H = 128
@@ -44,39 +45,13 @@ async def offered_stream(server, arena: Segment):
     return call, channel, token, lane_address(metadata[TCP_LANE_METADATA_KEY], server.address)
 
 
-class Replies:
-    def __init__(self):
-        self.waiting: dict[str, asyncio.Future] = {}
-        self.closed = asyncio.get_running_loop().create_future()
-
-    def expect(self, request_id: str) -> asyncio.Future:
-        future = self.waiting[request_id] = asyncio.get_running_loop().create_future()
-        return future
-
-    def on_responses(self, responses) -> None:
-        for response in responses:
-            self.waiting.pop(response.request_id).set_result(response)
-
-    def on_closed(self, why) -> None:
-        if not self.closed.done():
-            self.closed.set_result(why)
-
-
 async def raw_lane(server, arena: Segment):
     """A TCP lane driven by hand: (lane, replies, call, channel)."""
     call, channel, token, (host, port) = await offered_stream(server, arena)
     replies = Replies()
-    frames = await connect_tcp(host, port, token, arena, lambda m: (m.hidden.shared.offset, m.hidden.ByteSize() and
-                                                                   _nbytes(m.hidden)), on_responses=replies.on_responses,
-                               on_closed=replies.on_closed, timeout=10)
+    frames = await connect_tcp(host, port, token, arena, lambda m: tensor_region(m, arena.size),
+                               on_responses=replies.on_responses, on_closed=replies.on_closed, timeout=10)
     return ClientLane.serving(frames), replies, call, channel
-
-
-def _nbytes(t: pb.Tensor) -> int:
-    n = wire.FROM_WIRE[t.dtype].itemsize
-    for d in t.shape:
-        n *= d
-    return n
 
 
 async def test_calls_between_processes_without_a_shared_folder_take_the_tcp_lane(tcp_server):
@@ -261,7 +236,6 @@ def test_lane_addresses_default_to_the_dialled_host():
     assert lane_address("[fd00::1]:9096", "x:1") == ("fd00::1", 9096)
     with pytest.raises(SharedMemoryError):
         lane_address("not-a-port", "x:1")
-    assert METADATA_KEY != TCP_METADATA_KEY
 
 
 async def test_frames_queued_faster_than_the_peer_reads_all_arrive_whole_and_in_order():

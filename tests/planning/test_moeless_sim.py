@@ -2,30 +2,16 @@
 and is the dispatcher's split, the trained model's routing replays (and maps onto DeepSeek-V3's layout)
 without losing a token, recorded traces load from both formats, and a small run plans without losing a token."""
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def sim():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location("moeless_sim", BENCHMARKS / "moeless_sim.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["moeless_sim"] = module  # dataclasses look their module up while it loads
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("moeless_sim", None)
-        sys.path.remove(str(BENCHMARKS))
+def sim(benchmark_module):
+    return benchmark_module("moeless_sim")
 
 
 def test_generated_trace_routes_top_k_tokens_per_token(sim):

@@ -1,6 +1,5 @@
 """benchmarks/offload_bench.py: the routing replay's expert mapping, and (slow) a tiny run on the CPU."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,17 +12,8 @@ BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location("offload_bench", BENCHMARKS / "offload_bench.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["offload_bench"] = module
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("offload_bench", None)
-        sys.path.remove(str(BENCHMARKS))
+def bench(benchmark_module):
+    return benchmark_module("offload_bench")
 
 
 @pytest.mark.parametrize("experts, top_k", [(8, 2), (128, 8), (16, 4)])
