@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Goal, write_results  # noqa: E402
-from frontend_decode import cut_preset  # noqa: E402
+from frontend_decode import add_model_arguments, cut_preset  # noqa: E402
 
 from kubemoe.bundles import bundles_by_count  # noqa: E402
 from kubemoe.frontend.app import Frontend, FrontendConfig  # noqa: E402
@@ -67,10 +67,7 @@ def stall(fe: Frontend, batch: int, long: int, decode_tokens: int, vocab: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--arch", default="mixtral")
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+    add_model_arguments(parser)
     parser.add_argument("--batch", type=int, default=8, help="requests decoding when the long prompt arrives")
     parser.add_argument("--long", type=int, default=4000, help="the long prompt's tokens (cut to the context)")
     parser.add_argument("--small-budget", type=int, default=512, help="the smaller chunked budget compared")

@@ -61,6 +61,14 @@ def timed(fn, device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--device, --arch, --preset and --layers: the model a run generates (cut_preset)."""
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--arch", default="mixtral")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+
+
 def cut_preset(arch: str, name: str, layers: int) -> Preset:
     """A preset with its layer count cut to `layers` (0: as it is), to fit the lent machine and one run."""
     preset = get_preset(arch, name)
@@ -193,10 +201,7 @@ def run_frontend(fe: Frontend, table, args, device, vocab, hw, profile: bool) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--arch", default="mixtral")
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+    add_model_arguments(parser)
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per sequence (cut to the context)")
     parser.add_argument("--steps", type=int, default=20)
