@@ -184,8 +184,8 @@ class ExpertClient:
         """forward(), and the server's timing of the call (for benchmarks and tools). A tensor larger than
         one message may carry goes as several calls at once, cut at row boundaries (the timing is the
         first's); their outputs are joined in order."""
-        rows = max(1, self.max_call_bytes // max(1, hidden[:1].nbytes))
-        if hidden.shape[0] > rows:
+        if hidden.nbytes > self.max_call_bytes and hidden.shape[0] > 1:  # one row too large goes as it is
+            rows = max(1, self.max_call_bytes // (hidden.nbytes // hidden.shape[0]))
             rid = request_id or next(self._ids)
             parts = await asyncio.gather(*(
                 self.call(layer, part_experts, part_counts, hidden[start:start + sum(part_counts)],
