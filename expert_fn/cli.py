@@ -69,7 +69,10 @@ def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | No
     """Serve a bundle of experts over gRPC until SIGTERM."""
     from kubemoe.expert_fn.config import ExpertFnConfig
     from kubemoe.expert_fn.server import serve
+    from kubemoe.expert_fn.shm import shared_folder
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    shm_dir = shared_folder(shm_dir)  # a pod's folder in the node's /dev/shm is made by whichever pod comes first
     config = ExpertFnConfig.build(
         checkpoint, bundle, model=model, device=device, dtype=dtype, host=host, port=port,
         metrics_port=None if metrics_port < 0 else metrics_port, batch_wait_ms=batch_wait_ms,
@@ -78,7 +81,6 @@ def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | No
         routing_table=routing_table, routing_configmap=routing_configmap, address=address, drop_after=drop_after,
         **({} if cuda_graph_tokens is None else {"cuda_graph_tokens": cuda_graph_tokens}),
     )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     busy_poll.run(serve(config), busy_poll_us)
 
 

@@ -19,12 +19,18 @@ Who may attach what: the server opens only `kubemoe-<32 hex digits>` directly in
 a regular file (never a symlink, mode 0600) owned by its own user, whose first bytes are the nonce
 the client sent. So a client can point the server only into a segment created by that same user,
 never into any other file.
+
+The folder itself (`shared_folder`): a missing one is created for this user alone (0700), which is how
+pods get theirs inside the node's /dev/shm (kubemoe/pod_args.py: node_shm_dir); an existing one is used
+when no other user can replace what is in it: it is this user's and nobody else may write in it, or it
+is sticky like /dev/shm and /tmp (others may add files there, but never remove or rename ours).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import mmap
 import os
 import re
@@ -36,6 +42,8 @@ from typing import Callable
 
 import numpy
 import torch
+
+log = logging.getLogger(__name__)
 
 METADATA_KEY = "kubemoe-shm"
 ATTACHED = "attached"
@@ -51,6 +59,35 @@ _NUMPY = {torch.float32: numpy.float32, torch.float16: numpy.float16, torch.bflo
 
 class SharedMemoryError(Exception):
     """A segment could not be created or attached; the message says why (tensors then travel inline)."""
+
+
+def shared_folder(folder: Path | None) -> Path | None:
+    """`folder`, created for this user alone if it is missing, or None (with a warning saying why) when it
+    cannot be used: segments then are neither offered nor attached, and tensors take the TCP lane."""
+    if folder is None:
+        return None
+    try:
+        try:
+            os.mkdir(folder, 0o700)  # the parent must exist: a node's /dev/shm is, a typo is not created
+        except FileExistsError:
+            pass  # ours from an earlier start, the peer's (same user) from a moment ago, or someone else's
+        info = os.lstat(folder)
+    except OSError as e:
+        log.warning("no shared memory in %s (%s): tensors take the TCP lane; check --shm-dir and its parent",
+                    folder, e.strerror)
+        return None
+    sticky, open_to_others = info.st_mode & stat.S_ISVTX, info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if not stat.S_ISDIR(info.st_mode):
+        why = "it is not a directory (or is a symlink)"
+    elif not sticky and info.st_uid != os.geteuid():
+        why = f"it belongs to user {info.st_uid}, not to this process's {os.geteuid()}"
+    elif not sticky and open_to_others:
+        why = "others may write in it and it is not sticky (chmod 700 or chmod +t)"
+    else:
+        return folder
+    log.warning("no shared memory in %s: %s; tensors take the TCP lane (remove the folder, or give it to "
+                "this user, to share memory)", folder, why)
+    return None
 
 
 class Segment:

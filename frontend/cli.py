@@ -136,6 +136,9 @@ def frontend_command(checkpoint, routing_table, routing_configmap, host, port, g
                      busy_poll_us, offload, gpu_budget, offload_predictor, offload_policy, model, name, device, dtype):
     """Serve a model: attention and routing here, routed experts per the routing table (or, with --offload,
     every expert here from host memory through a GPU cache)."""
+    from kubemoe.expert_fn.shm import shared_folder
+
+    shm_dir = shared_folder(shm_dir)  # a pod's folder in the node's /dev/shm is made by whichever pod comes first
     config = frontend_config(checkpoint, routing_table, routing_configmap, max_batch, max_step_tokens, micro_batches,
                              kv_cache_bytes,
                              kv_cache_fraction, shm_dir, predictor,

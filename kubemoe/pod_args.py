@@ -18,6 +18,16 @@ from kubemoe import ports
 # Environment the pods get from the downward API (the kubelet resolves them; $(NAME) in args expands them).
 POD_IP_ENV = "POD_IP"
 FRONTEND_NAME_ENV = "KUBEMOE_FRONTEND_NAME"  # `kubemoe frontend --name`'s envvar: its name in load reports
+# spec.dataPath.sameNode hostShm: the node's /dev/shm (sticky, writable by every user: a folder the
+# kubelet made would be root's) is mounted here, and both pods use a folder of their own user in it.
+NODE_SHM_HOST_PATH = "/dev/shm"
+NODE_SHM_MOUNT = "/var/run/kubemoe/node-shm"
+
+
+def node_shm_dir(deployment_uid: str) -> str:
+    """The folder of one MoEDeployment in the node's /dev/shm, as its pods see it. Named by the object's uid:
+    a recreated deployment (perhaps with another runAsUser) never meets the folder its predecessor made."""
+    return f"{NODE_SHM_MOUNT}/kubemoe-{deployment_uid}"
 
 
 def field_ref(name: str, field_path: str) -> dict:
@@ -52,6 +62,9 @@ class ExpertFnArgs(_Command):
     routing_configmap: str       # NAMESPACE/NAME of the routing table, watched through the API server
     address: str                 # how the routing table names this function
     drop_after: int
+    # The folder same-node frontends share with it (spec.dataPath.sameNode hostShm: node_shm_dir); "": none,
+    # every frontend takes the TCP lane (a pod's own /dev/shm is shared with no other pod).
+    shm_dir: str
 
     @staticmethod
     def env() -> list[dict]:
@@ -72,6 +85,9 @@ class FrontendArgs(_Command):
     dtype: str
     # The predictor's d: at layer l the frontend predicts layer l+d's loads for /loads and the split.
     prediction_distance: int
+    # As ExpertFnArgs.shm_dir: with a folder, each stream offers a segment; a function on another node
+    # cannot attach it and the stream takes the TCP lane instead.
+    shm_dir: str
 
     @staticmethod
     def env() -> list[dict]:

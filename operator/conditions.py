@@ -27,9 +27,10 @@ NOT_NEEDED = "NotNeeded"                    # ExpertsReady in offload mode: the 
 INVALID_SPEC = "InvalidSpec"                # the spec passed the schema but cannot be served; fix the spec
 INSUFFICIENT_CAPACITY = "InsufficientCapacity"  # not enough eligible GPU nodes for the plan; add nodes or relax placement
 RUNTIME_MISSING = "RuntimeMissing"          # runtime knative without Knative Serving installed
+POD_SECURITY_FORBIDDEN = "PodSecurityForbidden"  # the namespace's Pod Security level forbids the pods' hostPath volumes
 APPLY_FAILED = "ApplyFailed"                # the API server refused an object; the message names it
 DEPENDENCY_NOT_READY = "DependencyNotReady"  # Ready: names the first condition that is not True
-# A refused plan (InvalidSpec, InsufficientCapacity, RuntimeMissing, ApplyFailed) is the reason of
+# A refused plan (InvalidSpec, InsufficientCapacity, RuntimeMissing, PodSecurityForbidden, ApplyFailed) is the reason of
 # PlanApplied, of Ready, and of FrontendReady/ExpertsReady while what they wait for was never applied.
 
 

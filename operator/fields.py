@@ -15,6 +15,12 @@ MODES = ("distributed", "offload", "auto")
 RUNTIMES = ("knative", "deployment")
 DTYPES = ("bfloat16", "float16", "float32")
 PREDICTORS = ("llapor", "frequency")
+# How a frontend and an expert function on one node exchange tensors (spec.dataPath.sameNode): tcp, the
+# TCP lane every pair uses (no node folder: restricted Pod Security holds); hostShm, shared memory and a
+# Unix lane in a per-deployment folder of the node's /dev/shm, mounted as a hostPath (privileged only).
+SAME_NODE = ("tcp", "hostShm")
+# The UID/GID kubemoe's pods run as by default: distroless's "nonroot" user (also the images' USER).
+DEFAULT_POD_USER = 65532
 # How expert functions share a GPU (spec.experts.gpuSharing.mode), as clusters configure it:
 # exclusive: whole GPUs per replica (spec.experts.gpus); timeSlicing / mps: one share of the NVIDIA device
 # plugin's replicated resource per function; dra: a ResourceClaim per GPU, shared by the functions on it.
@@ -36,6 +42,9 @@ DRA_NEEDS_DEPLOYMENT_MESSAGE = ("spec.experts.gpuSharing.mode dra needs spec.exp
 SHARED_GPUS_MESSAGE = ("spec.experts.gpus counts whole GPUs per replica and applies to gpuSharing.mode exclusive; "
                        "with timeSlicing, mps or dra every function takes one share of one GPU: set gpus to 1 "
                        "(or remove it), or set gpuSharing.mode: exclusive")
+SHARED_MEMORY_NEEDS_EXPERTS_MESSAGE = ("spec.dataPath.sameNode hostShm shares memory between frontends and expert "
+                                       "functions, and mode offload runs no expert functions (the frontend holds "
+                                       "every expert): remove it, or set mode: distributed or auto")
 OFFLOAD_NEEDS_BUDGET_MESSAGE = "mode offload needs spec.offload.gpuMemoryBudget (GPU memory for hot experts, e.g. 20Gi)"
 
 _QUANTITY_MAP = {"type": "object", "additionalProperties": {"x-kubernetes-int-or-string": True,
@@ -191,6 +200,28 @@ OFFLOAD = Object("The offload path (LayerScope) for single-GPU nodes: the fronte
     "predictor": String("Expert-load predictor of the offload scheduler.", default="llapor", enum=PREDICTORS),
 }, required=("gpuMemoryBudget",))
 
+# No schema default (the parser fills it): a default would make has() true and the mode rule below could
+# no longer tell whether the user chose shared memory.
+DATA_PATH = Object(
+    "How tensors travel between frontends and expert functions. Across nodes they always take the TCP lane "
+    "(a connection to the expert pod's data port, negotiated on the gRPC stream); sameNode chooses what a "
+    "frontend and an expert function on the same node use (see \"Same-node shared memory\" in the chart's "
+    "README for the trade-off).", {
+        "sameNode": String("tcp: the TCP lane, as across nodes (no node folder; works under the restricted Pod "
+                           "Security Standard). hostShm: shared memory and a Unix lane in a folder of the node's "
+                           "/dev/shm that only this MoEDeployment's user can open (a hostPath volume: the "
+                           "namespace must allow Pod Security level privileged, and runtime knative needs "
+                           "Knative's kubernetes.podspec-volumes-hostpath flag); about half the per-call "
+                           "overhead of tcp, see the chart's README.",
+                           default="tcp", crd_default=False, enum=SAME_NODE),
+        "runAsUser": Integer("UID (and GID) every frontend and expert-function container runs as. Shared memory "
+                             "only opens between processes of one user, and with hostShm any pod of this user on "
+                             "the node can read the deployment's folder: give each MoEDeployment that uses hostShm "
+                             "a user no other workload runs as.",
+                             default=DEFAULT_POD_USER, crd_default=False, minimum=1, maximum=2147483647,
+                             why=": kubemoe's pods never run as root"),
+    }, default={}, crd_default=False)
+
 COST = Object("Prices for status.cost.", {
     "gpuHourPrice": Number("Price of one GPU for one hour. Unit: USD.", default=0.0, cel="self >= 0.0",
                            within=lambda v: v >= 0, message="must not be negative"),
@@ -204,6 +235,7 @@ SPEC = Object("The model to serve and how.", {
     "frontend": FRONTEND,
     "experts": EXPERTS,
     "offload": OFFLOAD,
+    "dataPath": DATA_PATH,
     "cost": COST,
 }, required=("model",), rules=(
     Rule("self.mode != 'offload' || has(self.offload)", OFFLOAD_NEEDS_BUDGET_MESSAGE,
@@ -212,6 +244,9 @@ SPEC = Object("The model to serve and how.", {
          "spec.experts.knative does nothing when the frontend may hold the experts (mode offload or auto): "
          "remove it or set mode: distributed",
          lambda s: s["mode"] == "distributed" or "knative" not in s["experts"]),
+    Rule("self.mode != 'offload' || !has(self.dataPath) || !has(self.dataPath.sameNode) || "
+         "self.dataPath.sameNode == 'tcp'", SHARED_MEMORY_NEEDS_EXPERTS_MESSAGE,
+         lambda s: s["mode"] != "offload" or s.get("dataPath", {}).get("sameNode", "tcp") == "tcp"),
     Rule("self.mode != 'distributed' || !has(self.offload)",
          "spec.offload is only used in mode offload or auto: remove it or change spec.mode",
          lambda s: s["mode"] != "distributed" or "offload" not in s),

@@ -22,6 +22,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, str, bool]] = {
     ("v1", "ServiceAccount"): ("/api/v1", "serviceaccounts", True),
     ("v1", "Pod"): ("/api/v1", "pods", True),
     ("v1", "Node"): ("/api/v1", "nodes", False),
+    ("v1", "Namespace"): ("/api/v1", "namespaces", False),
     ("apps/v1", "Deployment"): ("/apis/apps/v1", "deployments", True),
     ("rbac.authorization.k8s.io/v1", "Role"): ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from kubemoe.operator import conditions as c
+from kubemoe.operator import pod_security
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.kube import ApiError, Kube
 from kubemoe.operator.loads import LoadSource
@@ -103,6 +104,10 @@ class Reconciler:
 
         changes = Changes()
         wanted = render(deployment, new, self.config)
+        forbidden = self._pod_security_refusal(deployment, wanted)
+        if forbidden is not None:  # a Deployment would be stored, and its pods then refused out of sight
+            return self._finish(body, deployment, new, list(children.values()), Changes(), loads,
+                                c.Condition(c.PLAN_APPLIED, False, c.POD_SECURITY_FORBIDDEN, forbidden), retry=True)
         wanted.sort(key=_apply_order)
         try:
             stale = [o for o in wanted if _fingerprint(children.get(key_of(o)) or {"metadata": {}}) != _fingerprint(o)]
@@ -151,6 +156,13 @@ class Reconciler:
             if e.status == 404:
                 return []  # no DRA API (Kubernetes before 1.34): no node offers DRA GPUs
             raise
+
+    def _pod_security_refusal(self, deployment: MoEDeployment, wanted: list[Object]) -> str | None:
+        volumes = pod_security.host_path_volumes(wanted)
+        if not volumes:
+            return None  # the pods pass the restricted level: no need to ask
+        namespace = self.kube.get("v1", "Namespace", None, deployment.namespace)
+        return pod_security.refusal(deployment.namespace, namespace["metadata"].get("labels") or {}, volumes)
 
     def _has_knative(self) -> bool:
         try:

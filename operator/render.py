@@ -19,7 +19,7 @@ import re
 from typing import Any, Iterable, Mapping
 
 from kubemoe import offload_env, ports
-from kubemoe.pod_args import ExpertFnArgs, FrontendArgs
+from kubemoe.pod_args import NODE_SHM_HOST_PATH, NODE_SHM_MOUNT, ExpertFnArgs, FrontendArgs, node_shm_dir
 from kubemoe.bundles import Bundle
 from google.protobuf import json_format
 
@@ -62,6 +62,7 @@ OPTIONAL_KINDS = (KNATIVE, RESOURCE_CLAIM)
 NVIDIA_GPU_CONFIG = "resource.nvidia.com/v1beta1"
 MPS_MEMORY_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"  # an MPS client's device memory limit, "0=<MiB>M"
 CLAIM = "gpu"  # the pod's name for its GPU claim
+NODE_SHM_VOLUME = "node-shm"  # spec.dataPath.sameNode hostShm: the node's /dev/shm
 
 
 def child_name(*parts: str, limit: int = 63) -> str:
@@ -146,7 +147,8 @@ def _frontend(deployment: MoEDeployment, plan: Plan, config: OperatorConfig) -> 
     routing = routing_configmap_name(deployment)
     args = FrontendArgs(checkpoint=checkpoint_path(spec), routing_configmap=f"{deployment.namespace}/{routing}",
                         model=deployment.name, dtype=spec.dtype,
-                        prediction_distance=spec.experts.scaling.prediction_distance)
+                        prediction_distance=spec.experts.scaling.prediction_distance,
+                        shm_dir=shm_dir(deployment, plan.mode))
     # The mode and the offload settings, as `kubemoe frontend` reads them (kubemoe/offload_env.py).
     env = [*args.env(), *offload_env.render(plan.mode, spec.offload.gpu_memory_budget if spec.offload else None,
                                             spec.offload.predictor if spec.offload else None)]
@@ -159,7 +161,7 @@ def _frontend(deployment: MoEDeployment, plan: Plan, config: OperatorConfig) -> 
         "resources": _resources(spec.frontend.resources, spec.frontend.gpus),
     }
     pod = _pod_spec(spec, container, spec.frontend.placement.node_selector, spec.frontend.placement.tolerations,
-                    config)
+                    config, args.shm_dir)
     pod["serviceAccountName"] = name  # it watches the routing ConfigMap
     if plan.mode == "offload":
         # The offload path is for nodes with one (older, smaller) GPU: the whole node's GPU is the cache.
@@ -236,14 +238,14 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
     args = ExpertFnArgs(checkpoint=checkpoint_path(spec), bundle=bundle.spec(), model=deployment.name,
                         dtype=spec.dtype, routing_configmap=f"{deployment.namespace}/{routing_configmap_name(deployment)}",
                         address=expert_address(deployment, bundle_name, site),
-                        drop_after=int(spec.experts.scaling.keep_alive_s))
+                        drop_after=int(spec.experts.scaling.keep_alive_s), shm_dir=shm_dir(deployment, "distributed"))
     container = {
         "name": "expert-fn", "image": spec.experts.image or config.expert_image, "args": args.args(),
         "env": args.env(), "ports": [{"name": "h2c", "containerPort": args.port}],
         **_gpu_share(spec, bundle),
     }
     tolerations = spec.experts.placement.tolerations
-    pod = _pod_spec(spec, container, {}, tolerations, config)
+    pod = _pod_spec(spec, container, {}, tolerations, config, args.shm_dir)
     pod["affinity"] = _node_affinity("kubernetes.io/hostname", node)  # exact placement: one node per service
     if spec.experts.sharing.mode == "dra":  # every function on this GPU shares its claim
         pod["resourceClaims"] = [{"name": CLAIM, "resourceClaimName": claim_name(deployment, site)}]
@@ -331,16 +333,29 @@ def checkpoint_path(spec: MoESpec) -> str:
     return MODEL_MOUNT
 
 
+def shm_dir(deployment: MoEDeployment, mode: str) -> str:
+    """--shm-dir of the pods: with spec.dataPath.sameNode hostShm, the deployment's folder in the node's
+    /dev/shm, where a frontend and an expert function on one node meet; else none (the TCP lane)."""
+    return node_shm_dir(deployment.uid) if deployment.spec.data_path.host_shm and mode == "distributed" else ""
+
+
 def _pod_spec(spec: MoESpec, container: Object, node_selector: Mapping[str, str],
-              tolerations: Iterable[Mapping[str, Any]], config: OperatorConfig) -> Object:
-    """A pod around `container` with the model volume, a writable /tmp and a strict security context."""
+              tolerations: Iterable[Mapping[str, Any]], config: OperatorConfig, shm: str) -> Object:
+    """A pod around `container` with the model volume, a writable /tmp, the node's /dev/shm when `shm`
+    (its --shm-dir) is in it, and a strict security context."""
     volumes, init = _model_volume(spec, config)
+    mounts = [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}, {"name": "tmp", "mountPath": "/tmp"}]
+    volumes.append({"name": "tmp", "emptyDir": {}})
+    if shm:
+        # The whole of /dev/shm, not a folder of it: a folder the kubelet creates (DirectoryOrCreate, or a
+        # subPath) is root's, 0755, and the non-root pods could not write in it. /dev/shm is sticky and
+        # writable by all; the pods make their folder in it, 0700, for their user (expert_fn/shm.py).
+        volumes.append({"name": NODE_SHM_VOLUME, "hostPath": {"path": NODE_SHM_HOST_PATH, "type": "Directory"}})
+        mounts.append({"name": NODE_SHM_VOLUME, "mountPath": NODE_SHM_MOUNT})
     container = {**container,
                  "env": [*container.get("env", []), {"name": "HOME", "value": "/tmp"}],
-                 "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True},
-                                  {"name": "tmp", "mountPath": "/tmp"}],
-                 "securityContext": SECURITY_CONTEXT}
-    pod: Object = {"containers": [container], "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}]}
+                 "volumeMounts": mounts, "securityContext": security_context(spec)}
+    pod: Object = {"containers": [container], "volumes": volumes}
     if init:
         pod["initContainers"] = init
     if node_selector:
@@ -350,10 +365,15 @@ def _pod_spec(spec: MoESpec, container: Object, node_selector: Mapping[str, str]
     return pod
 
 
-# Restricted Pod Security Standard, at container level (Knative accepts it there without feature flags).
-SECURITY_CONTEXT = {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
-                    "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                    "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+def security_context(spec: MoESpec) -> Object:
+    """Restricted Pod Security Standard, at container level (Knative accepts it there without feature
+    flags). Every container runs as spec.dataPath.runAsUser, user and group: shared-memory segments and
+    lanes open only between processes of one user. No fsGroup: it changes the group of emptyDir and PVC
+    volumes only (never of a hostPath), and /tmp is the container's own."""
+    user = spec.data_path.run_as_user
+    return {"runAsNonRoot": True, "runAsUser": user, "runAsGroup": user,
+            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def _model_volume(spec: MoESpec, config: OperatorConfig) -> tuple[list[Object], list[Object]]:
@@ -370,7 +390,7 @@ def _model_volume(spec: MoESpec, config: OperatorConfig) -> tuple[list[Object], 
     fetch = {"name": "fetch-model", "image": image, "command": command,
              "env": [{"name": "HOME", "value": "/tmp"}],
              "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}],
-             "securityContext": SECURITY_CONTEXT}
+             "securityContext": security_context(spec)}
     return [{"name": "model", "emptyDir": {}}], [fetch]
 
 

@@ -119,6 +119,18 @@ class Offload:
 
 
 @dataclass(frozen=True)
+class DataPath:
+    """How tensors travel between frontends and expert functions (fields.DATA_PATH)."""
+
+    same_node: str      # tcp | hostShm
+    run_as_user: int    # UID and GID of every container: shared memory opens only between one user's processes
+
+    @property
+    def host_shm(self) -> bool:
+        return self.same_node == "hostShm"
+
+
+@dataclass(frozen=True)
 class MoESpec:
     """spec of a MoEDeployment, typed, with defaults filled and units converted (bytes, seconds)."""
 
@@ -130,6 +142,7 @@ class MoESpec:
     frontend: Frontend
     experts: Experts
     offload: Offload | None
+    data_path: DataPath
     gpu_hour_price: float
 
     def bundles(self) -> tuple[Bundle, ...]:
@@ -160,6 +173,7 @@ class MoESpec:
                 placement=_placement(experts["placement"]),
                 knative=Knative(knative["progressDeadline"], knative["containerConcurrency"])),
             offload=Offload(s["offload"]["gpuMemoryBudget"], s["offload"]["predictor"]) if "offload" in s else None,
+            data_path=DataPath(s["dataPath"]["sameNode"], s["dataPath"]["runAsUser"]),
             gpu_hour_price=s["cost"]["gpuHourPrice"],
         )
 

@@ -48,7 +48,8 @@ def test_frontend_deployment_service_and_rbac(f):
     assert container["args"][:9] == ["frontend", "--checkpoint", "/models/tiny", "--routing-configmap",
                                      "default/tiny-routing", "--host", "0.0.0.0", "--port", "8000"]
     assert container["args"][9:11] == ["--grpc-port", "50051"]
-    assert container["args"][-2:] == ["--prediction-distance", "1"]  # spec.experts.scaling.predictionDistance
+    assert container["args"][-4:-2] == ["--prediction-distance", "1"]  # spec.experts.scaling.predictionDistance
+    assert container["args"][-2:] == ["--shm-dir", ""]  # spec.dataPath.sameNode tcp: no shared folder
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert container["securityContext"]["readOnlyRootFilesystem"] and container["securityContext"]["runAsNonRoot"]

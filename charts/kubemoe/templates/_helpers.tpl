@@ -116,9 +116,11 @@ RBAC rules for objects in the namespaces the operator serves: exactly what the h
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [list, watch]
+# get: the Pod Security level a namespace enforces (pod-security.kubernetes.io/enforce), read before
+# rendering hostPath volumes into it (operator/pod_security.py).
 - apiGroups: [""]
   resources: [namespaces]
-  verbs: [list, watch]
+  verbs: [get, list, watch]
 - apiGroups: [kopf.dev]
   resources: [clusterkopfpeerings]
   verbs: [get, list, watch, patch, create]
