@@ -12,7 +12,8 @@ import torch
 
 from kubemoe import wire
 from kubemoe.expert_fn.client import ExpertClient
-from kubemoe.expert_fn.shm import ALIGN, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError
+from kubemoe.expert_fn.shm import (ALIGN, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError,
+                                   shared_folder)
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
 from kubemoe.verify import rel_err
@@ -79,6 +80,58 @@ def test_attach_refuses_what_the_client_did_not_create(case, words, tmp_path):
     (tmp_path / f"kubemoe-{'b' * 32}").symlink_to(seg.path)
     with pytest.raises(SharedMemoryError, match=words):
         Segment.attach(tmp_path, offer, max_bytes=1 << 10 if case == "too large" else 1 << 20)
+
+
+# -- the folder (a pod's in the node's /dev/shm) -------------------------------------------------------
+
+def test_a_missing_folder_is_made_for_this_user_alone_and_then_shared_by_its_peers(tmp_path):
+    folder = tmp_path / "node-shm" / "kubemoe-uid-1"
+    folder.parent.mkdir()
+    folder.parent.chmod(0o1777)  # as a node's /dev/shm
+    assert shared_folder(folder) == folder
+    info = folder.stat()
+    assert oct(info.st_mode & 0o7777) == oct(0o700) and info.st_uid == os.geteuid()
+    assert shared_folder(folder) == folder  # the second pod on the node finds it made
+    segment = Segment.create(folder, 1 << 16)
+    assert Segment.attach(folder, segment.offer, max_bytes=1 << 16).nonce == segment.nonce
+    assert shared_folder(None) is None
+
+
+def test_a_sticky_folder_of_anyone_is_used_as_is(tmp_path):
+    sticky = tmp_path / "shm"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    if os.geteuid() == 0:
+        os.chown(sticky, 12345, 12345)  # root's /dev/shm, for a non-root pod
+    assert shared_folder(sticky) == sticky
+
+
+@pytest.mark.parametrize("case, words", [
+    ("open-to-others", "others may write in it and it is not sticky"),
+    ("another-users", "it belongs to user 12345"),
+    ("a-file", "not a directory"),
+    ("a-symlink", "not a directory"),
+    ("no-parent", "No such file or directory"),
+])
+def test_a_folder_another_user_could_swap_segments_in_is_not_used(tmp_path, caplog, case, words):
+    folder = tmp_path / "kubemoe-uid-1"
+    if case == "open-to-others":
+        folder.mkdir()
+        folder.chmod(0o777)
+    elif case == "another-users":
+        if os.geteuid() != 0:
+            pytest.skip("giving a folder to another user needs root")
+        folder.mkdir(0o700)
+        os.chown(folder, 12345, 12345)  # made first by a pod of another user
+    elif case == "a-file":
+        folder.write_text("")
+    elif case == "a-symlink":
+        (tmp_path / "elsewhere").mkdir(0o700)
+        folder.symlink_to(tmp_path / "elsewhere")
+    else:
+        folder = tmp_path / "missing" / "kubemoe-uid-1"
+    assert shared_folder(folder) is None
+    assert words in caplog.text and "tensors take the TCP lane" in caplog.text
 
 
 def test_views_outside_the_segment_are_refused(tmp_path):

@@ -6,6 +6,7 @@ from kubemoe.operator import conditions as c
 from kubemoe.operator import events as ev
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.plan import Loads
+from kubemoe.operator.pod_security import ENFORCE_LABEL as ENFORCE
 from kubemoe.operator.reconcile import Reconciler
 from kubemoe.operator.render import RETIRED_ANNOTATION
 
@@ -17,8 +18,14 @@ MOVED = Loads({(0, 0): 100.0, (0, 1): 100.0, (0, 2): 100.0, (0, 3): 800.0}, 50.0
 class MemoryKube:
     """What the Reconciler uses of `Kube`, over a dict: apply, list by labels, delete, status."""
 
-    def __init__(self, nodes):
+    def __init__(self, nodes, namespace_labels=None):
         self.objects, self.nodes, self.status = {}, nodes, {}
+        self.namespace_labels, self.namespaces_read = namespace_labels or {}, 0
+
+    def get(self, api_version, kind, namespace, name):
+        assert (api_version, kind) == ("v1", "Namespace"), kind
+        self.namespaces_read += 1
+        return {"metadata": {"name": name, "labels": dict(self.namespace_labels)}}
 
     def list(self, api_version, kind, namespace=None, label_selector=""):
         if kind == "Node":
@@ -153,12 +160,19 @@ def failures(f):
         (c.RUNTIME_MISSING, f.moed_body(experts={"runtime": "knative"}), NoKnativeKube(api_nodes(2)),
          "install it (see the chart's README) or set spec.experts.runtime: deployment"),
         (c.APPLY_FAILED, f.moed_body(experts=deployment), RefusingKube(api_nodes(2)), "exceeded quota"),
+        (c.POD_SECURITY_FORBIDDEN, f.moed_body(experts=deployment, dataPath={"sameNode": "hostShm"}),
+         MemoryKube(api_nodes(2), {ENFORCE: "restricted"}),
+         f"kubectl label namespace default {ENFORCE}=privileged --overwrite"),
     ]
 
 
 def test_a_refused_plan_is_what_ready_frontend_and_experts_report(f):
     for reason, body, kube, fix in failures(f):
-        Reconciler(kube, OperatorConfig(), Clock()).reconcile(body, Loads())
+        outcome = Reconciler(kube, OperatorConfig(), Clock()).reconcile(body, Loads())
+        if reason != c.APPLY_FAILED:
+            assert not kube.objects, (reason, "a refused plan creates nothing")
+        assert [e.message for e in ev.events(outcome, None) if e.type == "Warning" and e.reason == reason] == [
+            found_message := conditions(kube)[c.PLAN_APPLIED]["message"]] and fix in found_message, reason
         found = conditions(kube)
         for kind in (c.READY, c.PLAN_APPLIED, c.EXPERTS_READY, c.FRONTEND_READY):
             assert (found[kind]["status"], found[kind]["reason"]) == ("False", reason), (reason, kind, found[kind])
@@ -228,3 +242,31 @@ def test_the_timer_plans_with_fresh_loads_and_keeps_the_last_ones_when_none_come
     refused = reconciler.reconcile(body, silent.loads, source=source)
     assert refused.loads is SKEWED and "pods is forbidden" in refused.loads_error
     assert len(parsed) == 3
+
+
+# -- Pod Security and spec.dataPath.sameNode hostShm ----------------------------------------------------
+
+def test_host_shm_is_applied_where_pod_security_allows_host_paths_and_tcp_never_asks(f):
+    host_shm = f.moed_body(experts={"runtime": "deployment", "bundleBytes": "128Mi"}, dataPath={"sameNode": "hostShm"})
+    for labels in ({}, {ENFORCE: "privileged"}):
+        kube = MemoryKube(api_nodes(2), labels)
+        outcome = Reconciler(kube, OperatorConfig(), Clock()).reconcile(host_shm, Loads())
+        assert outcome.error is None and kube.namespaces_read == 1
+        pods = [o["spec"]["template"]["spec"] for (_, k, _), o in kube.objects.items() if k == "Deployment"]
+        assert len(pods) == 1 + 8 and all(any(v["name"] == "node-shm" for v in pod["volumes"]) for pod in pods)
+    kube = MemoryKube(api_nodes(2), {ENFORCE: "restricted"})  # tcp renders no hostPath: nothing to ask
+    outcome = Reconciler(kube, OperatorConfig(), Clock()).reconcile(f.moed_body(experts={"runtime": "deployment"}),
+                                                                     Loads())
+    assert outcome.error is None and kube.namespaces_read == 0 and kube.objects
+
+
+def test_labelling_the_namespace_privileged_lets_the_refused_plan_through(f):
+    body = f.moed_body(experts={"runtime": "deployment", "bundleBytes": "128Mi"}, dataPath={"sameNode": "hostShm"})
+    kube, clock = MemoryKube(api_nodes(2), {ENFORCE: "baseline"}), Clock()
+    reconciler = Reconciler(kube, OperatorConfig(), clock)
+    refused = reconciler.reconcile(body, Loads())
+    assert refused.error.reason == c.POD_SECURITY_FORBIDDEN and refused.retry  # the timer tries again
+    assert "level 'baseline'" in refused.error.message and "set sameNode: tcp" in refused.error.message
+    kube.namespace_labels[ENFORCE] = "privileged"
+    clock.now += 30
+    assert reconciler.reconcile(body, Loads()).error is None and kube.objects

@@ -84,6 +84,12 @@ BAD_SPECS = [
      "deviceClassName and draStrategy are used with mode dra"),
     ("unknown-dra-strategy", "spec.experts", {"runtime": "deployment", "gpuSharing": {
         "mode": "dra", "draStrategy": "MIG"}}, 'supported values: "TimeSlicing", "MPS"'),
+    ("unknown-same-node", "spec.dataPath.sameNode", "rdma", 'supported values: "tcp", "hostShm"'),
+    ("run-as-root", "spec.dataPath.runAsUser", 0, "spec.dataPath.runAsUser must be at least 1"),
+    ("host-shm-in-offload", "spec", {"mode": "offload", "offload": {"gpuMemoryBudget": "20Gi"},
+                                     "dataPath": {"sameNode": "hostShm"}, "model": {
+        "uri": "pvc://models/tiny", "layout": {"moeLayers": [0, 1], "expertsPerLayer": 4, "expertBytes": "128Mi"}}},
+     "spec.dataPath.sameNode hostShm shares memory between frontends and expert functions, and mode offload"),
     ("function-overhead-not-quantity", "spec.experts.gpuSharing", {"mode": "mps", "functionOverhead": "a lot"},
      "functionOverhead must be a positive quantity"),
 ]
