@@ -7,10 +7,12 @@ What the kubelet and the cluster network would do, done here on one machine:
   builds it (`value` with $(VAR) expanded from the entries before it, `fieldRef` from the pod: its name,
   namespace, and an IP of its own, 127.0.0.x); $(VAR) in args expanded from that env.
 - volumes: every mountPath in an argument or env value is mapped to a folder (the hostPath model volume
-  to a generated tiny checkpoint, emptyDirs to fresh folders). A pod's /dev/shm is its own, not the
-  node's: each process gets `--shm-dir` of a folder of its own (the default, /dev/shm, would let them
-  share memory no two pods share), so tensors travel the TCP lanes the rendered --data-port and
-  --data-host $(POD_IP) offer.
+  to a generated tiny checkpoint, the hostPath of the node's /dev/shm (spec.dataPath.sameNode hostShm)
+  to one sticky folder all pods share, as pods on one node do, emptyDirs to fresh folders). With
+  sameNode tcp the rendered --shm-dir is '' and tensors travel the TCP lanes the rendered --data-port
+  and --data-host $(POD_IP) offer; with hostShm, shared memory and Unix lanes in the deployment's folder,
+  which the processes create. Every process runs as this test's user, as the rendered pods all run as
+  spec.dataPath.runAsUser.
 - ports: every pod binds the rendered ports (8080, 9095, 9096; 8000, 50051) on all addresses, so two
   expert functions would collide on one machine: the values of the port flags (and nothing else) are
   mapped to free ports, and every container port must be among them.
@@ -120,14 +122,14 @@ class ServiceNetwork:
 class Pod:
     """One rendered pod's only container, run as a local process the way the kubelet would run it."""
 
-    def __init__(self, name: str, namespace: str, ip: str, pod_spec: dict, folder: Path, checkpoint: Path,
+    def __init__(self, name: str, namespace: str, ip: str, pod_spec: dict, folder: Path, host_paths: dict[str, Path],
                  extra_env: dict[str, str] | None = None):
         self.name, self.folder = name, folder
         folder.mkdir(parents=True)
         (container,) = pod_spec["containers"]  # one container (Knative allows no more)
         assert "command" not in container, "the image's ENTRYPOINT runs: kubemoe"
         self.container = container
-        self.mounts = self._mounts(pod_spec, container, checkpoint)
+        self.mounts = self._mounts(pod_spec, container, host_paths)
         fields_of_pod = {"metadata.name": name, "metadata.namespace": namespace, "status.podIP": ip}
         env: dict[str, str] = {}
         for entry in container.get("env", []):
@@ -146,19 +148,18 @@ class Pod:
                 args[i + 1] = str(self.ports[rendered])
         for port in container.get("ports", []):
             assert port["containerPort"] in self.ports, f"container port {port} is not among the ports the args bind"
-        self.args = args + ["--shm-dir", str(self._shm())]
+        self.args = args
         self.process_env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
                             **env, **(extra_env or {})}
         self.proc: subprocess.Popen | None = None
 
-    def _mounts(self, pod_spec: dict, container: dict, checkpoint: Path) -> dict[str, Path]:
+    def _mounts(self, pod_spec: dict, container: dict, host_paths: dict[str, Path]) -> dict[str, Path]:
         volumes = {v["name"]: v for v in pod_spec["volumes"]}
         mounts = {}
         for mount in container["volumeMounts"]:
             volume = volumes[mount["name"]]
             if "hostPath" in volume:
-                assert volume["hostPath"]["path"] == HOSTPATH
-                mounts[mount["mountPath"]] = checkpoint
+                mounts[mount["mountPath"]] = host_paths[volume["hostPath"]["path"]]
             else:
                 assert "emptyDir" in volume, volume
                 mounts[mount["mountPath"]] = self.folder / mount["name"]
@@ -170,11 +171,6 @@ class Pod:
             if text == path or text.startswith(path + "/"):
                 return str(self.mounts[path]) + text[len(path):]
         return text
-
-    def _shm(self) -> Path:
-        shm = self.folder / "dev-shm"
-        shm.mkdir()
-        return shm
 
     def port(self, name: str) -> int:
         """The local port of a container port, by its name."""
@@ -225,15 +221,20 @@ def test_the_dockerfiles_serving_images_run_kubemoe(f):
         assert f"ENTRYPOINT {json.dumps(ENTRYPOINT)}" in section, stage
 
 
-@pytest.mark.parametrize("runtime", ["deployment", "knative"])
+@pytest.mark.parametrize("runtime, same_node", [("deployment", "tcp"), ("knative", "tcp"), ("deployment", "hostShm")])
 def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, api, operator, namespace, f,
-                                                                        tiny_checkpoint, tmp_path, runtime):
+                                                                        tiny_checkpoint, tmp_path, runtime, same_node):
     checkpoint = tiny_checkpoint("mixtral")
+    node_shm = tmp_path / "node-dev-shm"  # the node's /dev/shm: sticky, writable by every user
+    node_shm.mkdir()
+    node_shm.chmod(0o1777)
+    host_paths = {HOSTPATH: checkpoint, "/dev/shm": node_shm}
     layout = layout_of(checkpoint)
     layer_bytes = layout["expertsPerLayer"] * layout["expertBytes"]  # one bundle per MoE layer
     body = f.moed_body(name="run", namespace=namespace, model={"uri": f"hostpath://{HOSTPATH}", "dtype": "float32",
                                                                 "layout": layout},
-                       frontend={"replicas": 1, "gpus": 0}, experts={"runtime": runtime, "bundleBytes": layer_bytes})
+                       frontend={"replicas": 1, "gpus": 0}, experts={"runtime": runtime, "bundleBytes": layer_bytes},
+                       dataPath={"sameNode": same_node})
     del body["metadata"]["uid"], body["metadata"]["generation"]
     f.apply(cluster, body)
     objects = client.CustomObjectsApi(api)
@@ -270,7 +271,7 @@ def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, 
         for i, expert in enumerate(experts):
             pod_spec = expert["spec"]["template"]["spec"]
             pods.append(Pod(f"{expert['metadata']['name']}-0", namespace, f"127.0.0.{10 + i}", pod_spec,
-                            tmp_path / f"expert-{i}", checkpoint, extra_env=token(pod_spec)).start())
+                            tmp_path / f"expert-{i}", host_paths, extra_env=token(pod_spec)).start())
             # Knative's cluster-local address (port 80) reaches the pod's only container port; a Service
             # reaches the container port its targetPort names.
             name = expert["metadata"]["name"]
@@ -283,7 +284,7 @@ def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, 
                         port["targetPort"])
         pod_spec = frontend["spec"]["template"]["spec"]
         assert token(pod_spec), "the frontend watches the routing ConfigMap with its ServiceAccount's token"
-        pods.append(Pod("run-frontend-0", namespace, "127.0.0.2", pod_spec, tmp_path / "frontend", checkpoint,
+        pods.append(Pod("run-frontend-0", namespace, "127.0.0.2", pod_spec, tmp_path / "frontend", host_paths,
                         extra_env={**token(pod_spec), "grpc_proxy": network.url}).start())
         front = pods[-1]
         url = f"http://127.0.0.1:{front.port('http')}"
@@ -301,16 +302,29 @@ def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, 
         completion = json.loads(text)
         assert completion["model"] == "run" and completion["usage"]["completion_tokens"] >= 1
 
-        # The request went through every expert function, at the routing table's addresses, over TCP lanes.
+        # The request went through every expert function, at the routing table's addresses, over TCP lanes
+        # (tcp) or shared memory and Unix lanes in the deployment's folder of the node's /dev/shm (hostShm).
         table = json.loads(core.read_namespaced_config_map("run-routing", namespace).data["routing.json"])
         addresses = {e["address"] for r in table["routes"] for e in r["endpoints"]}
         assert set(network.dialled) == addresses
+        shm, tcp = ("kubemoe_expert_fn_shared_memory_streams_total", 'result="attached"'), (
+            "kubemoe_expert_fn_tcp_lane_streams_total", 'result="opened"')
+        used, unused = (shm, tcp) if same_node == "hostShm" else (tcp, shm)
         for pod in pods[:-1]:
             _, metrics = http(f"http://127.0.0.1:{pod.ports[ExpertFnArgs.metrics_port]}/metrics")
-            tokens = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                         if line.startswith("kubemoe_expert_fn_tokens_total"))
+            values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                      if line.startswith("kubemoe_expert_fn_")}
+            tokens = sum(v for k, v in values.items() if k.startswith("kubemoe_expert_fn_tokens_total"))
             assert tokens > 0, metrics[:2000]
-            assert "no shared memory with a client" in pod.log(200)  # its own /dev/shm: the TCP lane it is
+            streams = {name: sum(v for k, v in values.items() if k.startswith(name + "{") and result in k)
+                       for name, result in (used, unused)}
+            assert streams[used[0]] >= 1 and streams[unused[0]] == 0, (streams, pod.log(100))
+        folders = [p.name for p in node_shm.iterdir()]
+        if same_node == "hostShm":  # made by the first process, for this user alone; segments already unlinked
+            uid = objects.get_namespaced_custom_object(namespace=namespace, name="run", **MOED)["metadata"]["uid"]
+            assert folders == [f"kubemoe-{uid}"] and (node_shm / folders[0]).stat().st_mode & 0o777 == 0o700
+        else:
+            assert not folders  # tcp: no process offers a segment anywhere
         assert "travel inline" not in front.log(400)
     finally:
         for pod in reversed(pods):
