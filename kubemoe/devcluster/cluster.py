@@ -258,8 +258,9 @@ class Cluster:
             self._start_kwok()
         for name, port in health.items():
             url = f"https://127.0.0.1:{port}/healthz"
-            wait_for(lambda url=url: self._get(url, verify=False) == "ok", cfg.timeout_s, f"{name} {url}",
-                     detail=lambda name=name: self._log_tail(name))
+            # wait_for calls both before the loop moves on, so they see this iteration's url and name
+            wait_for(lambda: self._get(url, verify=False) == "ok", cfg.timeout_s, f"{name} {url}",  # noqa: B023
+                     detail=lambda: self._log_tail(name))  # noqa: B023
         if cfg.nodes:
             self.add_gpu_nodes(cfg.nodes, cfg.gpus_per_node, cfg.gpu_product, cfg.gpu_memory_mib,
                                sharing=cfg.gpu_sharing)
