@@ -83,7 +83,7 @@ def hardware(device) -> dict:
     if device.type != "cuda":
         return {"hbm_bytes_per_s": None, "matmul_flops_per_s": None}
     x = torch.empty(2 << 30, dtype=torch.bfloat16, device=device).fill_(1)  # 4 GiB
-    read = timed(lambda: x.sum(), device, 10)
+    read = timed(x.sum, device, 10)
     del x
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     mm = timed(lambda: a @ a, device, 10)

@@ -88,7 +88,7 @@ def map_experts(choices: torch.Tensor, source_experts: int, experts: int, top_k:
     Popularity skew and co-occurrence of the trace carry over; -1 rows (no prediction) stay -1.
     """
     n, ks = choices.shape
-    block, per = experts / source_experts, math.ceil(top_k / ks)
+    block = experts / source_experts
     width = max(1, math.ceil(block))
     out = torch.full((n, top_k), -1, dtype=torch.long)
     for row, picks in enumerate(choices.tolist()):

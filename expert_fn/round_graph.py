@@ -78,7 +78,10 @@ class RoundGraph:
     buffer at least as large (the copies must start out pointing at host memory)."""
 
     def __init__(self, ffn: torch.cuda.CUDAGraph, input: torch.Tensor, output: torch.Tensor, host: torch.Tensor):
-        lib = self._lib = runtime()
+        lib = runtime()
+        if lib is None:
+            raise RuntimeError("no CUDA runtime library to build a round graph with: check runtime() first")
+        self._lib: ctypes.CDLL = lib
         self._ffn = ffn  # the child is a copy of its nodes; its memory pool holds their intermediates
         self._input, self._output, self.max_bytes = input.data_ptr(), output.data_ptr(), input.nbytes
         made: list[tuple[Callable, ctypes.c_void_p]] = []  # (how to destroy it, handle)

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ class ArchSpec:
     block_attr: str  # decoder-layer attribute holding the MLP / MoE block
     router_attr: str  # MoE-block attribute holding the router
     shared_attr: str | None  # MoE-block attribute holding the shared expert(s)
-    routing: Callable[[object], RoutingSpec]
+    routing: Callable[[Any], RoutingSpec]  # from the transformers config of the model
     fused_transposed: bool = False  # fused expert tensors stored [E, H, 2I] / [E, I, H] (Llama-4)
     router_fp32: bool = False  # router logits computed in float32 whatever the model dtype
 

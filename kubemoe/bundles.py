@@ -74,7 +74,7 @@ def parse_bundle_spec(spec: str, moe_layers, num_experts: int) -> tuple[ExpertKe
 def _parse_ids(text: str, num_experts: int) -> list[int]:
     if text == "*":
         return list(range(num_experts))
-    ids = []
+    ids: list[int] = []
     for item in text.split(","):
         lo, _, hi = item.strip().partition("-")
         if not lo.isdigit() or (hi and not hi.isdigit()):
@@ -93,9 +93,10 @@ def format_bundle_spec(keys) -> str:
     parts = []
     for layer, experts in by_layer.items():
         runs, start = [], experts[0]
-        for prev, cur in zip(experts, experts[1:] + [None]):
-            if cur != prev + 1 if cur is not None else True:
+        for prev, cur in zip(experts, [*experts[1:], None]):
+            if cur is None or cur != prev + 1:
                 runs.append(f"{start}-{prev}" if prev != start else f"{start}")
-                start = cur
+                if cur is not None:
+                    start = cur
         parts.append(f"{layer}:{','.join(runs)}")
     return ";".join(parts)

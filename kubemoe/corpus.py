@@ -43,7 +43,9 @@ def _bucket(rel: Path) -> int:
 def stdlib_corpus(max_chars: int | None = None, root: Path | None = None) -> Corpus:
     """The standard library's text, at most `max_chars` of it (whole files, in `stdlib_files` order)."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
-    train, held_out, digest, total = [], [], hashlib.sha256(), 0
+    train: list[str] = []
+    held_out: list[str] = []
+    digest, total = hashlib.sha256(), 0
     for path in stdlib_files(root):
         rel = path.relative_to(root).as_posix()
         text = path.read_text(encoding="utf-8", errors="replace")

@@ -34,7 +34,8 @@ def field_ref(name: str, field_path: str) -> dict:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
 
 
-class _Command:
+@dataclass(frozen=True, kw_only=True)
+class _Command:  # a dataclass with no fields of its own, so that fields(self) is typed
     command: ClassVar[str]
 
     def args(self) -> list[str]:

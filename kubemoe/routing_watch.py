@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.routing_table import CONFIGMAP_KEY, RoutingTableError, parse_table
@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 
 async def watch_file(path: Path, on_table: Callable[[pb.RoutingTable], Awaitable[None]], interval: float = 1.0) -> None:
     """Call `on_table` with the file's table whenever its content changes (polling: works on any volume)."""
-    last = None
+    last: str | None = None
     while True:
+        text: str | None
         try:
             text = path.read_text()
         except OSError as e:
@@ -38,7 +39,7 @@ async def watch_file(path: Path, on_table: Callable[[pb.RoutingTable], Awaitable
         await asyncio.sleep(interval)
 
 
-async def watch_configmap(namespace: str, name: str, on_table: Callable[[pb.RoutingTable], Awaitable[None]],
+async def watch_configmap(namespace: str, name: str, on_table: Callable[[pb.RoutingTable], Coroutine[Any, Any, None]],
                           api_client=None) -> None:
     """Watch a ConfigMap's `routing.json` key until cancelled.
 

@@ -92,7 +92,9 @@ def _numel(shape) -> int:
 
 
 def _plan_shards(layout: dict, itemsize: int, shard_bytes: int) -> list[list[str]]:
-    shards, current, size = [], [], 0
+    shards: list[list[str]] = []
+    current: list[str] = []
+    size = 0
     for name in layout:  # layout keeps the model's order, so a layer's tensors sit together
         nbytes = _numel(layout[name]) * itemsize
         if current and size + nbytes > shard_bytes:

@@ -99,7 +99,8 @@ def tokenize(tokenizer, texts: list[str], eos: int) -> torch.Tensor:  # -> [N] i
 
 def _prefix(texts: list[str], chars: int) -> list[str]:
     """Whole texts from the start until `chars` characters (at least one text)."""
-    kept, total = [], 0
+    kept: list[str] = []
+    total = 0
     for text in texts:
         if kept and total + len(text) > chars:
             break

@@ -32,8 +32,9 @@ class OperatorConfig:
         for f in fields(cls):
             raw = environ.get(PREFIX + f.name.upper())
             if raw is not None:
+                kind: type = type(f.default)  # every field has a default of its own type
                 try:
-                    values[f.name] = type(f.default)(raw)
+                    values[f.name] = kind(raw)
                 except ValueError:
-                    raise ValueError(f"{PREFIX}{f.name.upper()}={raw!r}: expected a {type(f.default).__name__}") from None
+                    raise ValueError(f"{PREFIX}{f.name.upper()}={raw!r}: expected a {kind.__name__}") from None
         return cls(**values)

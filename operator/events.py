@@ -57,7 +57,7 @@ def events(outcome, status_before: Mapping[str, Any] | None) -> list[Event]:
             found.append(Event("Normal", WARM_REUSED, f"warm services back in the plan: {_services(d.reused)}"))
         if d.expired:
             found.append(Event("Normal", EXPIRED, f"keepAlive over, deleted: {_services(d.expired)}"))
-    before = next((x for x in (status_before or {}).get("conditions", []) if x.get("type") == c.PLAN_APPLIED), {})
+    before: Mapping[str, Any] = next((x for x in (status_before or {}).get("conditions", []) if x.get("type") == c.PLAN_APPLIED), {})
     applied = outcome.applied
     # Failures and replicas that fit nowhere as warnings, once when they change, not every timer tick.
     if applied is not None and applied.reason != c.APPLIED and (

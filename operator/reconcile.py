@@ -14,7 +14,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import AbstractSet, Any, Callable, Mapping
 
 from kubemoe.operator import conditions as c
 from kubemoe.operator import pod_security
@@ -177,11 +177,15 @@ class Reconciler:
 
     def _finish(self, body: Mapping[str, Any], deployment: MoEDeployment | None, new: Plan | None,
                 children: list[Object], changes: Changes, loads: Loads, error: c.Condition | None, retry: bool,
-                fresh: set[ObjectKey] = frozenset()) -> Outcome:
+                fresh: AbstractSet[ObjectKey] = frozenset()) -> Outcome:
         meta = body["metadata"]
         generation = int(meta.get("generation", 0))
         live = {key_of(o): o for o in children if key_of(o) not in fresh}
-        applied = error or _plan_applied(new)
+        if error:
+            applied = error
+        else:
+            assert new is not None, "a reconcile without an error has a plan"
+            applied = _plan_applied(new)
         parts = [_frontend_ready(live, error), _experts_ready(new, live, error), applied]
         # A refused plan is why nothing (more) starts: Ready names it first, not a part still "progressing".
         ready = c.ready_from([applied, *parts[:2]] if error else parts)

@@ -66,7 +66,7 @@ class Field:
     default: Any = None       # None: no default
     crd_default: bool = True  # False: only the parser fills the default in
 
-    type_name = ""            # in the field reference
+    type_name = ""            # in the field reference (a property where it depends on the field's settings)
     unit = ""                 # said after the description in the CRD
 
     def schema(self, path: str) -> Schema:
@@ -99,9 +99,8 @@ class Field:
 
 
 def _bounds(minimum, maximum, why: str) -> tuple[str, str] | None:
-    parts = [(f"self >= {minimum}", f"at least {minimum}") if minimum is not None else None,
-             (f"self <= {maximum}", f"at most {maximum}") if maximum is not None else None]
-    parts = [p for p in parts if p]
+    parts = [(f"self >= {minimum}", f"at least {minimum}")] if minimum is not None else []
+    parts += [(f"self <= {maximum}", f"at most {maximum}")] if maximum is not None else []
     if not parts:
         return None
     return " && ".join(rule for rule, _ in parts), f"must be {' and '.join(text for _, text in parts)}{why}"
@@ -114,7 +113,7 @@ class Integer(Field):
     why: str = ""             # appended to the bounds message: why the bound is there
 
     @property
-    def type_name(self) -> str:
+    def type_name(self) -> str:  # type: ignore[override]  # read only: a class attribute in Field
         low, high = self.minimum, self.maximum
         return "integer" + (f", {low if low is not None else ''}..{high if high is not None else ''}"
                             if (low, high) != (None, None) else "")
@@ -129,8 +128,10 @@ class Integer(Field):
     def check(self, value: Any, path: str) -> int:
         if not isinstance(value, int) or isinstance(value, bool):
             raise SpecError(f"{path} must be an integer, got {value!r}")
-        if (self.minimum is not None and value < self.minimum) or (self.maximum is not None and value > self.maximum):
-            raise SpecError(f"{path} {_bounds(self.minimum, self.maximum, self.why)[1]}, got {value}")
+        bounds = _bounds(self.minimum, self.maximum, self.why)
+        if bounds and ((self.minimum is not None and value < self.minimum)
+                       or (self.maximum is not None and value > self.maximum)):
+            raise SpecError(f"{path} {bounds[1]}, got {value}")
         return value
 
 
@@ -144,7 +145,7 @@ class Number(Field):
     message: str = ""
 
     @property
-    def type_name(self) -> str:
+    def type_name(self) -> str:  # type: ignore[override]  # read only: a class attribute in Field
         return f"number ({self.message})" if self.message else "number"
 
     def schema(self, path: str) -> Schema:
@@ -169,7 +170,7 @@ class String(Field):
     max_length: int = 253
 
     @property
-    def type_name(self) -> str:
+    def type_name(self) -> str:  # type: ignore[override]  # read only: a class attribute in Field
         return "string: " + " \\| ".join(f"`{e}`" for e in self.enum) if self.enum else "string"
 
     def schema(self, path: str) -> Schema:
@@ -241,7 +242,7 @@ class List(Field):
     maximum: int = 0
 
     @property
-    def type_name(self) -> str:
+    def type_name(self) -> str:  # type: ignore[override]  # read only: a class attribute in Field
         return f"list of {self.min_items}..{self.max_items} unique integers in {self.minimum}..{self.maximum}"
 
     def schema(self, path: str) -> Schema:

@@ -179,7 +179,7 @@ def flat_round(r: torch.Tensor) -> float:
     return e0.elapsed_time(e1) / 1e3
 
 
-def current_round(r: torch.Tensor, graphs=ExpertGraphs(H, act, dev, dt, 64)) -> float:
+def current_round(r: torch.Tensor, graphs=ExpertGraphs(H, act, dev, dt, 64)) -> float:  # noqa: B008 - one set, captured once
     job = Job(r, [((0, 0), T)], out_buffer=r, pinned=True)
     run_round([job], lambda key: w, act, dev, dt, graphs)
     return job.compute_seconds

@@ -258,8 +258,9 @@ class Cluster:
             self._start_kwok()
         for name, port in health.items():
             url = f"https://127.0.0.1:{port}/healthz"
-            wait_for(lambda: self._get(url, verify=False) == "ok", cfg.timeout_s, f"{name} {url}",
-                     detail=lambda: self._log_tail(name))
+            # wait_for calls both before the loop moves on, so they see this iteration's url and name
+            wait_for(lambda: self._get(url, verify=False) == "ok", cfg.timeout_s, f"{name} {url}",  # noqa: B023
+                     detail=lambda: self._log_tail(name))  # noqa: B023
         if cfg.nodes:
             self.add_gpu_nodes(cfg.nodes, cfg.gpus_per_node, cfg.gpu_product, cfg.gpu_memory_mib,
                                sharing=cfg.gpu_sharing)
@@ -458,7 +459,8 @@ class Cluster:
         for _ in range(count):
             name = f"kwok-gpu-{self._node_count}"
             self._node_count += 1
-            core.create_node(gpu_node(name, gpus_per_node, product, memory_mib, taints, sharing))
+            # the client serialises a plain dict body as it does a V1Node; its annotation names only the model
+            core.create_node(gpu_node(name, gpus_per_node, product, memory_mib, taints, sharing))  # type: ignore[arg-type]
             names.append(name)
             if sharing.strategy == "dra":
                 dra.append(gpu_resource_slice(name, gpus_per_node, product, memory_mib))
@@ -466,7 +468,7 @@ class Cluster:
             self.apply_objects([gpu_device_class(), *dra])
         if wait:
             def all_ready():
-                nodes = {n.metadata.name: n for n in core.list_node(label_selector="type=kwok").items}
+                nodes = {n.metadata.name: n for n in core.list_node(label_selector="type=kwok").items if n.metadata}
                 return all(_is_ready(nodes.get(name)) for name in names)
             wait_for(all_ready, self.config.timeout_s, f"nodes {names} to be Ready",
                      detail=lambda: self._log_tail("kwok"))

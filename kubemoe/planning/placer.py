@@ -124,13 +124,14 @@ def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], g
             warm_ok = gpu is not None and (warm_held or room)
             cold_ok = cold is not None and room
             firsts_waiting -= needs_own
-            if warm_ok and not (cold_ok and (gpu in taken and cold not in taken or warm_slack < math.inf
-                                             and queue.queue(gpu) - queue.queue(cold) > warm_slack * cost)):
+            if gpu is not None and warm_ok and not (
+                    cold is not None and cold_ok and (gpu in taken and cold not in taken or warm_slack < math.inf
+                                                      and queue.queue(gpu) - queue.queue(cold) > warm_slack * cost)):
                 warm[(layer, expert)].remove(gpu)  # one warm replica serves one new replica
                 reused += 1
                 if not warm_held:
                     free[gpu] -= expert_bytes
-            elif cold_ok:
+            elif cold is not None and cold_ok:
                 gpu = cold
                 free[gpu] -= expert_bytes
             else:

@@ -19,4 +19,4 @@ def test_operator_folder_never_shadows_the_standard_library():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     stdlib, ours = out.split()
     assert "site-packages" not in stdlib and not stdlib.startswith(str(ROOT)), stdlib
-    assert Path(ours) == ROOT / "operator"
+    assert Path(ours).resolve() == ROOT / "operator"  # through the link kubemoe/operator -> ../operator
