@@ -29,6 +29,7 @@ import grpc
 import torch
 
 from kubemoe import wire
+from kubemoe.expert_fn.errors import code_of, status_metadata
 from kubemoe.expert_fn.frames import TCP_LANE_METADATA_KEY, TCP_METADATA_KEY, lane_address, new_offer, tensor_region
 from kubemoe.expert_fn.frames import connect as connect_tcp
 from kubemoe.expert_fn.lane import LANE_METADATA_KEY, ClientLane, LaneClosed, each
@@ -40,8 +41,8 @@ from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+def rpc_error(code: grpc.StatusCode, details: str, trailing: tuple = ()) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
 
 
 class _Stream:
@@ -218,7 +219,8 @@ class ExpertClient:
             response = await (done if timeout is None else asyncio.wait_for(done, timeout))
             if response.HasField("error"):
                 stream.release(rid)
-                raise rpc_error(_STATUS_CODES.get(response.error.code, grpc.StatusCode.UNKNOWN), response.error.message)
+                # As a unary call fails: the experts the server lacks ride in the trailing metadata.
+                raise rpc_error(code_of(response.error), response.error.message, status_metadata(response.error))
             try:
                 if shared:
                     out = stream.hand_over(rid, response.hidden, request.hidden)
@@ -383,8 +385,6 @@ class ExpertClient:
 _PASS_THROUGH = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                  grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
 
-
-_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 CALL_HEADROOM_BYTES = 64 << 10  # a message's fields besides its tensor
 
 

@@ -27,7 +27,7 @@ from kubemoe import wire
 from kubemoe.expert_fn.batcher import Job, MicroBatcher, run_round
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.frames import TCP_LANE_METADATA_KEY, TCP_METADATA_KEY, DataPort, parse_offer, serve_lane
-from kubemoe.expert_fn.errors import ExpertFnError, invalid, not_found
+from kubemoe.expert_fn.errors import ExpertFnError, code_of, invalid, not_found, status, status_metadata
 from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.metrics import ExpertFnMetrics
 from kubemoe.expert_fn.lane import LANE_METADATA_KEY, ServerLane
@@ -77,8 +77,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             raise invalid(f"hidden must have shape [tokens, {hidden_size}] for this model, got {list(x.shape)}")
         if sum(counts) != x.shape[0]:
             raise invalid(f"counts sum to {sum(counts)} but hidden has {x.shape[0]} rows")
-        for expert in set(experts):
-            self.store.get(request.layer, expert)  # raises with what is wrong: not in the model, or not held
+        self.store.check_held(request.layer, experts)  # names every expert not in the model, or not held
         shared = request.hidden.WhichOneof("payload") == "shared"
         return Job(x, [((request.layer, e), c) for e, c in zip(experts, counts)], out_buffer=x if shared else None,
                    pinned=shared and segment.pinned)
@@ -135,8 +134,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             return self._refusal(request, e)
 
     def _refusal(self, request: pb.ForwardRequest, error: Exception) -> pb.ForwardResponse:
-        code, message = self._status(error, "ForwardStream")
-        return pb.ForwardResponse(request_id=request.request_id, error=pb.Status(code=code.value[0], message=message))
+        return pb.ForwardResponse(request_id=request.request_id, error=self._status(error, "ForwardStream"))
 
     async def Forward(self, request, context):
         return await self._call("Forward", context, self._forward(request))
@@ -332,15 +330,18 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         try:
             response = await work
         except Exception as e:
-            await context.abort(*self._status(e, method))
+            refused = self._status(e, method)
+            await context.abort(code_of(refused), refused.message, trailing_metadata=status_metadata(refused))
         self.metrics.call(method, "OK")
         return response
 
-    def _status(self, error: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+    def _status(self, error: Exception, method: str) -> pb.Status:
         if isinstance(error, ExpertFnError):
-            code, message = error.code, str(error)
+            code, message, lacking = error.code, str(error), error.lacking
         else:  # a bug: log it whole, tell the caller it is the server's fault
             log.error("%s failed", method, exc_info=error)
-            code, message = grpc.StatusCode.INTERNAL, f"{method} failed on the server: {type(error).__name__}: {error}"
+            code, message, lacking = (grpc.StatusCode.INTERNAL,
+                                      f"{method} failed on the server: {type(error).__name__}: {error}", ())
         self.metrics.call(method, code.name)
-        return code, message
+        return status(code, message, lacking)
+

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kubemoe/v1/kubemoe.proto\x12\nkubemoe.v1\"\x80\x01\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.kubemoe.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x12*\n\x06shared\x18\x04 \x01(\x0b\x32\x18.kubemoe.v1.SharedRegionH\x00\x42\t\n\x07payload\"\x1e\n\x0cSharedRegion\x12\x0e\n\x06offset\x18\x01 \x01(\x04\"*\n\tExpertKey\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\"\x87\x01\n\x0e\x46orwardRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x0f\n\x07\x65xperts\x18\x04 \x03(\x05\x12\x0e\n\x06\x63ounts\x18\x05 \x03(\x05\x12\"\n\x06hidden\x18\x06 \x01(\x0b\x32\x12.kubemoe.v1.Tensor\"U\n\x0cServerTiming\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\x96\x01\n\x0f\x46orwardResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06hidden\x18\x02 \x01(\x0b\x32\x12.kubemoe.v1.Tensor\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.kubemoe.v1.ServerTiming\x12!\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x12.kubemoe.v1.Status\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"D\n\x0bLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x07\x65xperts\x18\x02 \x03(\x0b\x32\x15.kubemoe.v1.ExpertKey\"Z\n\x0cLoadResponse\x12\x14\n\x0c\x62ytes_loaded\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12#\n\x04held\x18\x03 \x03(\x0b\x32\x15.kubemoe.v1.ExpertKey\"F\n\rUnloadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x07\x65xperts\x18\x02 \x03(\x0b\x32\x15.kubemoe.v1.ExpertKey\"J\n\x0eUnloadResponse\x12\x13\n\x0b\x62ytes_freed\x18\x01 \x01(\x03\x12#\n\x04held\x18\x02 \x03(\x0b\x32\x15.kubemoe.v1.ExpertKey\"\x11\n\x0f\x44\x65scribeRequest\"\xb6\x01\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.kubemoe.v1.DType\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12#\n\x04held\x18\x06 \x03(\x0b\x32\x15.kubemoe.v1.ExpertKey\x12\x19\n\x11max_message_bytes\x18\x07 \x01(\x03\"=\n\x08\x45ndpoint\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\x12\x0e\n\x06weight\x18\x03 \x01(\x01\"h\n\x05Route\x12\x0e\n\x06\x62undle\x18\x01 \x01(\t\x12&\n\x07\x65xperts\x18\x02 \x03(\x0b\x32\x15.kubemoe.v1.ExpertKey\x12\'\n\tendpoints\x18\x03 \x03(\x0b\x32\x14.kubemoe.v1.Endpoint\"Q\n\x0cRoutingTable\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12!\n\x06routes\x18\x03 \x03(\x0b\x32\x11.kubemoe.v1.Route\"\x95\x01\n\nExpertLoad\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x19\n\x11tokens_per_second\x18\x04 \x01(\x01\x12\x18\n\x10predicted_tokens\x18\x05 \x01(\x03\x12#\n\x1bpredicted_tokens_per_second\x18\x06 \x01(\x01\"X\n\x0fLayerPrediction\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x14\n\x0csource_layer\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63uracy\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\"\x9f\x02\n\nLoadReport\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08\x66rontend\x18\x02 \x01(\t\x12\x14\n\x0cwindow_start\x18\x03 \x01(\x01\x12\x16\n\x0ewindow_seconds\x18\x04 \x01(\x01\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12%\n\x05loads\x18\x06 \x03(\x0b\x32\x16.kubemoe.v1.ExpertLoad\x12\x30\n\x0bpredictions\x18\x07 \x03(\x0b\x32\x1b.kubemoe.v1.LayerPrediction\x12\x11\n\tpredictor\x18\x08 \x01(\t\x12\x1b\n\x13prediction_distance\x18\t \x01(\x05\x12)\n\x07offload\x18\n \x01(\x0b\x32\x18.kubemoe.v1.OffloadStats\"\x8d\x02\n\x0cOffloadStats\x12\x11\n\tactivated\x18\x01 \x01(\x03\x12\x0c\n\x04hits\x18\x02 \x01(\x03\x12\x12\n\nprefetched\x18\x03 \x01(\x03\x12\x15\n\rprefetch_used\x18\x04 \x01(\x03\x12\x0e\n\x06loaded\x18\x05 \x01(\x03\x12\x14\n\x0c\x62ytes_copied\x18\x06 \x01(\x03\x12\x12\n\ngpu_tokens\x18\x07 \x01(\x03\x12\x12\n\ncpu_tokens\x18\x08 \x01(\x03\x12\x10\n\x08hit_rate\x18\t \x01(\x01\x12\x19\n\x11prefetch_accuracy\x18\n \x01(\x01\x12\x11\n\tcpu_share\x18\x0b \x01(\x01\x12\x0e\n\x06policy\x18\x0c \x01(\t\x12\x13\n\x0b\x63pu_experts\x18\r \x01(\x03\"\xc8\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokens\"\xa9\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12*\n\nprompt_ids\x18\x04 \x01(\x0b\x32\x14.kubemoe.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kubemoe.v1.SamplingParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kubemoe.v1.Usage*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x32\xe4\x02\n\rExpertService\x12\x42\n\x07\x46orward\x12\x1a.kubemoe.v1.ForwardRequest\x1a\x1b.kubemoe.v1.ForwardResponse\x12L\n\rForwardStream\x12\x1a.kubemoe.v1.ForwardRequest\x1a\x1b.kubemoe.v1.ForwardResponse(\x01\x30\x01\x12\x39\n\x04Load\x12\x17.kubemoe.v1.LoadRequest\x1a\x18.kubemoe.v1.LoadResponse\x12?\n\x06Unload\x12\x19.kubemoe.v1.UnloadRequest\x1a\x1a.kubemoe.v1.UnloadResponse\x12\x45\n\x08\x44\x65scribe\x12\x1b.kubemoe.v1.DescribeRequest\x1a\x1c.kubemoe.v1.DescribeResponse2T\n\tGenerator\x12G\n\x08Generate\x12\x1b.kubemoe.v1.GenerateRequest\x1a\x1c.kubemoe.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kubemoe/v1/kubemoe.proto\x12\nkubemoe.v1\"\x80\x01\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.kubemoe.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x12*\n\x06shared\x18\x04 \x01(\x0b\x32\x18.kubemoe.v1.SharedRegionH\x00\x42\t\n\x07payload\"\x1e\n\x0cSharedRegion\x12\x0e\n\x06offset\x18\x01 \x01(\x04\"*\n\tExpertKey\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\"\x87\x01\n\x0e\x46orwardRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x0f\n\x07\x65xperts\x18\x04 \x03(\x05\x12\x0e\n\x06\x63ounts\x18\x05 \x03(\x05\x12\"\n\x06hidden\x18\x06 \x01(\x0b\x32\x12.kubemoe.v1.Tensor\"U\n\x0cServerTiming\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\x96\x01\n\x0f\x46orwardResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06hidden\x18\x02 \x01(\x0b\x32\x12.kubemoe.v1.Tensor\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.kubemoe.v1.ServerTiming\x12!\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x12.kubemoe.v1.Status\"O\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12&\n\x07lacking\x18\x03 \x03(\x0b\x32\x15.kubemoe.v1.ExpertKey\"D\n\x0bLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x07\x65xperts\x18\x02 \x03(\x0b\x32\x15.kubemoe.v1.ExpertKey\"Z\n\x0cLoadResponse\x12\x14\n\x0c\x62ytes_loaded\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12#\n\x04held\x18\x03 \x03(\x0b\x32\x15.kubemoe.v1.ExpertKey\"F\n\rUnloadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x07\x65xperts\x18\x02 \x03(\x0b\x32\x15.kubemoe.v1.ExpertKey\"J\n\x0eUnloadResponse\x12\x13\n\x0b\x62ytes_freed\x18\x01 \x01(\x03\x12#\n\x04held\x18\x02 \x03(\x0b\x32\x15.kubemoe.v1.ExpertKey\"\x11\n\x0f\x44\x65scribeRequest\"\xb6\x01\n\x10\x44\x65scribeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.kubemoe.v1.DType\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12#\n\x04held\x18\x06 \x03(\x0b\x32\x15.kubemoe.v1.ExpertKey\x12\x19\n\x11max_message_bytes\x18\x07 \x01(\x03\"=\n\x08\x45ndpoint\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\x12\x0e\n\x06weight\x18\x03 \x01(\x01\"h\n\x05Route\x12\x0e\n\x06\x62undle\x18\x01 \x01(\t\x12&\n\x07\x65xperts\x18\x02 \x03(\x0b\x32\x15.kubemoe.v1.ExpertKey\x12\'\n\tendpoints\x18\x03 \x03(\x0b\x32\x14.kubemoe.v1.Endpoint\"Q\n\x0cRoutingTable\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12!\n\x06routes\x18\x03 \x03(\x0b\x32\x11.kubemoe.v1.Route\"\x95\x01\n\nExpertLoad\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x19\n\x11tokens_per_second\x18\x04 \x01(\x01\x12\x18\n\x10predicted_tokens\x18\x05 \x01(\x03\x12#\n\x1bpredicted_tokens_per_second\x18\x06 \x01(\x01\"X\n\x0fLayerPrediction\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x14\n\x0csource_layer\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63uracy\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\"\x9f\x02\n\nLoadReport\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08\x66rontend\x18\x02 \x01(\t\x12\x14\n\x0cwindow_start\x18\x03 \x01(\x01\x12\x16\n\x0ewindow_seconds\x18\x04 \x01(\x01\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12%\n\x05loads\x18\x06 \x03(\x0b\x32\x16.kubemoe.v1.ExpertLoad\x12\x30\n\x0bpredictions\x18\x07 \x03(\x0b\x32\x1b.kubemoe.v1.LayerPrediction\x12\x11\n\tpredictor\x18\x08 \x01(\t\x12\x1b\n\x13prediction_distance\x18\t \x01(\x05\x12)\n\x07offload\x18\n \x01(\x0b\x32\x18.kubemoe.v1.OffloadStats\"\x8d\x02\n\x0cOffloadStats\x12\x11\n\tactivated\x18\x01 \x01(\x03\x12\x0c\n\x04hits\x18\x02 \x01(\x03\x12\x12\n\nprefetched\x18\x03 \x01(\x03\x12\x15\n\rprefetch_used\x18\x04 \x01(\x03\x12\x0e\n\x06loaded\x18\x05 \x01(\x03\x12\x14\n\x0c\x62ytes_copied\x18\x06 \x01(\x03\x12\x12\n\ngpu_tokens\x18\x07 \x01(\x03\x12\x12\n\ncpu_tokens\x18\x08 \x01(\x03\x12\x10\n\x08hit_rate\x18\t \x01(\x01\x12\x19\n\x11prefetch_accuracy\x18\n \x01(\x01\x12\x11\n\tcpu_share\x18\x0b \x01(\x01\x12\x0e\n\x06policy\x18\x0c \x01(\t\x12\x13\n\x0b\x63pu_experts\x18\r \x01(\x03\"\xc8\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokens\"\xa9\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12*\n\nprompt_ids\x18\x04 \x01(\x0b\x32\x14.kubemoe.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kubemoe.v1.SamplingParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kubemoe.v1.Usage*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x32\xe4\x02\n\rExpertService\x12\x42\n\x07\x46orward\x12\x1a.kubemoe.v1.ForwardRequest\x1a\x1b.kubemoe.v1.ForwardResponse\x12L\n\rForwardStream\x12\x1a.kubemoe.v1.ForwardRequest\x1a\x1b.kubemoe.v1.ForwardResponse(\x01\x30\x01\x12\x39\n\x04Load\x12\x17.kubemoe.v1.LoadRequest\x1a\x18.kubemoe.v1.LoadResponse\x12?\n\x06Unload\x12\x19.kubemoe.v1.UnloadRequest\x1a\x1a.kubemoe.v1.UnloadResponse\x12\x45\n\x08\x44\x65scribe\x12\x1b.kubemoe.v1.DescribeRequest\x1a\x1c.kubemoe.v1.DescribeResponse2T\n\tGenerator\x12G\n\x08Generate\x12\x1b.kubemoe.v1.GenerateRequest\x1a\x1c.kubemoe.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kubemoe.v1.kubemoe_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2826
-  _globals['_DTYPE']._serialized_end=2896
+  _globals['_DTYPE']._serialized_start=2866
+  _globals['_DTYPE']._serialized_end=2936
   _globals['_TENSOR']._serialized_start=41
   _globals['_TENSOR']._serialized_end=169
   _globals['_SHAREDREGION']._serialized_start=171
@@ -46,45 +46,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FORWARDRESPONSE']._serialized_start=473
   _globals['_FORWARDRESPONSE']._serialized_end=623
   _globals['_STATUS']._serialized_start=625
-  _globals['_STATUS']._serialized_end=664
-  _globals['_LOADREQUEST']._serialized_start=666
-  _globals['_LOADREQUEST']._serialized_end=734
-  _globals['_LOADRESPONSE']._serialized_start=736
-  _globals['_LOADRESPONSE']._serialized_end=826
-  _globals['_UNLOADREQUEST']._serialized_start=828
-  _globals['_UNLOADREQUEST']._serialized_end=898
-  _globals['_UNLOADRESPONSE']._serialized_start=900
-  _globals['_UNLOADRESPONSE']._serialized_end=974
-  _globals['_DESCRIBEREQUEST']._serialized_start=976
-  _globals['_DESCRIBEREQUEST']._serialized_end=993
-  _globals['_DESCRIBERESPONSE']._serialized_start=996
-  _globals['_DESCRIBERESPONSE']._serialized_end=1178
-  _globals['_ENDPOINT']._serialized_start=1180
-  _globals['_ENDPOINT']._serialized_end=1241
-  _globals['_ROUTE']._serialized_start=1243
-  _globals['_ROUTE']._serialized_end=1347
-  _globals['_ROUTINGTABLE']._serialized_start=1349
-  _globals['_ROUTINGTABLE']._serialized_end=1430
-  _globals['_EXPERTLOAD']._serialized_start=1433
-  _globals['_EXPERTLOAD']._serialized_end=1582
-  _globals['_LAYERPREDICTION']._serialized_start=1584
-  _globals['_LAYERPREDICTION']._serialized_end=1672
-  _globals['_LOADREPORT']._serialized_start=1675
-  _globals['_LOADREPORT']._serialized_end=1962
-  _globals['_OFFLOADSTATS']._serialized_start=1965
-  _globals['_OFFLOADSTATS']._serialized_end=2234
-  _globals['_SAMPLINGPARAMS']._serialized_start=2237
-  _globals['_SAMPLINGPARAMS']._serialized_end=2437
-  _globals['_GENERATEREQUEST']._serialized_start=2440
-  _globals['_GENERATEREQUEST']._serialized_end=2609
-  _globals['_TOKENIDS']._serialized_start=2611
-  _globals['_TOKENIDS']._serialized_end=2634
-  _globals['_USAGE']._serialized_start=2636
-  _globals['_USAGE']._serialized_end=2693
-  _globals['_GENERATERESPONSE']._serialized_start=2696
-  _globals['_GENERATERESPONSE']._serialized_end=2824
-  _globals['_EXPERTSERVICE']._serialized_start=2899
-  _globals['_EXPERTSERVICE']._serialized_end=3255
-  _globals['_GENERATOR']._serialized_start=3257
-  _globals['_GENERATOR']._serialized_end=3341
+  _globals['_STATUS']._serialized_end=704
+  _globals['_LOADREQUEST']._serialized_start=706
+  _globals['_LOADREQUEST']._serialized_end=774
+  _globals['_LOADRESPONSE']._serialized_start=776
+  _globals['_LOADRESPONSE']._serialized_end=866
+  _globals['_UNLOADREQUEST']._serialized_start=868
+  _globals['_UNLOADREQUEST']._serialized_end=938
+  _globals['_UNLOADRESPONSE']._serialized_start=940
+  _globals['_UNLOADRESPONSE']._serialized_end=1014
+  _globals['_DESCRIBEREQUEST']._serialized_start=1016
+  _globals['_DESCRIBEREQUEST']._serialized_end=1033
+  _globals['_DESCRIBERESPONSE']._serialized_start=1036
+  _globals['_DESCRIBERESPONSE']._serialized_end=1218
+  _globals['_ENDPOINT']._serialized_start=1220
+  _globals['_ENDPOINT']._serialized_end=1281
+  _globals['_ROUTE']._serialized_start=1283
+  _globals['_ROUTE']._serialized_end=1387
+  _globals['_ROUTINGTABLE']._serialized_start=1389
+  _globals['_ROUTINGTABLE']._serialized_end=1470
+  _globals['_EXPERTLOAD']._serialized_start=1473
+  _globals['_EXPERTLOAD']._serialized_end=1622
+  _globals['_LAYERPREDICTION']._serialized_start=1624
+  _globals['_LAYERPREDICTION']._serialized_end=1712
+  _globals['_LOADREPORT']._serialized_start=1715
+  _globals['_LOADREPORT']._serialized_end=2002
+  _globals['_OFFLOADSTATS']._serialized_start=2005
+  _globals['_OFFLOADSTATS']._serialized_end=2274
+  _globals['_SAMPLINGPARAMS']._serialized_start=2277
+  _globals['_SAMPLINGPARAMS']._serialized_end=2477
+  _globals['_GENERATEREQUEST']._serialized_start=2480
+  _globals['_GENERATEREQUEST']._serialized_end=2649
+  _globals['_TOKENIDS']._serialized_start=2651
+  _globals['_TOKENIDS']._serialized_end=2674
+  _globals['_USAGE']._serialized_start=2676
+  _globals['_USAGE']._serialized_end=2733
+  _globals['_GENERATERESPONSE']._serialized_start=2736
+  _globals['_GENERATERESPONSE']._serialized_end=2864
+  _globals['_EXPERTSERVICE']._serialized_start=2939
+  _globals['_EXPERTSERVICE']._serialized_end=3295
+  _globals['_GENERATOR']._serialized_start=3297
+  _globals['_GENERATOR']._serialized_end=3381
 # @@protoc_insertion_point(module_scope)

@@ -83,12 +83,14 @@ class ForwardResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., timing: _Optional[_Union[ServerTiming, _Mapping]] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "lacking")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LACKING_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    lacking: _containers.RepeatedCompositeFieldContainer[ExpertKey]
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., lacking: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("model", "experts")

@@ -207,3 +207,19 @@ def test_property_malformed_requests_never_break_the_server(tiny_checkpoint, ser
             runner.run(channel.close())
             runner.run(context.__aexit__(None, None, None))
     assert sum(outcomes.values()) == 2500 and outcomes["INVALID_ARGUMENT"] > 1000 and outcomes["NOT_FOUND"] > 100, outcomes
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+async def test_a_refusal_names_every_expert_the_function_lacks_however_the_call_went(streaming, server):
+    """The dispatcher puts aside only the (function, expert) pairs a refusal names (frontend/dispatch.py)."""
+    from kubemoe.expert_fn.errors import lacking_of
+
+    client = server.client(streaming=streaming)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await client.forward(0, [1, 5, 2, 7], [1, 1, 1, 1], torch.randn(4, H))  # bundle holds 0-3 of layer 0
+    assert refused.value.code() == NOT_FOUND and "experts 5, 7 of layer 0" in refused.value.details()
+    assert lacking_of(refused.value) == {(0, 5), (0, 7)}
+    with pytest.raises(grpc.aio.AioRpcError) as wrong_model:  # about the whole function: names none
+        await forward_raw(server.address, request("llama-70b"))
+    assert wrong_model.value.code() == NOT_FOUND and lacking_of(wrong_model.value) == frozenset()
+    await client.close()
