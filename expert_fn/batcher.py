@@ -1,6 +1,6 @@
 """Micro-batching: requests for the same (layer, expert) from different calls run as ONE matrix product.
 
-A frontend sends each bundle endpoint one request per layer and step; several frontends (and the
+A frontend sends each expert function one request per layer and step; several frontends (and the
 layers of several sequences) reach one expert function at once. Their tokens for one expert are
 concatenated, run through the expert once (one read of its weights: what bounds a small-batch
 expert on a GPU), and split back.

@@ -2,29 +2,31 @@
 
 A layer whose experts all run in this process is one grouped computation over its stacked
 weights (`kubemoe.moe.grouped_ffn`) that never waits for the device; its loads are counted on the
-device (`tally.py`). Otherwise, per MoE layer it groups the batch's tokens by expert, sends each bundle's tokens to its replicas
-(all bundles of the layer at once), computes in-process bundles on the calling thread while remote
-calls are in flight, and adds the outputs back with the routing weights. A hot expert's tokens are
-split across several of its bundle's warm replicas in the same step (`kubemoe.planning.split`): how
-many from the tokens predicted for this layer d layers earlier (the online predictor's; without one,
-this step's tokens), each part at least `split_min_tokens`, and which by join-the-shortest-queue on
-in-flight tokens. Lossless: every token goes to exactly one replica of the expert its router chose,
-and the parts' outputs are put back in order. A replica that fails or times out is put aside for a
-moment and its part is retried on another, so a dead replica loses no request while another one
-lives. Shapes: T = tokens, H = hidden size, K = experts per token, N = a bundle call's rows.
+device (`tally.py`). Otherwise, per MoE layer it groups the batch's tokens by expert and sends each
+expert function ONE call carrying the rows of every expert it serves in that layer, whichever
+bundles they belong to (all calls of the layer at once), computes in-process experts on the calling
+thread while remote calls are in flight, and adds the outputs back with the routing weights. A hot
+expert's tokens are split across several of its warm replicas in the same step
+(`kubemoe.planning.split`): how many from the tokens predicted for this layer d layers earlier (the
+online predictor's; without one, this step's tokens), each part at least `split_min_tokens`, and
+which by join-the-shortest-queue on in-flight tokens. Lossless: every token goes to exactly one
+replica of the expert its router chose, and each part's output is added back at its own rows.
+A replica that fails or times out is put aside for a moment and its part is retried on another,
+so a dead replica loses no request while another one lives; a function that answers it lacks some
+experts (NOT_FOUND: unloaded, loading in place) is put aside for those experts only.
+Shapes: T = tokens, H = hidden size, K = experts per token, N = a call's rows.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Collection, Mapping, Protocol, Sequence
 
 import grpc
 import torch
@@ -33,10 +35,12 @@ from kubemoe.adapters import MoEAdapter
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert import ExpertWeights, expert_ffn
+from kubemoe.expert_fn.errors import lacking_of
 from kubemoe.frontend.loads import LoadRecorder
 from kubemoe.frontend.loop_thread import LoopThread
 from kubemoe.frontend.tally import DeviceTally
-from kubemoe.moe import StackedExperts, can_group, combine, expert_counts, expert_inputs, grouped_ffn, group_tokens
+from kubemoe.moe import (ExpertGroup, StackedExperts, can_group, combine, expert_counts, expert_inputs, grouped_ffn,
+                         group_tokens)
 from kubemoe.planning.split import split
 from kubemoe.routing_table import LOCAL, BundleRoute, RouteMap
 
@@ -74,6 +78,9 @@ class DispatchConfig:
     # The smallest part of an expert's tokens worth a replica of its own: below the FFN's knee a part
     # costs a whole weight read (a Mixtral expert on the H200 takes 0.13 ms from 1 to 64 tokens).
     split_min_tokens: int = 64
+    # One call per (bundle, address) instead of one per address: the dispatch before calls were
+    # merged, kept as the baseline benchmarks/dispatch_calls.py measures against. Not for serving.
+    calls_per_bundle: bool = False
 
 
 class Predictions(Protocol):
@@ -83,46 +90,70 @@ class Predictions(Protocol):
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows [row, row + count) of a bundle call's input: one part of one expert's tokens."""
+    """Tokens [start, start + count) of one expert's tokens in a layer (in its group's order)."""
 
     expert: int
-    row: int
+    start: int
     count: int
 
 
-def split_bundle_call(experts: Sequence[int], counts: Sequence[int], inflight: Sequence[int],
-                      predicted: Sequence[int] | None, min_tokens: int) -> dict[int, list[Piece]]:
-    """A bundle call's experts (their rows consecutive, in this order) -> replica index -> its pieces.
+CallKey = tuple[str, str]  # (address, tag): one call each
 
-    Each expert is split on its own (`kubemoe.planning.split`); the tokens given to a replica count
+
+def plan_calls(experts: Sequence[int], counts: Sequence[int], candidates: Sequence[Sequence[str]],
+               inflight: Mapping[str, int], predicted: Sequence[int] | None, min_tokens: int,
+               tags: Sequence[str] | None = None) -> dict[CallKey, list[Piece]]:
+    """A layer's remote experts (their tokens, the replicas each may use now) -> calls -> their pieces.
+
+    Each expert is split on its own (`kubemoe.planning.split`); the tokens given to an address count
     as in flight on it when the next expert is split, so one step's parts spread over the replicas.
+    Everything one address gets is one call (tag ""), unless `tags` gives experts tags that must
+    not share a call (the per-bundle calls of the benchmark's baseline).
     """
-    load = list(inflight)
-    parts: dict[int, list[Piece]] = {}
-    row = 0
-    for expert, count in zip(experts, counts):
-        guess = None if predicted is None or expert >= len(predicted) else predicted[expert]
-        for part in split(count, load, guess, min_tokens):
-            parts.setdefault(part.replica, []).append(Piece(expert, row + part.start, part.count))
-            load[part.replica] += part.count
-        row += count
-    return parts
+    load = {a: inflight.get(a, 0) for addresses in candidates for a in addresses}
+    calls: dict[CallKey, list[Piece]] = {}
+    for n, (expert, count, addresses) in enumerate(zip(experts, counts, candidates)):
+        guess = None if predicted is None or len(addresses) == 1 or expert >= len(predicted) else predicted[expert]
+        for part in split(count, [load[a] for a in addresses], guess, min_tokens):
+            address = addresses[part.replica]
+            calls.setdefault((address, tags[n] if tags else ""), []).append(Piece(expert, part.start, part.count))
+            load[address] += part.count
+    return calls
+
+
+def pick_replica(replicas: list[Replica], exclude: Collection[str], now: float,
+                 lacking: Collection[str] = ()) -> Replica:
+    """Join-the-shortest-queue on in-flight tokens, preferring replicas that have not just failed
+    (nor just said they lack the expert: `lacking`)."""
+    fresh = [r for r in replicas if r.address not in exclude] or replicas
+    healthy = [r for r in fresh if r.failed_until <= now and r.address not in lacking] or fresh
+    return min(healthy, key=lambda r: (r.inflight_tokens, r.picks))
 
 
 @dataclass
-class _BundleCall:
-    route: BundleRoute
-    experts: list[int] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    groups: list = field(default_factory=list)
-    inputs: list[torch.Tensor] = field(default_factory=list)
+class _Call:
+    """One call's work: its pieces, in row order, and the batch rows they are (`rows.tokens`, `.slots`)."""
+
+    pieces: list[Piece]
+    rows: ExpertGroup  # [N] token positions and choice slots, piece after piece (its expert is unused: -1)
+    x: torch.Tensor  # [N, H] the call's input
+
+    def subset(self, indices: Sequence[int]) -> "_Call":
+        """The call made of some of its pieces (a retry sends them elsewhere): their rows, in order."""
+        if len(indices) == len(self.pieces):
+            return self
+        ends = list(itertools.accumulate(p.count for p in self.pieces))
+        spans = [slice(ends[i] - self.pieces[i].count, ends[i]) for i in indices]
+        rows = [torch.cat([t[s] for s in spans]) for t in (self.rows.tokens, self.rows.slots, self.x)]
+        return _Call([self.pieces[i] for i in indices], ExpertGroup(-1, rows[0], rows[1]), rows[2])
 
 
-def pick_replica(replicas: list[Replica], exclude: set[str], now: float) -> Replica:
-    """Join-the-shortest-queue on in-flight tokens, preferring replicas that have not just failed."""
-    fresh = [r for r in replicas if r.address not in exclude] or replicas
-    healthy = [r for r in fresh if r.failed_until <= now] or fresh
-    return min(healthy, key=lambda r: (r.inflight_tokens, r.picks))
+def _rows_of(pieces: Sequence[Piece], groups: Mapping[int, ExpertGroup]) -> ExpertGroup:
+    """The batch rows of a call's pieces, piece after piece (one piece that is its whole group: that group)."""
+    if len(pieces) == 1 and pieces[0].start == 0 and pieces[0].count == len(groups[pieces[0].expert].tokens):
+        return groups[pieces[0].expert]
+    spans = [(groups[p.expert], slice(p.start, p.start + p.count)) for p in pieces]
+    return ExpertGroup(-1, torch.cat([g.tokens[s] for g, s in spans]), torch.cat([g.slots[s] for g, s in spans]))
 
 
 class Dispatcher:
@@ -139,6 +170,8 @@ class Dispatcher:
         self.tally = DeviceTally(adapter.num_experts, self._record_counts)
         loads.before_report.append(self.tally.flush)
         self._replicas: dict[str, Replica] = {}
+        # (address, layer, expert) -> until when: the function there said it lacks that expert.
+        self._lacking: dict[tuple[str, int, int], float] = {}
         self._clients: dict[str, object] = {}
         self._ids = itertools.count()
         # See each layer's router input and choice before its experts run: the load predictor and
@@ -243,44 +276,47 @@ class Dispatcher:
         groups = group_tokens(top_k_index)
         self._record_counts(layer, [(g.expert, len(g.tokens)) for g in groups])
         self._observe(layer, hidden, top_k_index, top_k_weights)
-        calls: dict[str, _BundleCall] = {}
+        local, remote = [], {}
         for g in groups:
             route = self._routes.routes[(layer, g.expert)]
-            call = calls.setdefault(route.bundle, _BundleCall(route))
-            call.experts.append(g.expert)
-            call.counts.append(len(g.tokens))
-            call.groups.append(g)
-            if self.offload is None or LOCAL not in route.addresses:  # the offload executor gathers its own
-                call.inputs.append(expert_inputs(hidden, top_k_weights, g, weight_on_input))
-        request_id = f"{uuid.uuid4().hex[:8]}-{next(self._ids)}"
-        # Read only where a bundle has several replicas to split across: reading it waits for the GPU.
-        predicted = functools.cache(lambda: self._predicted(layer))
-        # One id per bundle call: two bundles may share an endpoint (a function hosting experts of
-        # several bundles, loaded in place), and ids are unique per call in flight on a client.
-        remote = {name: self._submit(c, layer, f"{request_id}.b{n}", predicted)
-                  for n, (name, c) in enumerate(calls.items()) if LOCAL not in c.route.addresses}
+            if LOCAL in route.addresses:
+                local.append(g)
+            else:
+                remote[g.expert] = (g, route)
+        calls = self._submit(layer, remote, hidden, top_k_weights, weight_on_input) if remote else []
         out = torch.zeros_like(hidden)
         if self.offload is not None:  # every in-process expert of the layer, placed by the offload policy
-            local = [g for name, call in calls.items() if name not in remote for g in call.groups]
             if local:
                 self.offload.run_layer(layer, hidden, top_k_index, top_k_weights, local, out)
-        for name, call in calls.items():  # in-process bundles run here while remote calls are in flight
-            if name not in remote and self.offload is None:
-                for g, x in zip(call.groups, call.inputs):
-                    y = expert_ffn(x, self._local[(layer, g.expert)], self.adapter.act)
-                    combine(out, top_k_weights, g, y, weight_on_input)
-        for name, parts in remote.items():
-            call = calls[name]
-            try:
-                results = [future.result() for _, future in parts]
-            except DispatchError as e:  # name the tokens that went without their experts: their requests fail
-                raise DispatchError(str(e), torch.cat([g.tokens for g in call.groups]).unique().tolist()) from e
-            pieces = sorted((p.row, y) for (rows, _), result in zip(parts, results)
-                            for p, y in zip(rows, result.split([p.count for p in rows])))
-            joined = pieces[0][1] if len(pieces) == 1 else torch.cat([y for _, y in pieces])  # [N, H], call order
-            for g, y in zip(call.groups, joined.split(call.counts)):
+        else:  # in-process experts run here while remote calls are in flight
+            for g in local:
+                y = expert_ffn(expert_inputs(hidden, top_k_weights, g, weight_on_input), self._local[(layer, g.expert)],
+                               self.adapter.act)
                 combine(out, top_k_weights, g, y, weight_on_input)
+        if calls:
+            self._gather(calls, out, top_k_weights, weight_on_input)
         return out
+
+    def _gather(self, calls: list, out: torch.Tensor, top_k_weights: torch.Tensor, weight_on_input: bool) -> None:
+        """Add the remote calls' outputs to `out` [T, H]. Each (token, choice) pair comes back from
+        exactly one call: placed at its own row of a [T * K, H] buffer, summed over K in a fixed order
+        (a token's K outputs may share a call: index_add_'s atomics on CUDA would sum them in any order)."""
+        t, k = top_k_weights.shape
+        pairs = torch.zeros(t * k, out.shape[1], dtype=out.dtype, device=out.device)  # [T * K, H]
+        failed: list[DispatchError] = []
+        for future in calls:
+            try:
+                results = future.result()
+            except DispatchError as e:  # the others still come back: only the rows without experts fail
+                failed.append(e)
+                continue
+            for rows, y in results:
+                if not weight_on_input:
+                    y = y * top_k_weights[rows.tokens, rows.slots, None]
+                pairs[rows.tokens * k + rows.slots] = y.to(out.dtype)
+        if failed:  # name the tokens that went without their experts: their requests fail, the others' need not
+            raise DispatchError("; ".join(map(str, failed)), sorted({r for e in failed for r in e.rows or ()}))
+        out += pairs.view(t, k, -1).sum(dim=1)
 
     def _observe(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
         for observer in list(self.observers):
@@ -300,54 +336,107 @@ class Dispatcher:
             log.exception("predicted loads of layer %d unavailable; splitting by this step's tokens", layer)
             return None
 
-    def _submit(self, call: _BundleCall, layer: int, request_id: str,
-                predicted: Callable[[], Sequence[int] | None]) -> list:
-        """The bundle call as one call per chosen replica -> [(its pieces, future of its output [rows, H])]."""
-        x = torch.cat(call.inputs)  # [N, H]
-        now = time.monotonic()
-        # Replicas that just failed get no part while others are healthy (a retry may still reach them).
-        addresses = [a for a in call.route.addresses if self._replicas[a].failed_until <= now] or call.route.addresses
-        parts = split_bundle_call(call.experts, call.counts, [self._replicas[a].inflight_tokens for a in addresses],
-                                  predicted() if len(addresses) > 1 else None, self.config.split_min_tokens)
-        submitted = []
-        for index, (replica, pieces) in enumerate(sorted(parts.items())):
-            rows = x if len(parts) == 1 else torch.cat([x[p.row:p.row + p.count] for p in pieces])
-            # Ids are unique per call in flight on a client: the parts of one layer get their own.
-            part_id = request_id if index == 0 else f"{request_id}.{index}"
-            coroutine = self._call(call.route, layer, [p.expert for p in pieces], [p.count for p in pieces], rows,
-                                   part_id, first=addresses[replica])
-            submitted.append((pieces, self.io.submit(coroutine)))
-        return submitted
+    def _usable(self, route: BundleRoute, layer: int, expert: int, now: float) -> Sequence[str]:
+        """The expert's replicas that neither failed nor said they lack it just now (all, if none is left)."""
+        lacking = self._lacking
+        usable = [a for a in route.addresses if self._replicas[a].failed_until <= now
+                  and (not lacking or lacking.get((a, layer, expert), 0.0) <= now)]
+        return usable or route.addresses
 
-    async def _call(self, route: BundleRoute, layer: int, experts: list[int], counts: list[int], x: torch.Tensor,
-                    request_id: str, first: str | None = None):
-        replicas = [self._replicas[a] for a in route.addresses]
-        tried: set[str] = set()
-        errors = []
-        for attempt in range(self.config.max_attempts):
-            # The split chose the first replica; a retry goes to the shortest queue among the others.
-            replica = self._replicas[first] if attempt == 0 and first else pick_replica(replicas, tried, time.monotonic())
-            replica.picks += 1
-            replica.inflight_tokens += x.shape[0]
-            try:
-                return await self._client(replica.address).forward(
-                    layer, experts, counts, x, request_id=request_id, timeout=self.config.call_timeout)
-            except grpc.aio.AioRpcError as e:
-                if e.code() in NOT_RETRYABLE:
-                    raise DispatchError(f"bundle {route.bundle} at {replica.address} refused layer {layer}: {e.details()}") from e
-                errors.append(f"{replica.address}: {e.code().name} {e.details()}")
-                replica.failed_until = time.monotonic() + self.config.cooldown
-                tried.add(replica.address)
-                if self.metrics:
-                    self.metrics.expert_retries.labels(bundle=route.bundle).inc()
-                log.warning("bundle %s replica %s failed (%s); retrying", route.bundle, replica.address, e.code().name)
-                if len(tried) >= len(replicas):  # every replica failed once: back off before going round again
-                    tried.clear()
-                    await asyncio.sleep(0.05 * 2**attempt)
-            finally:
-                replica.inflight_tokens -= x.shape[0]
-        raise DispatchError(f"bundle {route.bundle}: no replica could run layer {layer} after "
-                            f"{self.config.max_attempts} attempts: {'; '.join(errors)}")
+    def _submit(self, layer: int, remote: dict[int, tuple[ExpertGroup, BundleRoute]], hidden: torch.Tensor,
+                top_k_weights: torch.Tensor, weight_on_input: bool) -> list:
+        """The layer's remote experts as one call per address -> futures of [(rows, output [rows, H])]."""
+        now = time.monotonic()
+        experts = list(remote)
+        candidates = [self._usable(remote[e][1], layer, e, now) for e in experts]
+        # Read only where an expert has several replicas to split across: reading it waits for the GPU.
+        predicted = self._predicted(layer) if any(len(c) > 1 for c in candidates) else None
+        plan = plan_calls(experts, [len(remote[e][0].tokens) for e in experts], candidates,
+                          {a: r.inflight_tokens for a, r in self._replicas.items()}, predicted,
+                          self.config.split_min_tokens,
+                          [remote[e][1].bundle for e in experts] if self.config.calls_per_bundle else None)
+        # Ids are unique per call in flight on a client: every call of the layer gets its own.
+        request_id = f"{uuid.uuid4().hex[:8]}-{next(self._ids)}"
+        routes = {e: route for e, (_, route) in remote.items()}
+        futures = []
+        for n, ((address, _), pieces) in enumerate(plan.items()):
+            rows = _rows_of(pieces, {p.expert: remote[p.expert][0] for p in pieces})
+            call = _Call(pieces, rows, expert_inputs(hidden, top_k_weights, rows, weight_on_input))
+            futures.append(self.io.submit(self._call(layer, routes, call, address, f"{request_id}.{n}")))
+        return futures
+
+    async def _call(self, layer: int, routes: dict[int, BundleRoute], call: _Call, address: str, request_id: str,
+                    attempt: int = 0, tried: frozenset[tuple[str, int]] = frozenset(), errors: tuple[str, ...] = ()):
+        """Run `call` at `address`; on a failure put the replica (or only its lacking experts) aside
+        and retry the pieces on the shortest queues among the others -> [(rows, output [rows, H])]."""
+        replica = self._replicas[address]
+        replica.picks += 1
+        if self.metrics:
+            self.metrics.expert_calls.inc()
+        replica.inflight_tokens += call.x.shape[0]
+        try:
+            y = await self._client(address).forward(layer, [p.expert for p in call.pieces], [p.count for p in call.pieces],
+                                                    call.x, request_id=request_id, timeout=self.config.call_timeout)
+            return [(call.rows, y)]
+        except grpc.aio.AioRpcError as e:
+            error = e
+        finally:
+            replica.inflight_tokens -= call.x.shape[0]
+        bundles = ", ".join(sorted({routes[p.expert].bundle for p in call.pieces}))
+        rows = sorted(set(call.rows.tokens.tolist()))
+        if error.code() in NOT_RETRYABLE:
+            raise DispatchError(f"bundle {bundles} at {address} refused layer {layer}: {error.details()}", rows) from error
+        lacking = self._sideline(address, layer, [p.expert for p in call.pieces], error)
+        errors += (f"{address}: {error.code().name} {error.details()}",)
+        tried |= {(address, e) for e in (lacking or {p.expert for p in call.pieces})}
+        if self.metrics:
+            for bundle in {routes[p.expert].bundle for p in call.pieces}:
+                self.metrics.expert_retries.labels(bundle=bundle).inc()
+        log.warning("bundle %s replica %s failed (%s%s); retrying", bundles, address, error.code().name,
+                    f" for experts {sorted(lacking)} of layer {layer}" if lacking else "")
+        if attempt + 1 >= self.config.max_attempts:
+            raise DispatchError(f"bundle {bundles}: no replica could run layer {layer} after "
+                                f"{self.config.max_attempts} attempts: {'; '.join(errors)}", rows)
+        if any(all((a, p.expert) in tried for a in routes[p.expert].addresses) for p in call.pieces):
+            tried = frozenset()  # every replica of an expert failed once: back off before going round again
+            await asyncio.sleep(0.05 * 2**attempt)
+        # Each piece to the shortest queue among its expert's replicas it has not tried; those that
+        # land on one address go together.
+        now, again = time.monotonic(), {}
+        for i, p in enumerate(call.pieces):
+            replicas = [self._replicas[a] for a in routes[p.expert].addresses]
+            lacks = [a for a in routes[p.expert].addresses if self._lacking.get((a, layer, p.expert), 0.0) > now]
+            chosen = pick_replica(replicas, {a for a, e in tried if e == p.expert}, now, lacks)
+            again.setdefault(chosen.address, []).append(i)
+        results = await asyncio.gather(*(
+            self._call(layer, routes, call.subset(indices), target, f"{request_id}.{attempt + 1}.{n}", attempt + 1,
+                       tried, errors)
+            for n, (target, indices) in enumerate(again.items())), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            if not all(isinstance(r, DispatchError) for r in failed):
+                raise next(r for r in failed if not isinstance(r, DispatchError))
+            raise DispatchError("; ".join(map(str, failed)), sorted({r for e in failed for r in e.rows or ()}))
+        return [part for result in results for part in result]
+
+    def _sideline(self, address: str, layer: int, experts: Sequence[int], error: grpc.aio.AioRpcError) -> set[int]:
+        """Put aside, for the cooldown, what the error says is wrong -> the experts put aside alone (empty:
+        the whole replica). A function that says it lacks some experts (not held, loading in place) is
+        up: only those (address, expert) pairs; NOT_FOUND that names none (an older server) means all
+        the call's experts. Anything else (UNAVAILABLE, a timeout, a broken stream): the replica."""
+        until = time.monotonic() + self.config.cooldown
+        lacking = {e for l, e in lacking_of(error) if l == layer}
+        if not lacking and error.code() == grpc.StatusCode.NOT_FOUND:
+            lacking = set(experts)
+        if not lacking:
+            self._replicas[address].failed_until = until
+            return lacking
+        now = until - self.config.cooldown
+        for key in [k for k, t in self._lacking.items() if t <= now]:  # forget the expired: the dict stays small
+            del self._lacking[key]
+        for expert in lacking:
+            self._lacking[(address, layer, expert)] = until
+        return lacking
 
     def _client(self, address: str):
         client = self._clients.get(address)

@@ -34,6 +34,8 @@ class FrontendMetrics:
         self.predictor_refreshes = Counter(
             "kubemoe_predictor_refreshes", "Online refreshes of a layer's predictor that were kept",
             ["deployment", "layer"], registry=r)
+        self.expert_calls = Counter("kubemoe_frontend_expert_calls", "Calls to expert functions, retries included "
+                                    "(one per function and MoE layer of a step, whichever bundles it serves)", registry=r)
         self.expert_retries = Counter("kubemoe_frontend_expert_retries", "Expert calls retried on another replica",
                                       ["bundle"], registry=r)
         # The offload path (frontend/offload/executor.py): where each activated expert ran and what was copied.

@@ -146,18 +146,59 @@ def test_a_hot_experts_tokens_split_across_two_replicas_equal_the_in_process_pat
     torch.testing.assert_close(split, in_process, rtol=1.3e-6, atol=1e-5)
 
 
-def test_split_bundle_call_sends_every_token_to_exactly_one_replica():
-    from kubemoe.frontend.dispatch import split_bundle_call
+@pytest.mark.parametrize("calls_per_bundle", [False, True])
+def test_a_function_serving_many_bundles_gets_one_call_per_layer_equal_to_the_in_process_path(calls_per_bundle,
+                                                                                             tiny_checkpoint):
+    """Every expert its own bundle (as the planner makes them), all in one real expert function: one
+    call per MoE layer carries them all; the per-bundle baseline makes one per expert. Both compute
+    what the in-process experts compute."""
+    import dataclasses
+
+    from kubemoe.bundles import Bundle
+
+    path = tiny_checkpoint("mixtral")
+    fe = Frontend(FrontendConfig(checkpoint=path, predictor="none"))
+    fe.dispatcher.config = dataclasses.replace(fe.dispatcher.config, calls_per_bundle=calls_per_bundle)
+    layer, experts = fe.adapter.moe_layers[0], fe.adapter.num_experts
+    bundles = [Bundle(f"l{l}-e{e}", ((l, e),)) for l in fe.adapter.moe_layers for e in range(experts)]
+    servers = ExpertServers(path, [Bundle("all", tuple(k for b in bundles for k in b.experts))])
+    address = servers.addresses["all"][0]
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(40, fe.adapter.hidden_size, generator=generator)  # [T, H]
+    weights, index = torch.randn(40, experts, generator=generator).softmax(-1).topk(2, dim=-1)  # [T, K]
+    calls = fe.metrics.registry.get_sample_value
+    try:
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
+        fe.dispatcher.apply_pending()
+        in_process = fe.dispatcher.run_layer(layer, hidden, index, weights)
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [address] for b in bundles}, version=2))
+        fe.dispatcher.apply_pending()
+        before = calls("kubemoe_frontend_expert_calls_total") or 0
+        remote = fe.dispatcher.run_layer(layer, hidden, index, weights)
+        made = calls("kubemoe_frontend_expert_calls_total") - before
+    finally:
+        fe.close()
+        servers.stop()
+    assert made == (len(index.unique()) if calls_per_bundle else 1)
+    assert fe.dispatcher._replicas[address].picks == made
+    torch.testing.assert_close(remote, in_process, rtol=1.3e-6, atol=1e-5)
+
+
+def test_plan_calls_sends_every_token_to_one_replica_of_its_expert_in_one_call_per_address():
+    from kubemoe.frontend.dispatch import plan_calls
 
     experts, counts = [0, 3, 5], [7, 1, 4]
-    parts = split_bundle_call(experts, counts, [0, 2, 0], None, 2)
-    rows = sorted(r for pieces in parts.values() for p in pieces for r in range(p.row, p.row + p.count))
-    assert rows == list(range(12))
-    for pieces in parts.values():  # a piece stays inside its expert's rows
-        for p in pieces:
-            start = sum(counts[:experts.index(p.expert)])
-            assert start <= p.row and p.row + p.count <= start + counts[experts.index(p.expert)]
-    assert {p.expert for pieces in parts.values() for p in pieces if p.count} == {0, 3, 5}
+    candidates = [["a", "b", "c"], ["a"], ["b", "c"]]  # expert 3 lives on a only, 5 on b and c
+    calls = plan_calls(experts, counts, candidates, {"b": 2}, None, 2)
+    assert len(calls) == len({address for address, _ in calls}) == 3  # one call per address
+    for e, count, where in zip(experts, counts, candidates):
+        pieces = [(address, p) for (address, _), ps in calls.items() for p in ps if p.expert == e]
+        rows = sorted(r for _, p in pieces for r in range(p.start, p.start + p.count))
+        assert rows == list(range(count))  # each of its tokens once, none of another expert's
+        assert {address for address, _ in pieces} <= set(where)
     # The prediction decides how many replicas: one predicted token keeps expert 0 on one replica.
-    assert len(split_bundle_call([0], [7], [0, 0, 0], [1], 1)) == 1
-    assert len(split_bundle_call([0], [7], [0, 0, 0], [100], 1)) == 3
+    assert len(plan_calls([0], [7], [["a", "b", "c"]], {}, [1], 1)) == 1
+    assert len(plan_calls([0], [7], [["a", "b", "c"]], {}, [100], 1)) == 3
+    # The baseline: experts of different bundles on one address go as separate calls.
+    assert len(plan_calls([0, 1], [3, 3], [["a"], ["a"]], {}, None, 64)) == 1
+    assert len(plan_calls([0, 1], [3, 3], [["a"], ["a"]], {}, None, 64, tags=["x", "y"])) == 2

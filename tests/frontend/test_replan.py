@@ -91,7 +91,8 @@ def test_an_expert_moves_between_running_functions_while_the_frontend_serves(tin
 
 def test_a_replica_the_table_names_before_it_has_loaded_loses_no_token(tiny_checkpoint):
     """The cluster's in-place path: a function named for an expert it is still loading answers
-    NOT_FOUND or UNAVAILABLE; the dispatcher retries that part on the expert's loaded replica."""
+    NOT_FOUND or UNAVAILABLE; the dispatcher retries that part on the expert's loaded replica and
+    puts the function aside for that expert only: it keeps serving the expert it holds."""
     path = tiny_checkpoint("mixtral")
     fe = Frontend(FrontendConfig(checkpoint=path, predictor="none", split_min_tokens=1))
     layer, experts = fe.adapter.moe_layers[0], fe.adapter.num_experts
@@ -103,16 +104,26 @@ def test_a_replica_the_table_names_before_it_has_loaded_loses_no_token(tiny_chec
     hidden = torch.randn(32, fe.adapter.hidden_size, generator=generator)
     weights, index = torch.randn(32, experts, generator=generator).softmax(-1).topk(2, dim=-1)
     index[:, 0] = 0  # every token at expert 0: split over both replicas, one of which lacks it
+    index[:8, 1] = experts - 1  # and some at the expert only the other function holds: one call carries both
+    retries = fe.metrics.registry.get_sample_value
     try:
         fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
         fe.dispatcher.apply_pending()
         reference = fe.dispatcher.run_layer(layer, hidden, index, weights)
-        addresses = {b.name: [empty, loaded] if b.experts[0] == (layer, 0) else [loaded] for b in bundles}
+        addresses = {b.name: [empty, loaded] if b.experts[0] == (layer, 0) else [empty] if b.experts[0] == (layer, experts - 1)
+                     else [loaded] for b in bundles}
         fe.set_routing_table(table_for_bundles(fe.model_id, bundles, addresses, version=2))
         fe.dispatcher.apply_pending()
         out = fe.dispatcher.run_layer(layer, hidden, index, weights)
-        assert fe.dispatcher._replicas[empty].picks >= 1 and fe.dispatcher._replicas[empty].failed_until > 0
+        lacks = fe.dispatcher._replicas[empty]
+        assert lacks.picks >= 2 and lacks.failed_until == 0  # refused, retried with what it holds, never put aside
+        assert (empty, layer, 0) in fe.dispatcher._lacking and (empty, layer, experts - 1) not in fe.dispatcher._lacking
+        picks, retried = lacks.picks, retries("kubemoe_frontend_expert_retries_total", {"bundle": f"l{layer}-e0"})
+        again = fe.dispatcher.run_layer(layer, hidden, index, weights)  # within the cooldown
+        assert lacks.picks == picks + 1  # its own expert's call only: expert 0 goes to the loaded replica
+        assert retries("kubemoe_frontend_expert_retries_total", {"bundle": f"l{layer}-e0"}) == retried
     finally:
         fe.close()
         servers.stop()
     torch.testing.assert_close(out, reference, rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(again, reference, rtol=1.3e-6, atol=1e-5)
