@@ -105,6 +105,8 @@ def test_a_killed_replica_loses_no_request(split_min_tokens, tiny_checkpoint, tm
     assert after_kill == expected
     retries = fe.metrics.registry.get_sample_value
     assert sum(retries("kubemoe_frontend_expert_retries_total", {"bundle": b.name}) or 0 for b in bundles) >= 1
+    # A dead process is put aside whole (for every expert it serves), never one expert at a time.
+    assert any(fe.dispatcher._replicas[a].failed_until > 0 for a in victims) and not fe.dispatcher._lacking
 
 
 class FixedPrediction:
