@@ -96,3 +96,20 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
     print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))
     for row in rows:
         print("  ".join(format(row[k], f).rjust(w) for (k, _, f), w in zip(columns, widths)))
+
+
+def mixtral_layout_checkpoint(out: Path, hidden: int, intermediate: int, dtype: str, layers: int = 1,
+                              experts: int = 2, top_k: int = 1) -> Path:
+    """A generated Mixtral-architecture checkpoint with experts of a bench size (random weights,
+    a token embedding of 512 words: only the experts matter to the benchmarks that use it).
+
+    At least two experts: MoEAdapter reads a single per-expert tensor name as a fused 3-D layout.
+    """
+    from kubemoe.presets import Preset
+    from kubemoe.synth import make_checkpoint
+
+    preset = Preset("mixtral", f"bench-{hidden}x{intermediate}", dict(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_local_experts=experts,
+        num_experts_per_tok=top_k, vocab_size=512, num_attention_heads=4, num_key_value_heads=1,
+        max_position_embeddings=512, tie_word_embeddings=False), dtype=dtype, shard_bytes=4 << 30)
+    return make_checkpoint(preset, out, progress=False)

@@ -44,7 +44,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, Goal, print_table, write_results  # noqa: E402
+from common import RESULTS, Goal, mixtral_layout_checkpoint, print_table, write_results  # noqa: E402
 
 from kubemoe import busy_poll  # noqa: E402
 from kubemoe.busy_poll import DEFAULT_BUSY_POLL_US, SHARED_CORES_BUSY_POLL_US  # noqa: E402
@@ -56,18 +56,8 @@ TOKENS = (1, 16, 64, 256)
 # -- setup ------------------------------------------------------------------------------------------
 
 def make_one_layer_checkpoint(hidden: int, intermediate: int, dtype: str, out: Path) -> Path:
-    """A Mixtral-architecture checkpoint with one layer and two experts of the given size (no full model).
-
-    Two, not one: MoEAdapter reads a single per-expert tensor name as a fused 3-D layout.
-    """
-    from kubemoe.presets import Preset
-    from kubemoe.synth import make_checkpoint
-
-    preset = Preset("mixtral", "bench-expert", dict(
-        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1, num_local_experts=2,
-        num_experts_per_tok=1, vocab_size=512, num_attention_heads=4, num_key_value_heads=1,
-        max_position_embeddings=512, tie_word_embeddings=False), dtype=dtype, shard_bytes=4 << 30)
-    return make_checkpoint(preset, out, progress=False)
+    """A Mixtral-architecture checkpoint with one layer and two experts of the given size (no full model)."""
+    return mixtral_layout_checkpoint(out, hidden, intermediate, dtype)
 
 
 async def start_server(checkpoint: Path, device: str, shm_dir: Path, settings: list[str], stamps: Path | None = None):

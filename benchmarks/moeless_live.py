@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Goal, print_table, write_results  # noqa: E402
+from common import Goal, mixtral_layout_checkpoint, print_table, write_results  # noqa: E402
 
 from kubemoe.adapters import MoEAdapter  # noqa: E402
 from kubemoe.bundles import Bundle  # noqa: E402
@@ -68,9 +68,7 @@ from kubemoe.frontend.replan import repoint  # noqa: E402
 from kubemoe.planning.baselines import eplb, static_ep  # noqa: E402
 from kubemoe.planning.placer import GPU, WARM_SLACK, Placement, place  # noqa: E402
 from kubemoe.planning.scaler import scale  # noqa: E402
-from kubemoe.presets import Preset  # noqa: E402
 from kubemoe.routing_table import build_route_map, held_by_address, table_for_bundles  # noqa: E402
-from kubemoe.synth import make_checkpoint  # noqa: E402
 
 PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99)
 SIZES = {"mixtral": (4096, 14336), "tiny": (64, 128)}  # hidden, intermediate
@@ -314,14 +312,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp, \
             tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm:
-        preset = Preset("mixtral", f"live-{args.size}", dict(
-            hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=L, num_local_experts=E,
-            num_experts_per_tok=K, vocab_size=512, num_attention_heads=4, num_key_value_heads=1,
-            max_position_embeddings=512, tie_word_embeddings=False), dtype=str(dtype).removeprefix("torch."),
-            shard_bytes=4 << 30)
         print(f"checkpoint: {L} layers x {E} experts of {hidden}x{intermediate} ({expert_bytes / 2**20:.0f} MiB each)",
               flush=True)
-        ckpt = make_checkpoint(preset, Path(tmp) / "ckpt", progress=False)
+        ckpt = mixtral_layout_checkpoint(Path(tmp) / "ckpt", hidden, intermediate, str(dtype).removeprefix("torch."),
+                                         L, E, K)
         checkpoint = Checkpoint(ckpt)
         adapter = MoEAdapter(checkpoint.config)
         model = "live"

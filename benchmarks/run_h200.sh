@@ -4,7 +4,7 @@
 # for the tests, .whl-test (pytest and the test suite's imports; `pip download --python-version 3.12
 # --only-binary=:all: -d .whl-test pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf
 # prometheus-client aiohttp click pyyaml tqdm openai`). Results go into $OUT.
-# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|chunked-prefill|predictor|llapor|offload|moeless-live|gpu-tests|probe|profile|goal-ab [ARGS]
+# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|gpu-tests|probe|profile|goal-ab [ARGS]
 # (gpu-tests [PATHS]: the GPU tests under PATHS, default all of tests/)
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
 set -euo pipefail
@@ -61,11 +61,15 @@ case "${1:-all}" in
     # processes on this GPU, Mixtral-sized experts, the trained model's routing replayed; re-plans in place (~5 min)
     python3 benchmarks/moeless_live.py --device cuda --size mixtral --layers 2 --processes 8 --decode-iterations 300 \
       --prefill-iterations 60 --decode-tokens 256 --prefill-tokens 4096 --window 30 --out "$OUT" "${@:2}" ;;
+  dispatch-calls)  # issues 14/17: one call per expert function and layer against one per bundle; Mixtral-size experts
+    # (8 experts, top-2) and Qwen3-30B-A3B-size (128, top-8) over 4 expert-function processes on this GPU (~3 min)
+    python3 benchmarks/dispatch_calls.py --device cuda --layouts 8:2:mixtral,128:8:qwen3-30b-a3b --functions 4 \
+      --tokens 1 32 256 --out "$OUT" "${@:2}" ;;
   frontend)  # issue 17: decode and TTFT against the roofline, transformers / in process / expert functions (shm),
     # batch 1-64, 512-token prompts, torch.profiler summaries; Mixtral sizes cut to 2 layers to fit one run
     python3 benchmarks/frontend_decode.py --device cuda --preset mixtral-4l --layers 2 --steps 20 --warmup 5 --out "$OUT" "${@:2}" ;;
   chunked-prefill)  # issue 17 item 3: how long a 4000-token prompt stalls 8 decoding requests, chunked (budget
     # 2048, 512) against one-shot prefill; Mixtral sizes cut to 2 layers, in-process experts (~3 min)
     python3 benchmarks/chunked_prefill.py --device cuda --preset mixtral-4l --layers 2 --batch 8 --long 4000 --out "$OUT" "${@:2}" ;;
-  *) echo "usage: $0 expert_fn|frontend|chunked-prefill|predictor|llapor|offload|moeless-live|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
+  *) echo "usage: $0 expert_fn|frontend|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
 esac
