@@ -58,7 +58,7 @@ def status_metadata(status: pb.Status) -> tuple[tuple[str, bytes], ...]:
 def status_of(error: grpc.aio.AioRpcError) -> pb.Status | None:
     """The Status a failed call carried in its trailing metadata, if any (servers before it never send one)."""
     for key, value in error.trailing_metadata() or ():
-        if key == STATUS_METADATA_KEY:
+        if key == STATUS_METADATA_KEY and isinstance(value, bytes):
             try:
                 return pb.Status.FromString(value)
             except DecodeError:  # a garbled detail must not hide the status itself

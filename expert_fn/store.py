@@ -38,24 +38,26 @@ class ExpertStore:
         """The weights of a held expert; a request error naming what is wrong otherwise."""
         weights = self._weights.get((layer, expert))
         if weights is None:
-            self.check_held(layer, (expert,))
+            raise self._refusal(layer, [(layer, expert)])
         return weights
 
     def check_held(self, layer: int, experts: Iterable[int]) -> None:
-        """Refuse, in one error that names them all (`lacking`), the experts of `layer` not held:
-        UNAVAILABLE while every one of them is loading, NOT_FOUND otherwise; INVALID_ARGUMENT for
-        one that is not in the model."""
+        """Refuse, in one error that names them all (`lacking`), the experts of `layer` not held."""
         keys = [(layer, e) for e in dict.fromkeys(experts) if (layer, e) not in self._weights]
-        if not keys:
-            return
+        if keys:
+            raise self._refusal(layer, keys)
+
+    def _refusal(self, layer: int, keys: list[ExpertKey]) -> ExpertFnError:
+        """Why `keys` (of `layer`, not held) cannot run: UNAVAILABLE while every one of them is loading,
+        NOT_FOUND otherwise; raises INVALID_ARGUMENT for one that is not in the model."""
         for key in keys:
             self.check_in_model(*key)
         named = (f"expert {keys[0][1]}" if len(keys) == 1 else f"experts {', '.join(str(e) for _, e in keys)}") + \
             f" of layer {layer}"
         if all(key in self._loading for key in keys):
-            raise ExpertFnError(grpc.StatusCode.UNAVAILABLE, f"{named} still loading; retry shortly "
-                                "(health turns SERVING when the bundle is in)", lacking=keys)
-        raise not_found(
+            return ExpertFnError(grpc.StatusCode.UNAVAILABLE, f"{named} still loading; retry shortly "
+                                 "(health turns SERVING when the bundle is in)", lacking=keys)
+        return not_found(
             f"{named} not held by this expert function (bundle {self.bundle_spec}, holding "
             f"{format_bundle_spec(self._weights) or 'nothing'}); send them to the endpoint the routing table "
             "names for them, or Load them here", lacking=keys)

@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Collection, Mapping, Protocol, Sequence
 
 import grpc
 import torch
@@ -43,6 +43,9 @@ from kubemoe.moe import (ExpertGroup, StackedExperts, can_group, combine, expert
                          group_tokens)
 from kubemoe.planning.split import split
 from kubemoe.routing_table import LOCAL, BundleRoute, RouteMap
+
+if TYPE_CHECKING:  # for its type only: the module is imported where the first client is made
+    from kubemoe.expert_fn.client import ExpertClient
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +177,7 @@ class Dispatcher:
         self._replicas: dict[str, Replica] = {}
         # (address, layer, expert) -> until when: the function there said it lacks that expert.
         self._lacking: dict[tuple[str, int, int], float] = {}
-        self._clients: dict[str, object] = {}
+        self._clients: dict[str, ExpertClient] = {}
         self._ids = itertools.count()
         # See each layer's router input and choice before its experts run: the load predictor and
         # the routing recorder. One that fails is dropped (logged): serving goes on without it.
@@ -404,7 +407,7 @@ class Dispatcher:
             await asyncio.sleep(0.05 * 2**attempt)
         # Each piece to the shortest queue among its expert's replicas it has not tried; those that
         # land on one address go together.
-        now, again = time.monotonic(), {}
+        now, again = time.monotonic(), dict[str, list[int]]()
         for i, p in enumerate(call.pieces):
             replicas = [self._replicas[a] for a in routes[p.expert].addresses]
             lacks = [a for a in routes[p.expert].addresses if self._lacking.get((a, layer, p.expert), 0.0) > now]
@@ -414,12 +417,13 @@ class Dispatcher:
             self._call(layer, routes, call.subset(indices), target, f"{request_id}.{attempt + 1}.{n}", attempt + 1,
                        tried, errors)
             for n, (target, indices) in enumerate(again.items())), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
+        for result in results:  # a cancellation or a bug: as it is
+            if isinstance(result, BaseException) and not isinstance(result, DispatchError):
+                raise result
+        failed = [r for r in results if isinstance(r, DispatchError)]
         if failed:
-            if not all(isinstance(r, DispatchError) for r in failed):
-                raise next(r for r in failed if not isinstance(r, DispatchError))
             raise DispatchError("; ".join(map(str, failed)), sorted({r for e in failed for r in e.rows or ()}))
-        return [part for result in results for part in result]
+        return [part for result in results if not isinstance(result, BaseException) for part in result]
 
     def _sideline(self, address: str, layer: int, experts: Sequence[int], error: grpc.aio.AioRpcError) -> set[int]:
         """Put aside, for the cooldown, what the error says is wrong -> the experts put aside alone (empty:
@@ -440,7 +444,7 @@ class Dispatcher:
             self._lacking[(address, layer, expert)] = until
         return lacking
 
-    def _client(self, address: str):
+    def _client(self, address: str) -> ExpertClient:
         client = self._clients.get(address)
         if client is None:
             from kubemoe.expert_fn.client import ExpertClient
