@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from kubemoe import offload_env, pod_args, ports
+from kubemoe import logs, offload_env, pod_args, ports
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.expert_fn.cli import busy_poll_option, shm_dir_option
 from kubemoe.frontend.offload.config import POLICIES
@@ -118,6 +118,7 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
     from kubemoe.frontend.app import Frontend
     from kubemoe.frontend.server import serve_frontend
 
+    logs.configure()  # the pod's log says what the frontend chose (predictor, resident experts), not only warnings
     frontend = Frontend(config)
     asyncio.run(serve_frontend(frontend, host, port, grpc_port, on_ready=lambda h, g: banner(frontend, h, g)))
 
