@@ -267,8 +267,10 @@ COST = Object("Prices for status.cost.", {
 SPEC = Object("The model to serve and how.", {
     "model": MODEL,
     "mode": String("distributed: expert functions on GPU nodes; offload: one frontend per single-GPU node holds "
-                   "every expert (CPU memory + GPU cache); auto: distributed when a multi-GPU node is eligible, "
-                   "else offload.", default="distributed", enum=MODES),
+                   "every expert (CPU memory + GPU cache); auto: distributed when a multi-GPU node is eligible or "
+                   "the single-GPU nodes hold one replica of every bundle, else offload with a GPU budget of 3/4 "
+                   "of the GPU unless spec.offload.gpuMemoryBudget says otherwise (status.mode and "
+                   "status.modeReason say what it chose and why).", default="distributed", enum=MODES),
     "frontend": FRONTEND,
     "experts": EXPERTS,
     "offload": OFFLOAD,
