@@ -106,7 +106,8 @@ def offload(spec: MoESpec, nodes: Sequence[NodeInfo], why: str) -> ModeChoice | 
                        f"{why}, but no node with one GPU has the host memory for every expert ({_gib(total)} pinned; "
                        f"the largest, {largest.name}, has {_gib(largest.memory_bytes or 0)} allocatable): add "
                        "memory or nodes with more, or set mode: distributed to spread the experts over GPUs")
-    smallest = min((n for n in roomy if n.gpu_memory_bytes), key=lambda n: (n.gpu_memory_bytes, n.name), default=None)
+    # (GPU bytes, node) of the smallest labelled GPU: the frontend may land on any of these nodes.
+    smallest = min(((n.gpu_memory_bytes, n.name) for n in roomy if n.gpu_memory_bytes), default=None)
     prefetch = min(layout.experts_per_token or 1, layout.experts_per_layer)
     working = working_set_bytes(layout.expert_bytes, prefetch)
     budget = spec.offload.gpu_memory_budget if spec.offload else None
@@ -115,24 +116,25 @@ def offload(spec: MoESpec, nodes: Sequence[NodeInfo], why: str) -> ModeChoice | 
             return Refused(c.INSUFFICIENT_CAPACITY,
                            f"{why}, but the GPU memory of the nodes with one GPU is unknown: label them with GPU "
                            "feature discovery's nvidia.com/gpu.memory (MiB) or set spec.offload.gpuMemoryBudget")
-        budget = suggested_budget(smallest.gpu_memory_bytes)
-        source = (f"{_gib(budget)} derived: {1 - RESERVED_FRACTION:.0%} of the smallest GPU ({smallest.name}, "
-                  f"{_gib(smallest.gpu_memory_bytes)}), the rest for attention weights and the KV cache")
+        gpu, node = smallest
+        budget = suggested_budget(gpu)
+        source = (f"{_gib(budget)} derived: {1 - RESERVED_FRACTION:.0%} of the smallest GPU ({node}, {_gib(gpu)}), "
+                  "the rest for attention weights and the KV cache")
         if budget < working:
             return Refused(c.INSUFFICIENT_CAPACITY,
-                           f"{why}, but the GPU of {smallest.name} ({_gib(smallest.gpu_memory_bytes)}) leaves "
-                           f"{_gib(budget)} for experts, less than one layer's working set ({_gib(working)}: "
-                           f"{working // layout.expert_bytes} experts of {_gib(layout.expert_bytes)}): use nodes "
-                           "with larger GPUs (spec.frontend.placement), set spec.offload.gpuMemoryBudget by hand, "
-                           "or set mode: distributed")
+                           f"{why}, but the GPU of {node} ({_gib(gpu)}) leaves {_gib(budget)} for experts, less than "
+                           f"one layer's working set ({_gib(working)}: {working // layout.expert_bytes} experts of "
+                           f"{_gib(layout.expert_bytes)}): use nodes with larger GPUs (spec.frontend.placement), set "
+                           "spec.offload.gpuMemoryBudget by hand, or set mode: distributed")
     else:
         source = f"{_gib(budget)} from spec.offload.gpuMemoryBudget"
-        if smallest is not None and budget > smallest.gpu_memory_bytes:
+        if smallest is not None and budget > smallest[0]:
+            gpu, node = smallest
             return Refused(c.GPU_BUDGET_TOO_LARGE,
-                           f"spec.offload.gpuMemoryBudget ({_gib(budget)}) is more than the GPU of {smallest.name} "
-                           f"({_gib(smallest.gpu_memory_bytes)}), where the offload frontend may run: lower it to "
-                           f"{_gib(suggested_budget(smallest.gpu_memory_bytes))} (the rest holds attention weights "
-                           "and the KV cache), or restrict spec.frontend.placement to nodes with larger GPUs")
+                           f"spec.offload.gpuMemoryBudget ({_gib(budget)}) is more than the GPU of {node} "
+                           f"({_gib(gpu)}), where the offload frontend may run: lower it to "
+                           f"{_gib(suggested_budget(gpu))} (the rest holds attention weights and the KV cache), or "
+                           "restrict spec.frontend.placement to nodes with larger GPUs")
     return ModeChoice(OFFLOAD, f"{why}: offload, GPU budget {source}", budget)
 
 
