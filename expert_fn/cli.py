@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import click
 
-from kubemoe import busy_poll, ports
+from kubemoe import busy_poll, logs, ports
 from kubemoe.devices import DTYPE_CHOICES
 from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_DIR
 
@@ -71,7 +70,7 @@ def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | No
     from kubemoe.expert_fn.server import serve
     from kubemoe.expert_fn.shm import shared_folder
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure()
     shm_dir = shared_folder(shm_dir)  # a pod's folder in the node's /dev/shm is made by whichever pod comes first
     config = ExpertFnConfig.build(
         checkpoint, bundle, model=model, device=device, dtype=dtype, host=host, port=port,

@@ -176,6 +176,7 @@ class Frontend:
                                      **({"problem": self.predictor_problem} if self.predictor_problem else {})}}
         if self.offload:
             details["offload"] = {"policy": self.offload.policy.name, "lookahead": self.offload.lookahead.name,
+                                  "lookahead_source": self.offload.lookahead.source,
                                   "resident_experts": len(self.offload.resident_slot),
                                   "pinned": self.offload.store.pinned}
         return details

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from kubemoe import offload_env, pod_args, ports
+from kubemoe import logs, offload_env, pod_args, ports
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.expert_fn.cli import busy_poll_option, shm_dir_option
 from kubemoe.frontend.offload.config import POLICIES
@@ -86,10 +86,12 @@ _OFFLOAD_OPTIONS = (  # the operator renders them as environment (kubemoe/offloa
                       f"groups): 20Gi, 512Mi or bytes. Env: {offload_env.GPU_BUDGET}."),
     click.option("--offload-predictor", default="llapor", show_default=True, envvar=offload_env.PREDICTOR,
                  metavar="llapor|router|frequency|FILE",
-                 help="What predicts the next layer's experts for prefetching: llapor (llapor.safetensors beside the "
-                      "checkpoint; the next layer's router if there is none), router, frequency (no prediction: the "
-                      "hot table alone), or a file of `kubemoe predictor train --kind llapor`. A file made for "
-                      f"another checkpoint is refused. Env: {offload_env.PREDICTOR}."),
+                 help=f"What predicts the next layer's experts for prefetching: llapor ({offload_env.LLAPOR_FILE} in "
+                      "the checkpoint folder; the next layer's router if there is none), router, frequency (no "
+                      "prediction: the hot table alone), or the path of a file of `kubemoe predictor train --kind "
+                      "llapor` (the operator renders spec.offload.predictorFile so). A file made for another "
+                      f"checkpoint, or a named file that is missing, stops the start. Which one serves is logged. "
+                      f"Env: {offload_env.PREDICTOR}."),
     click.option("--offload-policy", type=click.Choice(POLICIES), default="kubemoe", show_default=True,
                  help="Who places the experts: kubemoe (PreSched) or a baseline run by the same engine."),
 )
@@ -116,6 +118,7 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
     from kubemoe.frontend.app import Frontend
     from kubemoe.frontend.server import serve_frontend
 
+    logs.configure()  # the pod's log says what the frontend chose (predictor, resident experts), not only warnings
     frontend = Frontend(config)
     asyncio.run(serve_frontend(frontend, host, port, grpc_port, on_ready=lambda h, g: banner(frontend, h, g)))
 

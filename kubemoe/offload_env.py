@@ -8,8 +8,10 @@ from typing import Mapping
 
 MODE = "KUBEMOE_MODE"  # distributed | offload: the mode the operator resolved
 GPU_BUDGET = "KUBEMOE_OFFLOAD_GPU_MEMORY_BUDGET"  # bytes of GPU memory for experts (--gpu-budget)
-PREDICTOR = "KUBEMOE_OFFLOAD_PREDICTOR"  # llapor | frequency (--offload-predictor)
+PREDICTOR = "KUBEMOE_OFFLOAD_PREDICTOR"  # llapor | frequency | a file's path (--offload-predictor)
 OFFLOAD = "offload"
+# Predictor llapor without a file named: this one in the checkpoint folder (else the next layer's router).
+LLAPOR_FILE = "llapor.safetensors"
 
 
 def render(mode: str, gpu_budget_bytes: int | None = None, predictor: str | None = None) -> list[dict]:

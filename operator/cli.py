@@ -15,6 +15,7 @@ import random
 
 import click
 
+from kubemoe import logs
 from kubemoe.operator.config import PREFIX, OperatorConfig
 
 
@@ -44,8 +45,7 @@ def command(namespaces, all_namespaces, peering, standalone, priority, liveness,
         if value is not None:
             os.environ[PREFIX + name.upper()] = str(value)
     OperatorConfig.from_env()  # fail here, with the variable's name, not inside Kopf
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(logging.DEBUG if verbose else logging.INFO)
     import kopf
 
     import kubemoe.operator.handlers  # noqa: F401 - registers the handlers

@@ -26,12 +26,14 @@ PROGRESSING = "Progressing"                 # pods are starting or loading weigh
 NOT_NEEDED = "NotNeeded"                    # ExpertsReady in offload mode: the frontend holds the experts
 INVALID_SPEC = "InvalidSpec"                # the spec passed the schema but cannot be served; fix the spec
 INSUFFICIENT_CAPACITY = "InsufficientCapacity"  # not enough eligible GPU nodes for the plan; add nodes or relax placement
+GPU_BUDGET_TOO_LARGE = "GpuBudgetTooLarge"  # spec.offload.gpuMemoryBudget exceeds the GPU of a node the frontend may run on
 RUNTIME_MISSING = "RuntimeMissing"          # runtime knative without Knative Serving installed
 POD_SECURITY_FORBIDDEN = "PodSecurityForbidden"  # the namespace's Pod Security level forbids the pods' hostPath volumes
 APPLY_FAILED = "ApplyFailed"                # the API server refused an object; the message names it
 DEPENDENCY_NOT_READY = "DependencyNotReady"  # Ready: names the first condition that is not True
-# A refused plan (InvalidSpec, InsufficientCapacity, RuntimeMissing, PodSecurityForbidden, ApplyFailed) is the reason of
-# PlanApplied, of Ready, and of FrontendReady/ExpertsReady while what they wait for was never applied.
+# A refused plan (InvalidSpec, InsufficientCapacity, GpuBudgetTooLarge, RuntimeMissing, PodSecurityForbidden,
+# ApplyFailed) is the reason of PlanApplied, of Ready, and of FrontendReady/ExpertsReady while what they wait
+# for was never applied.
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,12 @@ def _status_schema() -> Schema:
     return obj("What the operator observed and did.", {
         "observedGeneration": count("metadata.generation of the last spec the operator acted on."),
         "mode": {"type": "string", "description": "The mode in effect (auto resolved): distributed or offload."},
+        "modeReason": {"type": "string", "description": "Why that mode: what mode auto saw of the nodes' GPUs "
+                                                        "and the model, and where the offload GPU budget comes from."},
+        "offload": obj("The offload path as the frontends run it (mode offload).", {
+            "gpuMemoryBudget": count("GPU memory the frontend gives expert weights: spec.offload.gpuMemoryBudget, "
+                                     "or derived by mode auto from the nodes' GPUs. Unit: bytes."),
+        }),
         "conditions": {"type": "array", "description": "Ready <- FrontendReady, ExpertsReady, PlanApplied.",
                        "items": condition, "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
         "plan": obj("Summary of the plan in effect.", {

@@ -23,6 +23,7 @@ RETIRED = "Retired"            # services left the plan, kept warm for spec.expe
 WARM_REUSED = "WarmReused"     # retired services came back into the plan before their keepAlive ended
 EXPIRED = "Expired"            # retired services whose keepAlive ended: deleted
 HOSTED = "HostedInPlace"       # scale-out replicas loaded into running functions (no new service)
+MODE_CHOSEN = "ModeChosen"     # the mode in effect (what auto picked, and the offload GPU budget) is new
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ def events(outcome, status_before: Mapping[str, Any] | None) -> list[Event]:
         found.append(Event("Normal", APPLIED, f"plan version {plan.version if plan else '-'}: applied "
                                               f"{len(changes.applied)}, deleted {len(changes.deleted)}, "
                                               f"unchanged {changes.unchanged}"))
+    before_mode = ((status_before or {}).get("mode"), (status_before or {}).get("modeReason"))
+    if plan is not None and plan.mode_reason and before_mode != (plan.mode, plan.mode_reason):
+        found.append(Event("Normal", MODE_CHOSEN, f"mode {plan.mode}: {plan.mode_reason}"))
     d = changes.decisions
     if d is not None:
         if d.scaled_out:

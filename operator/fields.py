@@ -8,6 +8,8 @@ sends every bad spec to both).
 
 from __future__ import annotations
 
+from kubemoe.offload_budget import ON_DEMAND_BUFFERS, PREFETCH_GROUPS, working_set_bytes
+from kubemoe.offload_env import LLAPOR_FILE
 from kubemoe.operator.schema import (DURATION_PATTERN, Duration, Integer, List, Number, Object, Opaque, Quantity,
                                      Rule, String, parse_duration)
 
@@ -45,7 +47,16 @@ SHARED_GPUS_MESSAGE = ("spec.experts.gpus counts whole GPUs per replica and appl
 SHARED_MEMORY_NEEDS_EXPERTS_MESSAGE = ("spec.dataPath.sameNode hostShm shares memory between frontends and expert "
                                        "functions, and mode offload runs no expert functions (the frontend holds "
                                        "every expert): remove it, or set mode: distributed or auto")
-OFFLOAD_NEEDS_BUDGET_MESSAGE = "mode offload needs spec.offload.gpuMemoryBudget (GPU memory for hot experts, e.g. 20Gi)"
+OFFLOAD_NEEDS_BUDGET_MESSAGE = ("mode offload needs spec.offload.gpuMemoryBudget (GPU memory for expert weights, "
+                                "e.g. 20Gi), or mode auto, which derives it from the nodes' GPUs")
+WORKING_SET_MESSAGE = (f"spec.offload.gpuMemoryBudget must hold one layer's working set: {ON_DEMAND_BUFFERS} on-demand "
+                       f"buffers and {PREFETCH_GROUPS} prefetch groups of expertsPerToken experts (1 when "
+                       "spec.model.layout.expertsPerToken is not given), expertBytes each: raise it to at least "
+                       f"({ON_DEMAND_BUFFERS} + {PREFETCH_GROUPS} * expertsPerToken) * expertBytes")
+# A path inside the checkpoint folder: relative, no '..' component (the pod mounts only the model). [.], not
+# an escaped dot: the pattern is written into a CEL string literal, where \. is no escape.
+_SEGMENT = "([.]?[^/.][^/]*|[.][.][^/]+|[.])"
+RELATIVE_PATH_PATTERN = f"^{_SEGMENT}(/{_SEGMENT})*$"
 
 _QUANTITY_MAP = {"type": "object", "additionalProperties": {"x-kubernetes-int-or-string": True,
                                                             "anyOf": [{"type": "integer"}, {"type": "string"}]}}
@@ -87,7 +98,15 @@ LAYOUT = Object(
                                    minimum=1, maximum=4096, why=": a MoE layer has at least one routed expert"),
         "expertBytes": Quantity("Weights of one routed expert (gate, up and down projections) in the serving "
                                 "dtype, e.g. 3*4096*14336*2 = 352321536 for Mixtral-8x7B in bfloat16."),
-    }, required=("moeLayers", "expertsPerLayer", "expertBytes"))
+        "expertsPerToken": Integer("Routed experts each token goes to (the router's top-k: 2 for Mixtral, 8 for "
+                                   "Qwen3-30B-A3B). The offload path prefetches this many experts per layer, so its "
+                                   "GPU budget must hold 2 + 2 * expertsPerToken experts (checked here when given, "
+                                   "else by the frontend when it starts).", minimum=1, maximum=4096),
+    }, required=("moeLayers", "expertsPerLayer", "expertBytes"), rules=(
+        Rule("!has(self.expertsPerToken) || self.expertsPerToken <= self.expertsPerLayer",
+             "spec.model.layout.expertsPerToken is at most expertsPerLayer (a token's experts are distinct)",
+             lambda l: l.get("expertsPerToken", 0) <= l["expertsPerLayer"]),
+    ))
 
 MODEL = Object("The checkpoint to serve.", {
     "uri": String("The safetensors checkpoint folder (config.json, tokenizer, *.safetensors): "
@@ -196,9 +215,27 @@ EXPERTS = Object("The expert functions: bundles of routed experts, one service p
 ))
 
 OFFLOAD = Object("The offload path (LayerScope) for single-GPU nodes: the frontend holds every expert.", {
-    "gpuMemoryBudget": Quantity("GPU memory for the hot-expert cache."),
-    "predictor": String("Expert-load predictor of the offload scheduler.", default="llapor", enum=PREDICTORS),
-}, required=("gpuMemoryBudget",))
+    "gpuMemoryBudget": Quantity("GPU memory for expert weights: the hot experts, 2 on-demand buffers and 2 "
+                                "prefetch groups of expertsPerToken experts. Required with mode offload; with "
+                                "mode auto the default is 3/4 of the smallest GPU of the nodes the frontend may "
+                                "run on (the rest holds attention weights and the KV cache). At most that GPU's "
+                                "memory."),
+    "predictor": String("What predicts the next layer's experts for prefetching: llapor (LayerScope's learned "
+                        "predictor, see predictorFile) or frequency (no prediction: the hot-expert table alone).",
+                        default="llapor", enum=PREDICTORS),
+    "predictorFile": String("predictor llapor: the file of `kubemoe predictor train --kind llapor`, as a path "
+                            "inside the checkpoint folder (e.g. predictors/llapor.safetensors). A file trained "
+                            "for another checkpoint stops the frontend with a message. Default: "
+                            f"{LLAPOR_FILE} in the checkpoint folder, and when there is none the next layer's "
+                            "router predicts instead (the frontend logs which it uses).",
+                            max_length=1024, pattern=RELATIVE_PATH_PATTERN,
+                            message="must be a path inside the checkpoint folder, such as "
+                                    "predictors/llapor.safetensors (relative, without ..)"),
+}, rules=(
+    Rule("!has(self.predictorFile) || self.predictor == 'llapor'",
+         "spec.offload.predictorFile is read by predictor llapor: remove it or set predictor: llapor",
+         lambda o: "predictorFile" not in o or o["predictor"] == "llapor"),
+))
 
 # No schema default (the parser fills it): a default would make has() true and the mode rule below could
 # no longer tell whether the user chose shared memory.
@@ -230,16 +267,18 @@ COST = Object("Prices for status.cost.", {
 SPEC = Object("The model to serve and how.", {
     "model": MODEL,
     "mode": String("distributed: expert functions on GPU nodes; offload: one frontend per single-GPU node holds "
-                   "every expert (CPU memory + GPU cache); auto: distributed when a multi-GPU node is eligible, "
-                   "else offload.", default="distributed", enum=MODES),
+                   "every expert (CPU memory + GPU cache); auto: distributed when a multi-GPU node is eligible or "
+                   "the single-GPU nodes hold one replica of every bundle, else offload with a GPU budget of 3/4 "
+                   "of the GPU unless spec.offload.gpuMemoryBudget says otherwise (status.mode and "
+                   "status.modeReason say what it chose and why).", default="distributed", enum=MODES),
     "frontend": FRONTEND,
     "experts": EXPERTS,
     "offload": OFFLOAD,
     "dataPath": DATA_PATH,
     "cost": COST,
 }, required=("model",), rules=(
-    Rule("self.mode != 'offload' || has(self.offload)", OFFLOAD_NEEDS_BUDGET_MESSAGE,
-         lambda s: s["mode"] != "offload" or "offload" in s),
+    Rule("self.mode != 'offload' || (has(self.offload) && has(self.offload.gpuMemoryBudget))",
+         OFFLOAD_NEEDS_BUDGET_MESSAGE, lambda s: s["mode"] != "offload" or _has(s, "offload", "gpuMemoryBudget")),
     Rule("self.mode == 'distributed' || !has(self.experts.knative)",
          "spec.experts.knative does nothing when the frontend may hold the experts (mode offload or auto): "
          "remove it or set mode: distributed",
@@ -258,8 +297,13 @@ SPEC = Object("The model to serve and how.", {
          "(expertsPerLayer * expertBytes): raise it or remove it",
          lambda s: not _has(s, "experts", "scaling", "layerMemoryCap") or s["experts"]["scaling"]["layerMemoryCap"]
          >= s["model"]["layout"]["expertsPerLayer"] * s["model"]["layout"]["expertBytes"]),
-    Rule("!has(self.offload) || quantity(string(self.offload.gpuMemoryBudget)).asApproximateFloat() >= "
+    # One layer's working set (kubemoe/offload_budget.py): without expertsPerToken, a token's one expert.
+    Rule("!has(self.offload) || !has(self.offload.gpuMemoryBudget) || "
+         "quantity(string(self.offload.gpuMemoryBudget)).asApproximateFloat() >= "
+         f"double({ON_DEMAND_BUFFERS} + {PREFETCH_GROUPS} * (has(self.model.layout.expertsPerToken) ? "
+         "self.model.layout.expertsPerToken : 1)) * "
          "quantity(string(self.model.layout.expertBytes)).asApproximateFloat()",
-         "spec.offload.gpuMemoryBudget must hold at least one expert (expertBytes)",
-         lambda s: "offload" not in s or s["offload"]["gpuMemoryBudget"] >= s["model"]["layout"]["expertBytes"]),
+         WORKING_SET_MESSAGE,
+         lambda s: not _has(s, "offload", "gpuMemoryBudget") or s["offload"]["gpuMemoryBudget"] >= working_set_bytes(
+             s["model"]["layout"]["expertBytes"], s["model"]["layout"].get("expertsPerToken", 1))),
 ))

@@ -31,6 +31,9 @@ that. The device plugin picks which GPU a share lands on, so for timeSlicing/mps
 is the planner's model and the service is per node; with dra the plan's GPU is exact: a service runs
 on a *site* `node/gpuN`, one ResourceClaim per site, which every function placed there shares.
 
+The mode (distributed or offload; what auto picks) and the offload GPU budget are decided first, by
+`mode.choose_mode`; an offload plan has no expert services.
+
 Notation: L = MoE layers, E = experts per layer, B = bundles, N = eligible nodes.
 """
 
@@ -43,7 +46,8 @@ from typing import Any, Mapping, Sequence
 from kubernetes.utils import parse_quantity
 
 from kubemoe.bundles import Bundle
-from kubemoe.operator.spec import MoESpec
+from kubemoe.operator.mode import Refused, choose_mode
+from kubemoe.operator.spec import MoESpec, Placement
 from kubemoe.planning import placer
 from kubemoe.planning.placer import WARM_SLACK
 from kubemoe.planning.scaler import layer_cv, scale
@@ -92,6 +96,7 @@ class NodeInfo:
     pods: int | None = None        # allocatable pods (the kubelet's maxPods, 110 by default); None = unknown
     dra_gpus: int = 0              # GPUs the NVIDIA DRA driver published for the node (ResourceSlices)
     dra_memory_bytes: int | None = None  # the smallest of their memory capacities
+    memory_bytes: int | None = None  # allocatable host memory; None = unknown
 
     @property
     def physical_gpus(self) -> int:
@@ -120,7 +125,8 @@ class NodeInfo:
         pods = str(allocatable.get("pods", ""))
         return cls(meta["name"], extended.get(GPU, 0),
                    int(memory) * 2**20 if memory.isdigit() else None, labels, tuple(spec.get("taints", []) or ()),
-                   ready and not spec.get("unschedulable", False), extended, int(pods) if pods.isdigit() else None)
+                   ready and not spec.get("unschedulable", False), extended, int(pods) if pods.isdigit() else None,
+                   memory_bytes=_quantity(allocatable.get("memory")))
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,8 @@ class Plan:
     layers: tuple[LayerSummary, ...] = ()          # [L]; empty for a plan read back from the cluster
     gpus_held: int = 0                             # GPUs the expert functions hold (placed and warm)
     hosted: Mapping[str, tuple[ServiceKey, ...]] = field(default_factory=dict)  # bundle -> functions hosting a replica in place
+    mode_reason: str = ""                          # why this mode (mode.py); empty for a plan read back
+    gpu_budget: int | None = None                  # offload: bytes of GPU memory the frontend gives experts
 
     def services(self) -> dict[ServiceKey, int]:
         """Active (bundle, node) services and their replicas, in a stable order."""
@@ -194,6 +202,13 @@ class Plan:
         return {site for _, site in [*self.services(), *self.retired]}
 
 
+def _quantity(value: Any) -> int | None:
+    try:
+        return int(parse_quantity(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
 def with_dra_devices(nodes: Sequence[NodeInfo], slices: Sequence[Mapping[str, Any]]) -> list[NodeInfo]:
     """Nodes with the GPUs the NVIDIA DRA driver published for them: whole-GPU devices (attribute type
     gpu, not MIG slices) of driver gpu.nvidia.com in ResourceSlices, with their memory capacity."""
@@ -215,11 +230,19 @@ def with_dra_devices(nodes: Sequence[NodeInfo], slices: Sequence[Mapping[str, An
 def eligible_nodes(spec: MoESpec, nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
     """Nodes an expert replica may run on: schedulable, selected, every hard taint tolerated, GPUs enough
     and shared the way spec.experts.gpuSharing asks."""
-    placement = spec.experts.placement
-    return [n for n in nodes
-            if n.schedulable and _offers_gpus(spec, n)
-            and all(n.labels.get(k) == v for k, v in placement.node_selector.items())
-            and all(tolerated(t, placement.tolerations) for t in n.taints if t.get("effect") in ("NoSchedule", "NoExecute"))]
+    return [n for n in nodes if _placeable(n, spec.experts.placement) and _offers_gpus(spec, n)]
+
+
+def offload_nodes(spec: MoESpec, nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
+    """Nodes an offload frontend may run on: one GPU (its node affinity, render.py), spec.frontend.placement."""
+    return [n for n in nodes if _placeable(n, spec.frontend.placement) and n.physical_gpus == 1]
+
+
+def _placeable(node: NodeInfo, placement: Placement) -> bool:
+    """Schedulable, selected, and every hard taint tolerated."""
+    return (node.schedulable and all(node.labels.get(k) == v for k, v in placement.node_selector.items())
+            and all(tolerated(t, placement.tolerations) for t in node.taints
+                    if t.get("effect") in ("NoSchedule", "NoExecute")))
 
 
 def _offers_gpus(spec: MoESpec, node: NodeInfo) -> bool:
@@ -246,17 +269,13 @@ def tolerated(taint: Mapping[str, Any], tolerations: Sequence[Mapping[str, Any]]
     return False
 
 
-def resolve_mode(spec: MoESpec, eligible: Sequence[NodeInfo]) -> str:
-    if spec.mode != "auto":
-        return spec.mode
-    # Expert functions pay off where a node has GPUs to spare; a fleet of single-GPU nodes offloads.
-    return "distributed" if any(n.physical_gpus > 1 for n in eligible) else "offload"
-
-
 def plan(spec: MoESpec, loads: Loads, nodes: Sequence[NodeInfo], previous: Plan | None, now: float) -> Plan:
     """The next plan. Raises PlanError when the eligible nodes cannot hold one replica of every bundle."""
     eligible = eligible_nodes(spec, nodes)
-    mode = resolve_mode(spec, eligible)
+    choice = choose_mode(spec, eligible, offload_nodes(spec, nodes))
+    if isinstance(choice, Refused):
+        raise PlanError(choice.reason, choice.message)
+    mode = choice.mode
     bundles = tuple(spec.bundles())
     previous = previous or Plan(mode, bundles, {}, {}, 0)
     keep_alive_s = spec.experts.scaling.keep_alive_s
@@ -278,7 +297,8 @@ def plan(spec: MoESpec, loads: Loads, nodes: Sequence[NodeInfo], previous: Plan 
         gpus_held = spec.experts.gpus * (sum(len(n) for n in placed.values()) + sum(r.replicas for r in retired.values()))
     layers = _layer_summaries(bundles, placed, hosted, loads) if mode != "offload" else ()
     return Plan(mode, bundles, placed, retired, previous.version + 1 if changed else max(previous.version, 1),
-                max((x.cv_after for x in layers), default=0.0), unplaced, layers, gpus_held, hosted)
+                max((x.cv_after for x in layers), default=0.0), unplaced, layers, gpus_held, hosted,
+                choice.reason, choice.gpu_budget)
 
 
 def _host_in_place(spec: MoESpec, bundles: Sequence[Bundle], placed: Mapping[str, tuple[str, ...]], loads: Loads,

@@ -198,7 +198,9 @@ class Reconciler:
             "loads": {"frontends": loads.frontends, "tokensPerSecond": round(loads.tokens_per_second, 3)},
         }
         if deployment is not None and new is not None:
-            status["mode"] = new.mode
+            status["mode"], status["modeReason"] = new.mode, new.mode_reason
+            # A merge patch: null removes what an earlier offload plan wrote.
+            status["offload"] = {"gpuMemoryBudget": new.gpu_budget} if new.gpu_budget is not None else None
             status["plan"] = _plan_status(new)
             status["cost"] = _cost(deployment.spec, new, loads)
         self.kube.patch_status(meta["namespace"], meta["name"], status)

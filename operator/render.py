@@ -149,9 +149,14 @@ def _frontend(deployment: MoEDeployment, plan: Plan, config: OperatorConfig) -> 
                         model=deployment.name, dtype=spec.dtype,
                         prediction_distance=spec.experts.scaling.prediction_distance,
                         shm_dir=shm_dir(deployment, plan.mode))
-    # The mode and the offload settings, as `kubemoe frontend` reads them (kubemoe/offload_env.py).
-    env = [*args.env(), *offload_env.render(plan.mode, spec.offload.gpu_memory_budget if spec.offload else None,
-                                            spec.offload.predictor if spec.offload else None)]
+    # The mode and the offload settings, as `kubemoe frontend` reads them (kubemoe/offload_env.py): the budget
+    # the plan chose (auto derives one), the predictor by name or as the file's path in the pod.
+    predictor = None
+    if spec.offload:
+        predictor = spec.offload.predictor
+        if spec.offload.predictor_file:
+            predictor = f"{args.checkpoint}/{spec.offload.predictor_file}"
+    env = [*args.env(), *offload_env.render(plan.mode, plan.gpu_budget, predictor)]
     container = {
         "name": FRONTEND, "image": spec.frontend.image or config.frontend_image, "args": args.args(), "env": env,
         "ports": [{"name": "http", "containerPort": args.port}, {"name": "grpc", "containerPort": args.grpc_port}],

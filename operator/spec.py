@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kubemoe.bundles import Bundle, bundles_by_bytes
-from kubemoe.operator.fields import SPEC
+from kubemoe.operator.fields import OFFLOAD, SPEC
 from kubemoe.operator.schema import SpecError, parse_bytes, parse_duration
 
 __all__ = ["MoEDeployment", "MoESpec", "SpecError", "parse_bytes", "parse_duration"]
@@ -51,6 +51,12 @@ class Layout:
     moe_layers: tuple[int, ...]
     experts_per_layer: int
     expert_bytes: int  # one expert's weights in the serving dtype
+    experts_per_token: int | None = None  # the router's top-k; None: not given
+
+    @property
+    def total_expert_bytes(self) -> int:
+        """Every routed expert of the model: what an offload frontend holds in host memory."""
+        return len(self.moe_layers) * self.experts_per_layer * self.expert_bytes
 
 
 @dataclass(frozen=True)
@@ -114,8 +120,9 @@ class Experts:
 
 @dataclass(frozen=True)
 class Offload:
-    gpu_memory_budget: int
-    predictor: str
+    gpu_memory_budget: int | None  # bytes; None: mode auto derives it from the GPUs (operator/mode.py)
+    predictor: str                 # llapor | frequency
+    predictor_file: str | None     # llapor: a path inside the checkpoint folder; None: the default file
 
 
 @dataclass(frozen=True)
@@ -141,7 +148,7 @@ class MoESpec:
     mode: str
     frontend: Frontend
     experts: Experts
-    offload: Offload | None
+    offload: Offload | None  # None in mode distributed; the section's defaults where auto omits it
     data_path: DataPath
     gpu_hour_price: float
 
@@ -157,7 +164,8 @@ class MoESpec:
         layout = model["layout"]
         return cls(
             model_uri=model["uri"], source=ModelSource.parse(model["uri"]), dtype=model["dtype"],
-            layout=Layout(tuple(layout["moeLayers"]), layout["expertsPerLayer"], layout["expertBytes"]),
+            layout=Layout(tuple(layout["moeLayers"]), layout["expertsPerLayer"], layout["expertBytes"],
+                          layout.get("expertsPerToken")),
             mode=s["mode"],
             frontend=Frontend(frontend["replicas"], frontend["gpus"], frontend.get("image"), frontend["resources"],
                               _placement(frontend["placement"])),
@@ -172,7 +180,7 @@ class MoESpec:
                                 scaling["keepAlive"], scaling["maxReplicasPerExpert"]),
                 placement=_placement(experts["placement"]),
                 knative=Knative(knative["progressDeadline"], knative["containerConcurrency"])),
-            offload=Offload(s["offload"]["gpuMemoryBudget"], s["offload"]["predictor"]) if "offload" in s else None,
+            offload=_offload(s),
             data_path=DataPath(s["dataPath"]["sameNode"], s["dataPath"]["runAsUser"]),
             gpu_hour_price=s["cost"]["gpuHourPrice"],
         )
@@ -199,6 +207,13 @@ class MoEDeployment:
 def _bundles(layout: Layout, bundle_bytes: int) -> tuple[Bundle, ...]:
     # Cached: DeepSeek-V3-sized models have thousands of bundles and every reconcile needs them.
     return tuple(bundles_by_bytes(layout.moe_layers, layout.experts_per_layer, layout.expert_bytes, bundle_bytes))
+
+
+def _offload(s: Mapping[str, Any]) -> Offload | None:
+    if s["mode"] == "distributed":
+        return None
+    section = s["offload"] if "offload" in s else OFFLOAD.read({}, "spec.offload")  # auto may leave it out
+    return Offload(section.get("gpuMemoryBudget"), section["predictor"], section.get("predictorFile"))
 
 
 def _placement(raw: Mapping[str, Any]) -> Placement:

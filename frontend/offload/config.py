@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 POLICIES = ("kubemoe", "on-demand", "gpu-prefetch", "fiddler-like", "hybrimoe-like", "static-split")
 PREDICTOR_CHOICES = ("llapor", "router", "frequency")  # or a file of `kubemoe predictor train --kind llapor`
-LLAPOR_FILE = "llapor.safetensors"  # `predictor: llapor` without a file reads this one beside the checkpoint
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,8 @@ class OffloadExecutor:
             except Exception:  # noqa: BLE001 - a prediction is a hint: serving goes on without it
                 log.exception("the %s lookahead failed at layer %d and is switched off: from now on only the hot "
                               "table and on-demand loading serve", self.lookahead.name, self.layers[position])
-                self.lookahead = NoLookahead()
+                self.lookahead = NoLookahead(f"switched off after the {self.lookahead.name} lookahead failed: "
+                                             "the hot-expert table alone")
         demand = self._demand(position, groups, ahead, window, hidden.shape[0])
         try:
             schedule = self.policy.schedule(demand, self.profile.costs(self.store.expert_bytes))

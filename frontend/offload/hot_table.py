@@ -13,10 +13,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-Key = tuple[int, int]  # (layer, expert)
+# The working set is shared with the operator, which refuses budgets below it.
+from kubemoe.offload_budget import ON_DEMAND_BUFFERS, PREFETCH_GROUPS, working_set_bytes  # noqa: F401
 
-ON_DEMAND_BUFFERS = 2  # used alternately: one is copied into while the other is computed
-PREFETCH_GROUPS = 2  # this layer's prefetched experts and the next layer's
+Key = tuple[int, int]  # (layer, expert)
 
 
 class TokenCounter:
@@ -33,11 +33,6 @@ class TokenCounter:
     def ranked(self) -> list[Key]:
         """Hottest first; equal counts by (layer, expert)."""
         return sorted(self.counts, key=lambda key: (-self.counts[key], key))
-
-
-def working_set_bytes(expert_bytes: int, prefetch_slots: int) -> int:
-    """GPU bytes the streaming path needs whatever the hot table holds."""
-    return (ON_DEMAND_BUFFERS + PREFETCH_GROUPS * prefetch_slots) * expert_bytes
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 class Lookahead(Protocol):
     name: str
+    source: str  # where its predictions come from, for the log and /readyz
 
     def ahead(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
               top_k_weights: torch.Tensor) -> list[dict[int, int]]: ...
@@ -38,6 +39,9 @@ def expert_counts(experts: torch.Tensor, num_experts: int) -> dict[int, int]:  #
 class NoLookahead:
     name = "frequency"
 
+    def __init__(self, source: str = "no prediction: the hot-expert table alone"):
+        self.source = source
+
     def ahead(self, layer, hidden, top_k_index, top_k_weights) -> list[dict[int, int]]:
         return []
 
@@ -45,8 +49,8 @@ class NoLookahead:
 class RouterReuse:
     name = "router"
 
-    def __init__(self, predictor: LoadPredictor):
-        self.predictor = predictor
+    def __init__(self, predictor: LoadPredictor, source: str = "the next MoE layer's router"):
+        self.predictor, self.source = predictor, source
 
     def ahead(self, layer, hidden, top_k_index, top_k_weights) -> list[dict[int, int]]:
         if layer not in self.predictor.pairs:
@@ -58,8 +62,8 @@ class RouterReuse:
 class LLaPorLookahead:
     name = "llapor"
 
-    def __init__(self, predictor: LLaPor):
-        self.predictor = predictor
+    def __init__(self, predictor: LLaPor, source: str = "an LLaPor predictor"):
+        self.predictor, self.source = predictor, source
 
     def ahead(self, layer, hidden, top_k_index, top_k_weights) -> list[dict[int, int]]:
         if layer not in self.predictor.pairs:
@@ -69,30 +73,37 @@ class LLaPorLookahead:
 
 
 def load_lookahead(choice: str, adapter, checkpoint, device: torch.device) -> Lookahead:
-    """`--offload-predictor`: llapor (the file beside the checkpoint, else gate reuse, logged), router,
-    frequency, or an LLaPor file; a file made for another checkpoint is refused (KubemoeError)."""
+    """`--offload-predictor`: llapor (the file in the checkpoint folder, else gate reuse), router, frequency,
+    or an LLaPor file's path; a file made for another checkpoint, or a named file that is missing, is
+    refused (KubemoeError). Which one serves, and from where, is logged."""
+    lookahead = _lookahead(choice, adapter, checkpoint, device)
+    log.info("offload predictor: %s, %s", lookahead.name, lookahead.source)
+    return lookahead
+
+
+def _lookahead(choice: str, adapter, checkpoint, device: torch.device) -> Lookahead:
     from pathlib import Path
 
     from kubemoe.frontend.model_shape import ModelShape
-    from kubemoe.frontend.offload.config import LLAPOR_FILE, PREDICTOR_CHOICES
+    from kubemoe.frontend.offload.config import PREDICTOR_CHOICES
+    from kubemoe.offload_env import LLAPOR_FILE
 
     if choice == "frequency":
         return NoLookahead()
     if len(adapter.moe_layers) < 2:
-        log.info("one MoE layer: nothing to predict ahead of it; the hot table alone decides")
-        return NoLookahead()
-    path = None
-    if choice == "llapor":
-        path = Path(checkpoint.path) / LLAPOR_FILE
-        if not path.is_file():
-            log.warning("no LLaPor predictor at %s (train one: `kubemoe predictor train --kind llapor --out %s`); "
-                        "prefetching from the next layer's router instead", path, path)
-            path = None
-    elif choice not in PREDICTOR_CHOICES:
-        path = Path(choice)
-    if path is not None:
-        return LLaPorLookahead(LLaPor.load(path, ModelShape.of(adapter)).to(device))
-    return RouterReuse(LoadPredictor.from_routers(adapter, checkpoint, 1, device=device))
+        return NoLookahead("one MoE layer: nothing to predict ahead of it, the hot-expert table alone")
+    router = "the next MoE layer's router applied to this layer's hidden state"
+    if choice == "router":
+        return RouterReuse(LoadPredictor.from_routers(adapter, checkpoint, 1, device=device), router)
+    path = Path(choice) if choice not in PREDICTOR_CHOICES else Path(checkpoint.path) / LLAPOR_FILE
+    if choice == "llapor" and not path.is_file():
+        log.warning("no LLaPor predictor at %s (train one: `kubemoe predictor train --kind llapor --out %s`, or name "
+                    "a file with spec.offload.predictorFile / --offload-predictor FILE)", path, path)
+        return RouterReuse(LoadPredictor.from_routers(adapter, checkpoint, 1, device=device),
+                           f"{router} (no LLaPor file at {path})")
+    shape = ModelShape.of(adapter)
+    predictor = LLaPor.load(path, shape).to(device)  # refuses another checkpoint's file, saying what to do
+    return LLaPorLookahead(predictor, f"the file {path.resolve()}, trained for {shape.describe()}")
 
 
 class Replayed:
@@ -100,6 +111,7 @@ class Replayed:
     predictor's recorded outputs (or, for the clairvoyant oracle, the next layer's actual routing)."""
 
     name = "replayed"
+    source = "predictions set from outside before each forward pass"
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts

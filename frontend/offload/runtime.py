@@ -14,12 +14,13 @@ from typing import Callable
 import torch
 
 from kubemoe.errors import KubemoeError
+from kubemoe.offload_budget import suggested_budget, working_set_bytes
 from kubemoe.frontend.offload.baselines import FiddlerLike, GatePrefetch, HybriMoELike, OnDemand, StaticSplit
 from kubemoe.frontend.offload.config import OffloadConfig
 from kubemoe.frontend.offload.costs import OffloadProfile
 from kubemoe.frontend.offload.cpu_experts import CpuExperts
 from kubemoe.frontend.offload.executor import OffloadExecutor
-from kubemoe.frontend.offload.hot_table import TokenCounter, build_hot_table, working_set_bytes
+from kubemoe.frontend.offload.hot_table import TokenCounter, build_hot_table
 from kubemoe.frontend.offload.lookahead import Lookahead
 from kubemoe.frontend.offload.policy import Policy
 from kubemoe.frontend.offload.presched import PreSched
@@ -48,7 +49,8 @@ def check_budget(config: OffloadConfig, expert_bytes: int, prefetch_slots: int, 
     total = device_memory_bytes(device)
     if config.gpu_budget_bytes > total:
         raise KubemoeError(f"the GPU budget of {config.gpu_budget_bytes / 2**30:.2f} GiB is more than {device} has "
-                           f"({total / 2**30:.2f} GiB): lower --gpu-budget (leave room for attention and the KV cache)")
+                           f"({total / 2**30:.2f} GiB): lower --gpu-budget, e.g. to {suggested_budget(total) / 2**30:.2f} "
+                           "GiB (the rest holds attention weights and the KV cache)")
     minimum = working_set_bytes(expert_bytes, prefetch_slots)
     if config.gpu_budget_bytes < minimum:
         raise KubemoeError(

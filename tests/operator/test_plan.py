@@ -141,12 +141,12 @@ def test_no_eligible_node_and_bundle_larger_than_a_gpu_say_what_to_change(f):
         plan(big, Loads(), f.gpu_nodes(2, memory_gib=80), None, NOW)
 
 
-def test_auto_mode_offloads_on_single_gpu_nodes(f):
+def test_auto_mode_offloads_on_single_gpu_nodes_too_few_for_the_bundles(f):
     spec = spec_of(f, mode="auto", offload={"gpuMemoryBudget": "20Gi"})
-    assert plan(spec, Loads(), f.gpu_nodes(2, gpus=1), None, NOW).mode == "offload"
+    offload = plan(spec, Loads(), f.gpu_nodes(2, gpus=1), None, NOW)  # 4 bundles of a whole GPU each
+    assert offload.mode == "offload" and offload.replicas == 0 and offload.services() == {}
+    assert offload.gpu_budget == 20 * 2**30
     assert plan(spec, Loads(), f.gpu_nodes(2, gpus=8), None, NOW).mode == "distributed"
-    offload = plan(spec, Loads(), f.gpu_nodes(2, gpus=1), None, NOW)
-    assert offload.replicas == 0 and offload.services() == {}
 
 
 def test_node_from_api_object():

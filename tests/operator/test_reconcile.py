@@ -47,9 +47,11 @@ class MemoryKube:
         return {}
 
 
-def api_nodes(count, gpus=8):
-    return [{"metadata": {"name": f"node-{i}", "labels": {}}, "spec": {},
-             "status": {"allocatable": {"nvidia.com/gpu": str(gpus)},
+def api_nodes(count, gpus=8, gpu_memory_mib=None, memory="512Gi"):
+    """Nodes as the API serves them; with gpu_memory_mib, labelled as GPU feature discovery does."""
+    labels = {"nvidia.com/gpu.count": str(gpus), "nvidia.com/gpu.memory": str(gpu_memory_mib)} if gpu_memory_mib else {}
+    return [{"metadata": {"name": f"node-{i}", "labels": dict(labels)}, "spec": {},
+             "status": {"allocatable": {"nvidia.com/gpu": str(gpus), "memory": memory},
                         "conditions": [{"type": "Ready", "status": "True"}]}} for i in range(count)]
 
 
@@ -163,6 +165,11 @@ def failures(f):
         (c.POD_SECURITY_FORBIDDEN, f.moed_body(experts=deployment, dataPath={"sameNode": "hostShm"}),
          MemoryKube(api_nodes(2), {ENFORCE: "restricted"}),
          f"kubectl label namespace default {ENFORCE}=privileged --overwrite"),
+        (c.GPU_BUDGET_TOO_LARGE, f.moed_body(mode="offload", offload={"gpuMemoryBudget": "30Gi"}),
+         MemoryKube(api_nodes(1, gpus=1, gpu_memory_mib=24576)), "lower it to 18.00 GiB"),
+        (c.INSUFFICIENT_CAPACITY, f.moed_body(mode="auto", experts=deployment),
+         MemoryKube(api_nodes(1, gpus=1, gpu_memory_mib=24576, memory="512Mi")),
+         "no node with one GPU has the host memory for every expert"),
     ]
 
 
@@ -270,3 +277,21 @@ def test_labelling_the_namespace_privileged_lets_the_refused_plan_through(f):
     kube.namespace_labels[ENFORCE] = "privileged"
     clock.now += 30
     assert reconciler.reconcile(body, Loads()).error is None and kube.objects
+def test_the_mode_auto_chose_is_in_the_status_and_an_event_when_it_changes(f):
+    # 4 bundles of a whole GPU each, one node of one 24 GiB GPU: offload, 3/4 of the GPU for experts.
+    body = f.moed_body(mode="auto", experts={"runtime": "deployment", "bundleBytes": "256Mi"})
+    kube, clock = MemoryKube(api_nodes(1, gpus=1, gpu_memory_mib=24576)), Clock()
+    reconciler = Reconciler(kube, OperatorConfig(), clock)
+    _, found = step(body, reconciler, kube, Loads())
+    assert kube.status["mode"] == "offload" and kube.status["offload"] == {"gpuMemoryBudget": 18 * 2**30}
+    assert "every eligible node has one GPU, too few or too small" in kube.status["modeReason"]
+    assert found[ev.MODE_CHOSEN].message == f"mode offload: {kube.status['modeReason']}"
+    clock.now += 30
+    _, found = step(body, reconciler, kube, Loads())
+    assert ev.MODE_CHOSEN not in found  # told once, not every timer tick
+
+    kube.nodes = api_nodes(2, gpus=8, gpu_memory_mib=81920)  # multi-GPU nodes join: expert functions
+    clock.now += 30
+    _, found = step(body, reconciler, kube, Loads())
+    assert kube.status["mode"] == "distributed" and kube.status["offload"] is None
+    assert found[ev.MODE_CHOSEN].message == "mode distributed: mode auto: node node-1 has 8 GPUs for expert functions"

@@ -10,9 +10,9 @@ NOW = 1_000_000.0
 CONFIG = OperatorConfig()
 
 
-def rendered(f, nodes=2, loads=Loads(), previous=None, **overrides):
+def rendered(f, nodes=2, loads=Loads(), previous=None, gpus=8, **overrides):
     deployment = MoEDeployment.from_body(f.moed_body(**overrides))
-    p = plan(deployment.spec, loads, f.gpu_nodes(nodes), previous, NOW)
+    p = plan(deployment.spec, loads, f.gpu_nodes(nodes, gpus=gpus), previous, NOW)
     return deployment, p, render(deployment, p, CONFIG)
 
 
@@ -145,7 +145,7 @@ def test_replicas_hosted_in_place_are_endpoints_of_running_functions_and_read_ba
 
 
 def test_offload_mode_frontend_on_single_gpu_nodes_and_local_experts(f):
-    _, p, objects = rendered(f, mode="offload", offload={"gpuMemoryBudget": "20Gi"})
+    _, p, objects = rendered(f, gpus=1, mode="offload", offload={"gpuMemoryBudget": "20Gi"})
     assert p.mode == "offload" and by_kind(objects, "Deployment")[0]["metadata"]["name"] == "tiny-frontend"
     assert len(by_kind(objects, "Deployment")) == 1 and not by_kind(objects, "Service", "serving.knative.dev/v1")
     pod = by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]
@@ -153,6 +153,7 @@ def test_offload_mode_frontend_on_single_gpu_nodes_and_local_experts(f):
         "matchExpressions"] == [{"key": "nvidia.com/gpu.count", "operator": "In", "values": ["1"]}]
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["KUBEMOE_MODE"] == "offload" and env["KUBEMOE_OFFLOAD_GPU_MEMORY_BUDGET"] == str(20 * 2**30)
+    assert env["KUBEMOE_OFFLOAD_PREDICTOR"] == "llapor"  # the file beside the checkpoint, else the router
     table = parse_table(by_kind(objects, "ConfigMap")[0]["data"]["routing.json"])
     assert {e.address for r in table.routes for e in r.endpoints} == {"local"}
 
@@ -176,10 +177,21 @@ def frontend_as_rendered(objects, monkeypatch, checkpoint):
 def test_the_frontend_accepts_the_offload_mode_it_is_rendered_with(f, monkeypatch, tmp_path):
     from kubemoe.frontend.offload.config import OffloadConfig
 
-    _, _, objects = rendered(f, mode="offload", offload={"gpuMemoryBudget": "20Gi", "predictor": "frequency"})
+    _, _, objects = rendered(f, gpus=1, mode="offload", offload={"gpuMemoryBudget": "20Gi", "predictor": "frequency"})
     config = frontend_as_rendered(objects, monkeypatch, tmp_path)
     assert config.offload == OffloadConfig(20 * 2**30, predictor="frequency")
     assert config.routing_configmap.endswith("/tiny-routing")
+
+
+def test_auto_renders_the_budget_it_derived_and_the_predictor_file_the_spec_names(f, monkeypatch, tmp_path):
+    from kubemoe.frontend.offload.config import OffloadConfig
+
+    # 4 bundles of a whole GPU each, 2 single-GPU nodes of 80 GiB: offload, 3/4 of the GPU for experts.
+    _, p, objects = rendered(f, gpus=1, mode="auto", offload={"predictorFile": "predictors/llapor.safetensors"})
+    assert p.mode == "offload" and p.gpu_budget == 60 * 2**30
+    config = frontend_as_rendered(objects, monkeypatch, tmp_path)
+    # The pod's path of the file (/models/tiny/...), here the local checkpoint folder the test maps it to.
+    assert config.offload == OffloadConfig(60 * 2**30, predictor="/models/tiny/predictors/llapor.safetensors")
 
 
 def test_a_distributed_frontend_as_rendered_has_no_offload(f, monkeypatch, tmp_path):

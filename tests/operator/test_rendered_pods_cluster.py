@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -200,7 +201,56 @@ def layout_of(checkpoint: Path) -> dict:
     adapter = MoEAdapter(Checkpoint(checkpoint).config)
     import torch
     return {"moeLayers": list(adapter.moe_layers), "expertsPerLayer": adapter.num_experts,
-            "expertBytes": adapter.expert_bytes(torch.float32)}
+            "expertBytes": adapter.expert_bytes(torch.float32), "expertsPerToken": adapter.top_k}
+
+
+def apply_and_wait(cluster, api, operator, f, body: dict) -> dict:
+    """`body` applied; its status once the operator applied a plan."""
+    del body["metadata"]["uid"], body["metadata"]["generation"]
+    f.apply(cluster, body)
+    objects = client.CustomObjectsApi(api)
+    meta = body["metadata"]
+
+    def status() -> dict:
+        return objects.get_namespaced_custom_object(namespace=meta["namespace"], name=meta["name"], **MOED).get(
+            "status") or {}
+    f.wait(lambda: any(c["type"] == "PlanApplied" and c["status"] == "True" for c in status().get("conditions", [])),
+           60, "PlanApplied=True", operator)
+    return status()
+
+
+def frontend_deployments(api, namespace: str, instance: str) -> tuple[dict, dict[str, dict]]:
+    """The frontend Deployment the operator created and the other Deployments (expert services)."""
+    selector = f"app.kubernetes.io/instance={instance},app.kubernetes.io/managed-by=kubemoe-operator"
+    deployments = {d["metadata"]["name"]: d for d in (api.sanitize_for_serialization(x) for x in client.AppsV1Api(
+        api).list_namespaced_deployment(namespace, label_selector=selector).items)}
+    return deployments.pop(f"{instance}-frontend"), deployments
+
+
+def service_account_env(cluster, namespace: str, folder: Path, pod_spec: dict) -> dict[str, str]:
+    """The pod's ServiceAccount token, as the kubelet mounts it: what its RBAC lets it read."""
+    account = pod_spec.get("serviceAccountName")
+    if not account or pod_spec.get("automountServiceAccountToken") is False:
+        return {}
+    return {"KUBECONFIG": str(cluster.service_account_kubeconfig(account, namespace, folder / f"kubeconfig-{account}"))}
+
+
+def wait_until_ready(url: str, pods: list[Pod]) -> None:
+    def ready():
+        for pod in pods:
+            if pod.proc.poll() is not None:  # waiting longer cannot help
+                raise ClusterError(f"{pod.name} exited with {pod.proc.returncode}\n{pod.log()}")
+        return http(f"{url}/readyz", timeout=5)[0] == 200
+    wait_for(ready, 180, "the frontend to be ready", detail=lambda: "\n".join(p.log() for p in pods))
+
+
+def complete(url: str, model: str) -> dict:
+    status, text = http(f"{url}/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 4,
+                                                   "temperature": 0})
+    assert status == 200, text
+    completion = json.loads(text)
+    assert completion["model"] == model and completion["usage"]["completion_tokens"] >= 1
+    return completion
 
 
 def http(url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, str]:
@@ -235,19 +285,12 @@ def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, 
                                                                 "layout": layout},
                        frontend={"replicas": 1, "gpus": 0}, experts={"runtime": runtime, "bundleBytes": layer_bytes},
                        dataPath={"sameNode": same_node})
-    del body["metadata"]["uid"], body["metadata"]["generation"]
-    f.apply(cluster, body)
-    objects = client.CustomObjectsApi(api)
-    f.wait(lambda: any(c["type"] == "PlanApplied" and c["status"] == "True" for c in (
-        objects.get_namespaced_custom_object(namespace=namespace, name="run", **MOED).get("status") or {}).get(
-        "conditions", [])), 60, "PlanApplied=True", operator)
+    assert apply_and_wait(cluster, api, operator, f, body)["mode"] == "distributed"
 
     # What the operator created: the frontend Deployment, one expert service per bundle, and their Services.
     selector = "app.kubernetes.io/instance=run,app.kubernetes.io/managed-by=kubemoe-operator"
-    apps, core = client.AppsV1Api(api), client.CoreV1Api(api)
-    deployments = {d["metadata"]["name"]: d for d in (
-        api.sanitize_for_serialization(x) for x in apps.list_namespaced_deployment(namespace, label_selector=selector).items)}
-    frontend = deployments.pop("run-frontend")
+    objects, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
+    frontend, deployments = frontend_deployments(api, namespace, "run")
     if runtime == "knative":
         experts = objects.list_namespaced_custom_object(namespace=namespace, label_selector=selector, **KSVC)["items"]
         assert not deployments
@@ -261,12 +304,7 @@ def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, 
     pods: list[Pod] = []
     try:
         def token(pod_spec: dict) -> dict[str, str]:
-            # The pod's ServiceAccount token, as the kubelet mounts it: what its RBAC lets it read.
-            account = pod_spec.get("serviceAccountName")
-            if not account or pod_spec.get("automountServiceAccountToken") is False:
-                return {}
-            return {"KUBECONFIG": str(cluster.service_account_kubeconfig(account, namespace,
-                                                                         tmp_path / f"kubeconfig-{account}"))}
+            return service_account_env(cluster, namespace, tmp_path, pod_spec)
 
         for i, expert in enumerate(experts):
             pod_spec = expert["spec"]["template"]["spec"]
@@ -288,19 +326,8 @@ def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, 
                         extra_env={**token(pod_spec), "grpc_proxy": network.url}).start())
         front = pods[-1]
         url = f"http://127.0.0.1:{front.port('http')}"
-
-        def ready():
-            for pod in pods:
-                if pod.proc.poll() is not None:  # waiting longer cannot help
-                    raise ClusterError(f"{pod.name} exited with {pod.proc.returncode}\n{pod.log()}")
-            return http(f"{url}/readyz", timeout=5)[0] == 200
-        wait_for(ready, 180, "the frontend to be ready", detail=lambda: "\n".join(p.log() for p in pods))
-
-        status, text = http(f"{url}/v1/completions", {"model": "run", "prompt": "Hello", "max_tokens": 4,
-                                                       "temperature": 0})
-        assert status == 200, text
-        completion = json.loads(text)
-        assert completion["model"] == "run" and completion["usage"]["completion_tokens"] >= 1
+        wait_until_ready(url, pods)
+        complete(url, "run")
 
         # The request went through every expert function, at the routing table's addresses, over TCP lanes
         # (tcp) or shared memory and Unix lanes in the deployment's folder of the node's /dev/shm (hostShm).
@@ -330,3 +357,51 @@ def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, 
         for pod in reversed(pods):
             pod.stop()
         network.close()
+
+
+def test_the_rendered_offload_frontend_serves_a_completion_with_a_cpu_resident_gpu_budget(
+        cluster, api, operator, namespace, f, tiny_checkpoint, tmp_path):
+    """mode offload as rendered: the frontend alone holds every expert in host memory, a "GPU" budget (on the
+    CPU stand-in device) for the working set and two resident experts, and the LLaPor file the spec names."""
+    from kubemoe.frontend.model_shape import ModelShape
+    from kubemoe.frontend.offload.llapor import LayerArch, LLaPor
+
+    checkpoint = shutil.copytree(tiny_checkpoint("mixtral"), tmp_path / "checkpoint")  # the predictor goes in it
+    adapter = MoEAdapter(Checkpoint(checkpoint).config)
+    shape = ModelShape.of(adapter)
+    LLaPor.build(shape, {s: LayerArch("middle", 8, 16, 0, 0.0) for s in shape.moe_layers[:-1]}).save(
+        checkpoint / "predictors" / "llapor.safetensors")
+    layout = layout_of(checkpoint)
+    budget = (2 + 2 * layout["expertsPerToken"] + 2) * layout["expertBytes"]  # the working set and 2 hot experts
+    assert budget < len(layout["moeLayers"]) * layout["expertsPerLayer"] * layout["expertBytes"]
+    # The session's single-GPU node is tainted: the offload frontend tolerates it.
+    toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    body = f.moed_body(name="off", namespace=namespace, mode="offload",
+                       model={"uri": f"hostpath://{HOSTPATH}", "dtype": "float32", "layout": layout},
+                       frontend={"replicas": 1, "gpus": 0, "placement": {"tolerations": [toleration]}},
+                       experts={"runtime": "deployment"},
+                       offload={"gpuMemoryBudget": budget, "predictorFile": "predictors/llapor.safetensors"})
+    status = apply_and_wait(cluster, api, operator, f, body)
+    assert (status["mode"], status["offload"]) == ("offload", {"gpuMemoryBudget": budget})
+    frontend, experts = frontend_deployments(api, namespace, "off")
+    assert not experts  # no expert functions: the frontend holds them
+
+    pod_spec = frontend["spec"]["template"]["spec"]
+    front = Pod("off-frontend-0", namespace, "127.0.0.3", pod_spec, tmp_path / "frontend", {HOSTPATH: checkpoint},
+                extra_env=service_account_env(cluster, namespace, tmp_path, pod_spec)).start()
+    try:
+        url = f"http://127.0.0.1:{front.port('http')}"
+        wait_until_ready(url, [front])
+        complete(url, "off")
+        _, ready = http(f"{url}/readyz")
+        offload = json.loads(ready)["offload"]
+        predictor = checkpoint / "predictors" / "llapor.safetensors"
+        assert offload["lookahead"] == "llapor" and offload["lookahead_source"].startswith(f"the file {predictor}")
+        assert 0 < offload["resident_experts"] <= 2 and offload["pinned"] is False  # the CPU stand-in
+        assert f"offload predictor: llapor, the file {predictor}" in front.log(400)
+        _, metrics = http(f"{url}/metrics")
+        activated = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                     if line.startswith("kubemoe_offload_experts_total"))
+        assert activated > 0, metrics[:2000]
+    finally:
+        front.stop()

@@ -30,6 +30,14 @@ def _set(body: dict, path: str, value) -> dict:
 
 
 DELETE = object()
+# A spec of mode offload (the valid body is distributed): for its rules, set as a whole at path "spec".
+LAYOUT = {"moeLayers": [0, 1], "expertsPerLayer": 4, "expertBytes": "128Mi"}
+
+
+def offload_spec(budget="1Gi", layout=LAYOUT, **offload):
+    return {"model": {"uri": "pvc://models/tiny", "layout": layout}, "mode": "offload",
+            "experts": {"runtime": "deployment"}, "offload": {"gpuMemoryBudget": budget, **offload}}
+
 
 # (id, dotted path under the body, value, what the API server's message must contain)
 BAD_SPECS = [
@@ -92,6 +100,20 @@ BAD_SPECS = [
      "spec.dataPath.sameNode hostShm shares memory between frontends and expert functions, and mode offload"),
     ("function-overhead-not-quantity", "spec.experts.gpuSharing", {"mode": "mps", "functionOverhead": "a lot"},
      "functionOverhead must be a positive quantity"),
+    ("offload-without-budget", "spec", {**offload_spec(), "offload": {"predictor": "frequency"}},
+     "mode offload needs spec.offload.gpuMemoryBudget"),
+    # One layer's working set: 2 on-demand buffers + 2 prefetch groups of expertsPerToken (else 1) experts.
+    ("offload-budget-below-working-set", "spec", offload_spec("511Mi"), "must hold one layer's working set"),
+    ("offload-budget-below-top-k-working-set", "spec", offload_spec("767Mi", {**LAYOUT, "expertsPerToken": 2}),
+     "must hold one layer's working set"),
+    ("experts-per-token-above-experts", "spec.model.layout", {**LAYOUT, "expertsPerToken": 5},
+     "expertsPerToken is at most expertsPerLayer"),
+    ("predictor-file-outside-checkpoint", "spec", offload_spec(predictorFile="../other/llapor.safetensors"),
+     "predictorFile must be a path inside the checkpoint folder"),
+    ("predictor-file-absolute", "spec", offload_spec(predictorFile="/models/llapor.safetensors"),
+     "predictorFile must be a path inside the checkpoint folder"),
+    ("predictor-file-without-llapor", "spec", offload_spec(predictor="frequency", predictorFile="p.safetensors"),
+     "predictorFile is read by predictor llapor"),
 ]
 
 
@@ -125,6 +147,20 @@ def test_the_valid_body_is_accepted(api, chart, namespace, valid_body):
     objects = client.CustomObjectsApi(api)
     created = objects.create_namespaced_custom_object(namespace=namespace, body=valid_body, **MOED)
     assert created["spec"]["experts"]["scaling"]["keepAlive"] == "10m"  # defaults applied by the server
+
+
+def test_a_budget_of_exactly_the_working_set_and_a_predictor_file_inside_the_checkpoint_are_accepted():
+    spec = MoESpec.parse(offload_spec("768Mi", {**LAYOUT, "expertsPerToken": 2},
+                                      predictorFile="predictors/llapor.safetensors"))
+    assert spec.offload.gpu_memory_budget == 768 * 2**20 and spec.layout.experts_per_token == 2
+
+
+@pytest.mark.cluster
+def test_an_offload_spec_at_the_working_set_is_accepted_by_the_server(api, chart, namespace):
+    body = {"apiVersion": "kubemoe.io/v1alpha1", "kind": "MoEDeployment", "metadata": {"name": "at-the-minimum"},
+            "spec": offload_spec("768Mi", {**LAYOUT, "expertsPerToken": 2}, predictorFile="p/llapor.safetensors")}
+    stored = client.CustomObjectsApi(api).create_namespaced_custom_object(namespace=namespace, body=body, **MOED)
+    assert stored["spec"]["offload"]["predictor"] == "llapor"  # defaulted by the server
 
 
 @pytest.mark.cluster

@@ -100,20 +100,50 @@ def test_an_llapor_predictor_of_another_checkpoint_is_refused(tiny_checkpoint, t
         offload_frontend(tiny_checkpoint("mixtral"), predictor=str(path))
 
 
-def test_an_llapor_predictor_of_this_checkpoint_feeds_the_scheduler(tiny_checkpoint, tmp_path):
+def llapor_file(checkpoint, path):
+    shape = ModelShape.of(MoEAdapter.from_checkpoint(checkpoint))
+    return LLaPor.build(shape, {s: LayerArch("middle", 8, 16, 0, 0.0) for s in shape.moe_layers[:-1]}).save(path)
+
+
+def test_an_llapor_predictor_of_this_checkpoint_feeds_the_scheduler(tiny_checkpoint, tmp_path, caplog):
     path = tiny_checkpoint("mixtral")
-    shape = ModelShape.of(MoEAdapter.from_checkpoint(path))
-    file = LLaPor.build(shape, {s: LayerArch("middle", 8, 16, 0, 0.0) for s in shape.moe_layers[:-1]}).save(
-        tmp_path / "llapor.safetensors")
-    fe = offload_frontend(path, predictor=str(file), policy="gpu-prefetch")  # prefetches whatever is predicted
+    file = llapor_file(path, tmp_path / "llapor.safetensors")
+    with caplog.at_level("INFO", logger="kubemoe.frontend.offload.lookahead"):
+        fe = offload_frontend(path, predictor=str(file), policy="gpu-prefetch")  # prefetches whatever is predicted
     try:
         assert fe.offload.lookahead.name == "llapor"
+        # Which predictor serves, and from where, in the log and at /readyz.
+        assert f"offload predictor: llapor, the file {file}, trained for mixtral" in caplog.text
+        assert fe.readiness()["offload"]["lookahead_source"].startswith(f"the file {file}")
         fe.dispatcher.apply_pending()
         with torch.no_grad():
             fe.model(IDS)
         assert fe.offload.stats.prefetched > 0
     finally:
         fe.close()
+
+
+def test_llapor_reads_the_file_in_the_checkpoint_folder_else_says_it_reuses_the_router(tiny_checkpoint, tmp_path,
+                                                                                      caplog):
+    import shutil
+
+    from kubemoe.offload_env import LLAPOR_FILE
+
+    checkpoint = shutil.copytree(tiny_checkpoint("mixtral"), tmp_path / "mixtral")
+    with caplog.at_level("INFO", logger="kubemoe.frontend.offload.lookahead"):
+        fe = offload_frontend(checkpoint, predictor="llapor")
+    fe.close()
+    assert fe.offload.lookahead.name == "router" and f"no LLaPor predictor at {checkpoint / LLAPOR_FILE}" in caplog.text
+    assert "offload predictor: router, the next MoE layer's router" in caplog.text
+    llapor_file(checkpoint, checkpoint / LLAPOR_FILE)
+    fe = offload_frontend(checkpoint, predictor="llapor")
+    fe.close()
+    assert fe.offload.lookahead.name == "llapor" and str(checkpoint / LLAPOR_FILE) in fe.offload.lookahead.source
+
+
+def test_a_named_predictor_file_that_is_missing_stops_the_start(tiny_checkpoint, tmp_path):
+    with pytest.raises(KubemoeError, match="no LLaPor file at .*missing.safetensors.*kubemoe predictor train"):
+        offload_frontend(tiny_checkpoint("mixtral"), predictor=str(tmp_path / "missing.safetensors"))
 
 
 def test_offload_refuses_two_micro_batches(tiny_checkpoint):
