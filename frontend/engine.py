@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 from transformers import DynamicCache
@@ -68,7 +68,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     text: TextStream
-    emit: object  # callable(Delta), thread-safe
+    emit: Callable[[Delta], object]  # thread-safe; what it returns is not used
     generator: torch.Generator | None
     max_new: int
     generated: list[int] = field(default_factory=list)
@@ -101,7 +101,7 @@ class Engine:
                  scheduler: SchedulerConfig = SchedulerConfig(), before_step=None, metrics=None, loads=None,
                  micro_batches: int = 1, on_forward=None, kv_cache: KVCacheConfig = KVCacheConfig()):
         self.model, self.tokenizer, self.eos_ids, self.max_context = model, tokenizer, eos_ids, max_context
-        self.scheduler = Scheduler(scheduler)
+        self.scheduler: Scheduler[Sequence] = Scheduler(scheduler)
         self.before_step = before_step  # e.g. the dispatcher switching routing tables between steps
         self.metrics, self.loads = metrics, loads
         self.on_forward = on_forward  # callable(ForwardRows) before each forward pass: whose rows it computes
@@ -189,7 +189,7 @@ class Engine:
                 self._fail([(seq, _message(e)) for seq in plan.decode + plan.prefill])
 
     @torch.inference_mode()
-    def step(self, plan: StepPlan) -> None:
+    def step(self, plan: StepPlan[Sequence]) -> None:
         """Decode the running micro-batches, then prefill this step's prompt chunks. A forward pass that
         fails ends only the requests it names (`failed_rows`); the rest of a decode batch is rolled back
         and decodes again at the next step. Sampling that fails ends only its own request."""
@@ -216,7 +216,7 @@ class Engine:
             self._remove(finished)
         self._record_cache(len(plan.preempted))
 
-    def _prefill_chunks(self, group: list[Chunk], failed: list) -> list[Sequence]:  # -> the sequences that finished
+    def _prefill_chunks(self, group: list[Chunk[Sequence]], failed: list) -> list[Sequence]:  # -> the sequences that finished
         """One forward pass over chunks of one start and length, one row each, split into a cache per
         sequence after it. A sequence whose last chunk ran joins a micro-batch and samples
         its first token. A failed pass ends the sequences whose rows it names; the others start their

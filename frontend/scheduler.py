@@ -26,11 +26,23 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Generic, Iterable, Protocol, TypeVar
 
 # Step budgets where none is given: 2048 on a GPU (vLLM's chunked-prefill default; a forward of that
 # many tokens is still short next to a request's decode); on a CPU every token costs, so a smaller one
 # keeps the running batch's pace.
 DEFAULT_STEP_TOKENS = {"cuda": 2048, "cpu": 256}
+
+
+class Schedulable(Protocol):
+    """What the scheduler reads of a sequence; the engine's `Sequence`, a test's factory."""
+
+    @property
+    def context_length(self) -> int:  # tokens its cache holds once this step has run: prompt + generated
+        ...
+
+
+S = TypeVar("S", bound=Schedulable)
 
 
 class QueueFull(Exception):
@@ -49,10 +61,10 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class Chunk:
+class Chunk(Generic[S]):
     """Tokens [start, stop) of a sequence's context (prompt + generated) prefilled in this step."""
 
-    seq: object
+    seq: S
     start: int
     stop: int
 
@@ -67,14 +79,14 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class StepPlan:
-    decode: list = field(default_factory=list)  # running sequences, in batch order
-    chunks: list = field(default_factory=list)  # prompt chunks of this step (Chunk), continued ones first
-    preempted: list = field(default_factory=list)  # left the batch for lack of cache, back in the queue
-    rejected: list = field(default_factory=list)  # can never fit the cache: they end with an error
+class StepPlan(Generic[S]):
+    decode: list[S] = field(default_factory=list)  # running sequences, in batch order
+    chunks: list[Chunk[S]] = field(default_factory=list)  # prompt chunks of this step, continued ones first
+    preempted: list[S] = field(default_factory=list)  # left the batch for lack of cache, back in the queue
+    rejected: list[S] = field(default_factory=list)  # can never fit the cache: they end with an error
 
     @property
-    def prefill(self) -> list:
+    def prefill(self) -> list[S]:
         """Sequences with a prompt chunk in this step."""
         return [c.seq for c in self.chunks]
 
@@ -83,27 +95,27 @@ class StepPlan:
         return not (self.decode or self.chunks or self.preempted or self.rejected)
 
 
-def cached_tokens(seqs) -> int:
+def cached_tokens(seqs: list[S]) -> int:
     """Cache positions `seqs` take in one left-padded batch once this step has run: each needs
     its prompt and everything generated (`context_length`), and the batch pads to the longest."""
     return len(seqs) * max((s.context_length for s in seqs), default=0)
 
 
-def chunk_groups(chunks: list[Chunk]) -> list[list[Chunk]]:
+def chunk_groups(chunks: list[Chunk[S]]) -> list[list[Chunk[S]]]:
     """Chunks that can share one forward pass: the same start and length, so their rows need no
     padding (a padded row would run through attention and the experts for nothing). In plan order."""
-    groups: dict[tuple[int, int], list[Chunk]] = {}
+    groups: dict[tuple[int, int], list[Chunk[S]]] = {}
     for chunk in chunks:
         groups.setdefault((chunk.start, chunk.stop), []).append(chunk)
     return list(groups.values())
 
 
-class Scheduler:
+class Scheduler(Generic[S]):
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.waiting: deque = deque()
-        self.running: list = []  # decoding, in batch order
-        self.prefilling: list = []  # admitted, prompt not all prefilled yet, in admission order
+        self.waiting: deque[S] = deque()
+        self.running: list[S] = []  # decoding, in batch order
+        self.prefilling: list[S] = []  # admitted, prompt not all prefilled yet, in admission order
         self._prefilled: dict[int, int] = {}  # id(seq) -> context tokens prefilled so far
         self.kv_capacity: int | None = None  # cache positions; None: unbounded
         # A bounded cache whose bytes per position are not known yet (measured on the first prefill):
@@ -111,23 +123,25 @@ class Scheduler:
         self.measuring = False
         self.preemptions = 0
 
-    def add(self, seq) -> None:
+    def add(self, seq: S) -> None:
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting; retry later")
         self.waiting.append(seq)
 
-    def prefilled(self, seq) -> int:
+    def prefilled(self, seq: S) -> int:
         """Context tokens of a sequence being prefilled that are in its cache."""
         return self._prefilled.get(id(seq), 0)
 
-    def schedule(self) -> StepPlan:
-        running, prefilling, preempted, rejected = list(self.running), list(self.prefilling), [], []
+    def schedule(self) -> StepPlan[S]:
+        running, prefilling = list(self.running), list(self.prefilling)
+        preempted: list[S] = []
+        rejected: list[S] = []
         cap = self.kv_capacity
         if cap is not None:
             while len(running) + len(prefilling) > 1 and cached_tokens(running + prefilling) > cap:
                 preempted.append(prefilling.pop() if prefilling else running.pop())  # the latest admitted first
         budget = self.config.max_step_tokens - len(running)
-        chunks = []
+        chunks: list[Chunk[S]] = []
         for seq in prefilling:
             if budget < 1:
                 break
@@ -136,7 +150,7 @@ class Scheduler:
         room = self.config.max_batch - len(running) - len(prefilling)
         if self.measuring:
             room = min(room, 0 if running or prefilling else 1)
-        admitted = []
+        admitted: list[S] = []
         while self.waiting and len(admitted) < room and budget >= 1 and not preempted:
             seq = self.waiting[0]
             if cap is not None and seq.context_length >= cap:  # not even alone, with one token to generate
@@ -156,14 +170,14 @@ class Scheduler:
         self.preemptions += len(preempted)
         return StepPlan(decode=running, chunks=chunks, preempted=preempted, rejected=rejected)
 
-    def _chunk(self, seq, budget: int) -> Chunk:
+    def _chunk(self, seq: S, budget: int) -> Chunk[S]:
         start = self._prefilled.pop(id(seq), 0)
         chunk = Chunk(seq, start, min(seq.context_length, start + budget))
         if not chunk.last:
             self._prefilled[id(seq)] = chunk.stop
         return chunk
 
-    def remove(self, seqs) -> None:
+    def remove(self, seqs: Iterable[S]) -> None:
         """Finished, aborted or failed sequences leave the batch (or the queue)."""
         gone = {id(s) for s in seqs}
         self.running = [s for s in self.running if id(s) not in gone]
