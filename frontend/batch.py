@@ -8,6 +8,8 @@ decodes exactly as it would alone. Shapes: B = sequences, L = cache length (with
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -20,7 +22,7 @@ def _pad_left(cache, n: int) -> None:
             layer.values = F.pad(layer.values, (0, 0, n, 0))
 
 
-def _filled(cache) -> list[tuple[int, object]]:
+def _filled(cache) -> list[tuple[int, Any]]:  # (index, a transformers cache layer)
     return [(i, l) for i, l in enumerate(cache.layers) if getattr(l, "keys", None) is not None]
 
 
@@ -36,11 +38,20 @@ def split_rows(cache, rows: int) -> list:
 
 
 class BatchState:
-    def __init__(self):
-        self.cache = None  # a transformers DynamicCache holding [B, heads, L, head_dim] per layer
-        self.mask: torch.Tensor | None = None  # [B, L], 1 = real token
+    def __init__(self) -> None:
+        self._clear()
+
+    def _clear(self) -> None:
+        self.cache: DynamicCache | None = None  # [B, heads, L, head_dim] per layer; None while empty
+        self.mask: torch.Tensor | None = None  # [B, L], 1 = real token; None while empty
         self.lengths: list[int] = []  # real tokens per sequence (its next position)
-        self._before_decode: tuple | None = None  # (mask, lengths) before the last decode step
+        self._before_decode: tuple[torch.Tensor, list[int]] | None = None  # (mask, lengths) before the last decode
+
+    def _joined(self) -> tuple[DynamicCache, torch.Tensor]:
+        """The cache and mask of a batch that holds sequences; an empty batch here is the caller's bug."""
+        if self.cache is None or self.mask is None:
+            raise RuntimeError("the batch holds no sequences: join one before decoding or keeping rows")
+        return self.cache, self.mask
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -67,26 +78,28 @@ class BatchState:
     def keep(self, indices: list[int]) -> None:
         """Keep only these sequences (in this order); drop padding no one needs any more."""
         if not indices:
-            self.__init__()
+            self._clear()
             return
+        cache, mask = self._joined()
         index = torch.tensor(indices)
-        self.mask = self.mask[index]
+        self.mask = mask[index]
         self.lengths = [self.lengths[i] for i in indices]
         start = int(self.mask.any(0).long().argmax())  # first column some sequence really uses
-        for layer in self.cache.layers:
+        for layer in cache.layers:
             layer.keys = layer.keys[index, :, start:]
             layer.values = layer.values[index, :, start:]
         self.mask = self.mask[:, start:]
 
     def decode_inputs(self, tokens: list[int]) -> dict:
         """Model inputs for one decode step feeding `tokens` (one per sequence, batch order)."""
-        self._before_decode = (self.mask, self.lengths)
-        self.mask = F.pad(self.mask, (0, 1), value=1)
+        cache, mask = self._joined()
+        self._before_decode = (mask, self.lengths)
+        self.mask = F.pad(mask, (0, 1), value=1)
         inputs = {
             "input_ids": torch.tensor(tokens).view(-1, 1),
             "attention_mask": self.mask,
             "position_ids": torch.tensor(self.lengths).view(-1, 1),
-            "cache": self.cache,
+            "cache": cache,
         }
         self.lengths = [n + 1 for n in self.lengths]
         return inputs
@@ -94,7 +107,10 @@ class BatchState:
     def undo_decode(self) -> None:
         """Forget the last decode step, which failed part-way: the layers it reached had grown by one
         column, so every layer is cut back to the width before it (DynamicCache.crop cuts every layer)."""
+        if self._before_decode is None:
+            raise RuntimeError("no decode step to undo: undo_decode follows decode_inputs")
+        cache, _ = self._joined()
         self.mask, self.lengths = self._before_decode
-        for layer in self.cache.layers:
+        for layer in cache.layers:
             layer.keys = layer.keys[:, :, :self.width]
             layer.values = layer.values[:, :, :self.width]
