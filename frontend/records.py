@@ -130,7 +130,8 @@ class RoutingRecorder:
     def _row_ids(self, rows: ForwardRows | None, tokens: int) -> dict[str, torch.Tensor]:
         if rows is None or rows.tokens != tokens:  # a pass nobody described: one request of its own
             rows = ForwardRows((f"unnamed-{len(self._request_numbers)}",), (0,), (tokens,))
-        request, position = [], []
+        request: list[int] = []
+        position: list[int] = []
         for rid, start, n in zip(rows.requests, rows.positions, rows.lengths):
             number = self._request_numbers.setdefault(rid, len(self._request_numbers))
             request += [number] * n
@@ -192,16 +193,13 @@ class RoutingRecords:
             raise KubemoeError(f"{folder} holds no routing records ({SHARD_GLOB}); write some with "
                                "`kubemoe predictor collect` or a frontend's --record-routing")
         parts: dict[str, list[torch.Tensor]] = {}
-        shape = model = None
+        with safe_open(shards[0], framework="pt") as f:
+            shape, model = _header(f.metadata(), shards[0])  # every shard must match the first
         for path in shards:
             with safe_open(path, framework="pt") as f:
-                meta = f.metadata() or {}
-                if meta.get("format") != RECORDS_FORMAT:
-                    raise KubemoeError(f"{path} is not a kubemoe routing record (format {meta.get('format')!r})")
-                this = ModelShape.from_metadata(meta, path)
-                if shape is not None and this != shape:
+                this, model = _header(f.metadata(), path)
+                if this != shape:
                     raise KubemoeError(f"{folder} mixes records of two models ({path.name} differs); keep one model's per folder")
-                shape, model = this, meta.get("model", "")
                 for key in f.keys():
                     parts.setdefault(key, []).append(f.get_tensor(key))
         if expect is not None:
@@ -209,3 +207,11 @@ class RoutingRecords:
                                                                      "(`kubemoe predictor collect --checkpoint ...`)")
         t = {k: torch.cat(v) for k, v in parts.items()}
         return cls(shape, model, t["hidden"], t["experts"].long(), t["weights"], t["request"], t["position"])
+
+
+def _header(metadata: dict[str, str] | None, path: Path) -> tuple[ModelShape, str]:  # -> (shape, model name)
+    """A shard's model shape and model name, from its safetensors metadata."""
+    meta = metadata or {}
+    if meta.get("format") != RECORDS_FORMAT:
+        raise KubemoeError(f"{path} is not a kubemoe routing record (format {meta.get('format')!r})")
+    return ModelShape.from_metadata(meta, path), meta.get("model", "")
