@@ -44,6 +44,9 @@ def collect_records(checkpoint: Path, text_file: Path, out: Path, max_tokens: in
     frontend = Frontend(FrontendConfig(checkpoint=checkpoint, predictor="none", record_routing=out,
                                        record_max_mb=max_mb, device=device, dtype=dtype))
     try:
+        recorder = frontend.recorder
+        if recorder is None:  # record_routing above makes one; without it nothing would be written
+            raise RuntimeError("the frontend built for collecting has no routing recorder")
         ids = read_token_ids(frontend.tokenizer, text_file, max_tokens)
         seq_len = min(seq_len, frontend.max_context)
         sequences = [ids[i:i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)] or [ids]
@@ -53,14 +56,14 @@ def collect_records(checkpoint: Path, text_file: Path, out: Path, max_tokens: in
         with torch.inference_mode():
             for first in range(0, len(sequences), batch):
                 group = sequences[first:first + batch]
-                frontend.recorder.start_forward(ForwardRows(tuple(f"text-{first + i}" for i in range(len(group))),
-                                                            (0,) * len(group), tuple(map(len, group))))
+                recorder.start_forward(ForwardRows(tuple(f"text-{first + i}" for i in range(len(group))),
+                                                   (0,) * len(group), tuple(map(len, group))))
                 frontend.model(input_ids=torch.tensor(group, device=frontend.device), use_cache=False)
-                if frontend.recorder.full:
+                if recorder.full:
                     break
-        frontend.recorder.close()
-        r = frontend.recorder
-        return CollectReport(r.requests_seen, r.rows_written, r.shards, r.written_bytes / 2**20,
+        recorder.close()
+        return CollectReport(recorder.requests_seen, recorder.rows_written, recorder.shards,
+                             recorder.written_bytes / 2**20,
                              time.perf_counter() - start)
     finally:
         frontend.close()
