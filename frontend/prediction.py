@@ -51,8 +51,8 @@ class _Layer:
         self.hits = torch.zeros((), dtype=torch.int64, device=device)
         self.tokens = self.choices = 0  # known on the host without reading the device
         self.window_hits = self.window_choices = 0
-        self.hidden: torch.Tensor | None = None  # [R, H] ring, made at the first row kept
-        self.experts: torch.Tensor | None = None  # [R, K]
+        # ring of rows ([R, H] hidden, [R, K] experts), made at the first row kept (its width and dtype come with it)
+        self.ring: tuple[torch.Tensor, torch.Tensor] | None = None
         self.filled = self.next = 0
         self.refreshes = 0
         self.busy = False
@@ -60,26 +60,29 @@ class _Layer:
     def keep(self, hidden: torch.Tensor, experts: torch.Tensor, capacity: int, max_rows: int = 64) -> None:
         """Keep at most `max_rows` rows of a pass (a prefill would otherwise flush the ring at once);
         device-to-device copies in at most two slices around the ring's end."""
-        if self.hidden is None:
-            self.hidden = hidden.new_empty(capacity, hidden.shape[1])
-            self.experts = experts.new_zeros(capacity, experts.shape[1])
+        if self.ring is None:
+            self.ring = (hidden.new_empty(capacity, hidden.shape[1]), experts.new_zeros(capacity, experts.shape[1]))
+        ring_hidden, ring_experts = self.ring
         rows = min(max_rows, len(hidden), capacity)
         hidden, experts = hidden[-rows:], experts[-rows:]
         first = min(rows, capacity - self.next)
-        self.hidden[self.next:self.next + first] = hidden[:first]
-        self.experts[self.next:self.next + first] = experts[:first]
+        ring_hidden[self.next:self.next + first] = hidden[:first]
+        ring_experts[self.next:self.next + first] = experts[:first]
         if rows > first:
-            self.hidden[:rows - first] = hidden[first:]
-            self.experts[:rows - first] = experts[first:]
+            ring_hidden[:rows - first] = hidden[first:]
+            ring_experts[:rows - first] = experts[first:]
         self.next = (self.next + rows) % capacity
         self.filled = min(capacity, self.filled + rows)
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept rows, oldest first (copies: the ring goes on filling)."""
-        if self.filled < len(self.hidden):
-            return self.hidden[:self.filled].clone(), self.experts[:self.filled].clone()
-        return (torch.cat([self.hidden[self.next:], self.hidden[:self.next]]),
-                torch.cat([self.experts[self.next:], self.experts[:self.next]]))
+        if self.ring is None:
+            raise RuntimeError("no rows kept yet: a refresh needs rows (keep() first)")
+        hidden, experts = self.ring
+        if self.filled < len(hidden):
+            return hidden[:self.filled].clone(), experts[:self.filled].clone()
+        return (torch.cat([hidden[self.next:], hidden[:self.next]]),
+                torch.cat([experts[self.next:], experts[:self.next]]))
 
 
 class OnlinePredictor:
@@ -99,7 +102,8 @@ class OnlinePredictor:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kubemoe-predictor") if refresh else None
 
     def on_layer(self, layer: int, hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> None:
-        pending = getattr(self._pending, "by_target", None)
+        # {target: (predicted [T, K], hidden [T, H])} of this thread's forward pass
+        pending: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = getattr(self._pending, "by_target", None)
         if pending is None or layer == self.predictor.shape.moe_layers[0]:
             pending = self._pending.by_target = {}
             self._pending.predicted = {}
@@ -167,15 +171,19 @@ class OnlinePredictor:
         state.window_hits = state.window_choices = 0
         if self.metrics:
             self.metrics.record_predictor_accuracy(target, accuracy)
-        if self._pool and accuracy < self.refresh.threshold and not state.busy \
-                and state.refreshes < self.refresh.max_refreshes and state.filled >= self.refresh.buffer_rows // 2:
+        refresh = self.refresh
+        if refresh is None or self._pool is None:  # refreshes are off
+            return
+        if accuracy < refresh.threshold and not state.busy \
+                and state.refreshes < refresh.max_refreshes and state.filled >= refresh.buffer_rows // 2:
             state.busy = True
             state.refreshes += 1
             with self._lock:
                 rows = state.rows()
-            self._pool.submit(self._refresh, target, *rows, accuracy)
+            self._pool.submit(self._refresh, target, *rows, accuracy, refresh)
 
-    def _refresh(self, target: int, hidden: torch.Tensor, true: torch.Tensor, accuracy: float) -> None:
+    def _refresh(self, target: int, hidden: torch.Tensor, true: torch.Tensor, accuracy: float,
+                 refresh: RefreshConfig) -> None:
         state = self._layers[target]
         try:
             with self._lock:
@@ -187,8 +195,8 @@ class OnlinePredictor:
             cut = int(len(hidden) * 0.8)  # train on the older rows, judge on the newest
             soft = torch.zeros(cut, self.predictor.shape.num_experts, device=device)
             soft.scatter_(1, true[:cut], 1.0 / true.shape[1])
-            optimizer = torch.optim.AdamW(head.parameters(), lr=self.refresh.lr)
-            for _ in range(self.refresh.steps):
+            optimizer = torch.optim.AdamW(head.parameters(), lr=refresh.lr)
+            for _ in range(refresh.steps):
                 loss = -(soft * torch.log_softmax(head(hidden[:cut]), -1)).sum(-1).mean()
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
