@@ -141,13 +141,13 @@ class _Kind:
         return self.api == "chat_completions"
 
     def choice(self, text: str, finish: str | None) -> dict:
-        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        body: dict[str, object] = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
         return {"index": 0, **body, "logprobs": None, "finish_reason": finish}
 
     def chunk_choice(self, text: str, finish: str | None, first: bool) -> dict:
         if self.chat:
             delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
-            body = {"delta": delta}
+            body: dict[str, object] = {"delta": delta}
         else:
             body = {"text": text}
         return {"index": 0, **body, "logprobs": None, "finish_reason": finish}

@@ -41,7 +41,7 @@ def choose_cpu_dtype(weights: ExpertWeights, act: Callable, tokens: int = 16, re
     if native == torch.float32:
         return native
     x = torch.randn(tokens, weights.hidden_size)
-    timings = {}
+    timings: dict[torch.dtype, float] = {}  # seconds
     for dtype in (native, torch.float32):
         xs = x.to(dtype)
         best = float("inf")
@@ -50,7 +50,7 @@ def choose_cpu_dtype(weights: ExpertWeights, act: Callable, tokens: int = 16, re
             expert_ffn(xs, _widen(weights, dtype), act)
             best = min(best, time.perf_counter() - start)
         timings[dtype] = best
-    chosen = min(timings, key=timings.get)
+    chosen = min(timings, key=timings.__getitem__)
     log.info("CPU experts compute in %s (one expert, %d tokens: %s)", str(chosen).removeprefix("torch."), tokens,
              ", ".join(f"{str(d).removeprefix('torch.')} {s * 1e3:.2f} ms" for d, s in timings.items()))
     return chosen

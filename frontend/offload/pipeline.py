@@ -153,7 +153,7 @@ def simulate_step(step: StepTrace, policy: Policy, profile: OffloadProfile, expe
         loads = set(schedule.load)
         for expert in (e for e in schedule.gpu if e not in loads):
             time.gpu = max(time.gpu, time.landed.get((layer, expert), 0.0)) + costs.t_g(demand.pending[expert])
-        computed = []  # when each loaded expert's compute ends: its buffer is free again
+        computed: list[float] = []  # when each loaded expert's compute ends: its buffer is free again
         for j, expert in enumerate(schedule.load):
             buffer_free = computed[j - 2] if j >= 2 else 0.0
             copied = time.copy(max(attn_end, buffer_free), costs.t_io)

@@ -74,7 +74,8 @@ class PreSched:
         k = self.recheck([times.makespan for times in spans], self.monotone_loads(demand, chosen))
         times = spans[k]
         f = prefetch_count(times.makespan - times.copies + demand.t_attn, costs.t_io, self.xi)
-        prefetch = [(demand.layer + c.offset, c.expert) for c in prefetchable[:min(f, demand.prefetch_slots)]]
+        count = int(min(f, demand.prefetch_slots))  # f is infinite where copies are free
+        prefetch = [(demand.layer + c.offset, c.expert) for c in prefetchable[:count]]
         return Schedule.from_split(demand, [e for e, _ in demand.missing()[:k]], prefetch)
 
     @staticmethod

@@ -72,8 +72,8 @@ class _SlotSync:
 @dataclass
 class _CopyTiming:
     nbytes: int
-    start: object
-    ends: list
+    start: torch.cuda.Event
+    ends: list[torch.cuda.Event]
 
 
 class HostExperts:
