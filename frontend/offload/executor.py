@@ -199,6 +199,8 @@ class OffloadExecutor:
         At most `rerank_swaps` experts change per refresh, the hottest newcomers for the coldest leavers: the
         copies queue ahead of this pass's on-demand loads, so a refresh that re-ranked the whole table at once
         would stall one pass for (table size x t_io); the rest follows at the next refreshes."""
+        if self.rerank is None:
+            raise ValueError("this executor was built without a rerank function: pass rerank= to refresh its hot table")
         wanted = [(self.position[layer], expert) for layer, expert in self.rerank(self.counter)]
         count = {key: self.counter.counts[(self.layers[key[0]], key[1])] for key in set(wanted) | set(self.resident_slot)}
         entering = [k for k in wanted if k not in self.resident_slot]  # hottest first

@@ -78,8 +78,12 @@ class Schedule:
 
 
 class Policy(Protocol):
-    name: str
-    clairvoyant: bool  # True: `ahead` must hold the actual routing (the oracle), not the prediction
+    # read-only: a class attribute or a frozen dataclass's field
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def clairvoyant(self) -> bool: ...  # True: `ahead` must hold the actual routing (the oracle), not the prediction
 
     def schedule(self, demand: LayerDemand, costs: ExpertCosts) -> Schedule: ...
 

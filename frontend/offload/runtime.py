@@ -29,8 +29,9 @@ from kubemoe.frontend.offload.store import ExpertStore, HostExperts, Key
 
 log = logging.getLogger(__name__)
 
-_POLICIES = {"kubemoe": None, "on-demand": OnDemand, "gpu-prefetch": GatePrefetch, "fiddler-like": FiddlerLike,
-             "hybrimoe-like": HybriMoELike}
+# The baselines made without arguments; kubemoe's PreSched and the static split are made in make_policy.
+_POLICIES: dict[str, Callable[[], Policy]] = {"on-demand": OnDemand, "gpu-prefetch": GatePrefetch,
+                                              "fiddler-like": FiddlerLike, "hybrimoe-like": HybriMoELike}
 
 
 def device_memory_bytes(device: torch.device) -> int:
