@@ -36,12 +36,13 @@ import re
 import secrets
 import socket
 import struct
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Generic
 
 from google.protobuf.message import DecodeError
 
 from kubemoe import wire
-from kubemoe.expert_fn.lane import ACCEPT_SECONDS, LaneClosed, LaneViolation, Message, SocketCarrier
+from kubemoe.expert_fn.lane import ACCEPT_SECONDS, LaneClosed, LaneViolation, Received, Sent, SocketCarrier
 from kubemoe.expert_fn.shm import ALIGN, ATTACHED, HEADER_BYTES, Segment, SharedMemoryError
 from kubemoe.proto import kubemoe_pb2 as pb
 
@@ -59,10 +60,10 @@ log = logging.getLogger(__name__)
 
 # Where a received message's payload goes: (offset, bytes) in the arena; raises ValueError saying
 # why the message may not write there.
-Placement = Callable[[Message], tuple[int, int]]
+Placement = Callable[[Received], tuple[int, int]]
 
 
-def tensor_region(message: Message, arena_bytes: int) -> tuple[int, int]:
+def tensor_region(message: pb.ForwardRequest | pb.ForwardResponse, arena_bytes: int) -> tuple[int, int]:
     """(offset, bytes) of the arena region `message.hidden` names; (0, 0) when it names none.
     Raises ValueError when the region is not one of an arena of `arena_bytes` bytes."""
     if not message.HasField("hidden") or message.hidden.WhichOneof("payload") != "shared":
@@ -97,19 +98,26 @@ def parse_offer(offer: str, *, max_bytes: int) -> tuple[int, bytes]:
     return int(size), token.encode()
 
 
-class Frames(SocketCarrier):
+@dataclass
+class _Payload(Generic[Received]):
+    """A frame whose payload is still arriving: the arena region it is read into, how much is in, its message."""
+
+    region: memoryview
+    read: int
+    message: Received
+
+
+class Frames(SocketCarrier[Received, Sent]):
     """A connected TCP socket carrying one message (and its tensor's bytes) per frame."""
 
-    def __init__(self, sock: socket.socket, arena: Segment, message_type: type[Message], place: Placement,
-                 on_messages: Callable[[list[Message]], None], on_closed: Callable[[LaneClosed], None]):
+    def __init__(self, sock: socket.socket, arena: Segment, message_type: type[Received], place: Placement[Received],
+                 on_messages: Callable[[list[Received]], None], on_closed: Callable[[LaneClosed], None]):
         super().__init__(sock, message_type, on_messages, on_closed)
         self._place = place
         self._arena, self._arena_bytes = memoryview(arena.buffer), arena.size
         self._staging = memoryview(bytearray(_STAGING_BYTES))
         self._staged = 0  # bytes in _staging not parsed yet
-        self._payload: memoryview | None = None  # the region a frame's payload is being read into ...
-        self._payload_read = 0  # ... how much of it is in ...
-        self._payload_of: Message | None = None  # ... and the message it belongs to
+        self._payload: _Payload[Received] | None = None  # a frame's payload being read straight into the arena
         self._backlog: collections.deque[memoryview] = collections.deque()  # what the socket did not take yet
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -119,7 +127,7 @@ class Frames(SocketCarrier):
     def _readable(self) -> None:
         messages, closed = [], None
         while True:  # drain what is there: one wake-up for all of it
-            into = (self._payload[self._payload_read:] if self._payload is not None
+            into = (self._payload.region[self._payload.read:] if self._payload is not None
                     else self._staging[self._staged:])
             try:
                 n = self.sock.recv_into(into)
@@ -134,10 +142,10 @@ class Frames(SocketCarrier):
                 break
             try:
                 if self._payload is not None:
-                    self._payload_read += n
-                    if self._payload_read == len(self._payload):
-                        messages.append(self._payload_of)
-                        self._payload = self._payload_of = None
+                    self._payload.read += n
+                    if self._payload.read == len(self._payload.region):
+                        messages.append(self._payload.message)
+                        self._payload = None
                 else:
                     self._staged += n
                     self._parse_staged(messages)
@@ -149,7 +157,7 @@ class Frames(SocketCarrier):
         if closed is not None:
             self.close(closed)
 
-    def _parse_staged(self, messages: list[Message]) -> None:
+    def _parse_staged(self, messages: list[Received]) -> None:
         """Take the complete frames out of _staging; a frame whose payload is only partly there leaves
         its region to be read into next."""
         staging, at = self._staging, 0
@@ -161,7 +169,7 @@ class Frames(SocketCarrier):
             if self._staged - body < message_bytes:
                 break
             try:
-                message = self._type.FromString(staging[body:body + message_bytes])
+                message = self._parse(staging[body:body + message_bytes])
             except DecodeError:
                 raise LaneViolation(f"a frame whose message is not a {self._type.__name__}") from None
             try:
@@ -176,7 +184,7 @@ class Frames(SocketCarrier):
             region[:here] = staging[start:start + here]
             at = start + here
             if here < payload_bytes:  # the rest goes straight into the region
-                self._payload, self._payload_read, self._payload_of = region, here, message
+                self._payload = _Payload(region, here, message)
                 break
             messages.append(message)
         rest = self._staged - at
@@ -186,7 +194,7 @@ class Frames(SocketCarrier):
 
     # -- writing -----------------------------------------------------------------------------------
 
-    def try_send(self, message: Message) -> bool:
+    def try_send(self, message: Sent) -> bool:
         """Queue one frame: what the socket takes now goes now, the rest when it is writable. Always
         True (the client's arena bounds what can be queued). Raises LaneClosed when the lane is gone."""
         if self.closed:
@@ -202,7 +210,7 @@ class Frames(SocketCarrier):
             self._write(pieces)
         return True
 
-    async def send(self, message: Message) -> None:
+    async def send(self, message: Sent) -> None:
         self.try_send(message)
 
     def _write(self, pieces: list[memoryview]) -> None:
@@ -330,7 +338,7 @@ async def serve_lane(lane, waiter: asyncio.Future, arena: Segment) -> None:
     lane.serve(Frames(conn, arena, pb.ForwardRequest, lambda m: tensor_region(m, arena.size), lane.take, lane.ended))
 
 
-async def connect(host: str, port: int, token: bytes, arena: Segment, place: Placement, *,
+async def connect(host: str, port: int, token: bytes, arena: Segment, place: Placement[pb.ForwardResponse], *,
                   on_responses: Callable[[list[pb.ForwardResponse]], None], on_closed: Callable[[LaneClosed], None],
                   timeout: float | None) -> Frames:
     """The client's end of a TCP lane; raises SharedMemoryError saying why it cannot be used."""

@@ -28,7 +28,7 @@ import secrets
 import socket
 import struct
 from pathlib import Path
-from typing import Awaitable, Callable, Coroutine, Protocol, TypeVar
+from typing import Awaitable, Callable, Coroutine, Generic, Protocol, TypeVar
 
 from google.protobuf.message import DecodeError
 
@@ -51,17 +51,23 @@ class LaneViolation(LaneClosed):
     """The other side sent what is not a message of the protocol: the lane ends, and the server logs why."""
 
 
-Message = TypeVar("Message", pb.ForwardRequest, pb.ForwardResponse)
+Message = TypeVar("Message", pb.ForwardRequest, pb.ForwardResponse)  # either side's
+# A carrier reads one side's messages and sends the other's: the server's reads requests, the client's responses.
+Received = TypeVar("Received", bound=pb.ForwardRequest | pb.ForwardResponse)
+Sent = TypeVar("Sent", bound=pb.ForwardRequest | pb.ForwardResponse)
+_Sent = TypeVar("_Sent", bound=pb.ForwardRequest | pb.ForwardResponse, contravariant=True)  # a Carrier only takes it in
 
 
-class SocketCarrier:
+class SocketCarrier(Generic[Received, Sent]):
     """A connected socket read from the event loop (add_reader): what both carriers share. Messages
     complete when it turns readable go to `on_messages` together; the end of the connection (or what
     breaks the protocol) to `on_closed`, once."""
 
-    def __init__(self, sock: socket.socket, message_type: type[Message],
-                 on_messages: Callable[[list[Message]], None], on_closed: Callable[[LaneClosed], None]):
-        self.sock, self._type, self._on_messages, self._on_closed = sock, message_type, on_messages, on_closed
+    def __init__(self, sock: socket.socket, message_type: type[Received],
+                 on_messages: Callable[[list[Received]], None], on_closed: Callable[[LaneClosed], None]):
+        self.sock, self._on_closed = sock, on_closed
+        self._type: type[Received] = message_type
+        self._on_messages: Callable[[list[Received]], None] = on_messages
         self._loop = asyncio.get_running_loop()
         self._reading = False
         self.closed = False
@@ -79,6 +85,11 @@ class SocketCarrier:
     def _readable(self) -> None:
         raise NotImplementedError
 
+    def _parse(self, data: bytes | memoryview) -> Received:
+        # The ignore: mypy widens FromString's Self on a type[Received] to Received's bound (the union), and
+        # protobuf's stub says bytes where FromString reads any buffer (a frame is parsed in place, uncopied)
+        return self._type.FromString(data)  # type: ignore[return-value,arg-type]
+
     def close(self, why: LaneClosed | None = None) -> None:
         if self.closed:
             return
@@ -89,11 +100,8 @@ class SocketCarrier:
             self._on_closed(why)
 
 
-class _Packets(SocketCarrier):
+class _Packets(SocketCarrier[Received, Sent]):
     """A SOCK_SEQPACKET socket carrying one `message_type` message per packet."""
-
-    def _parse(self, data: bytes) -> Message:
-        return self._type.FromString(data)
 
     def _readable(self) -> None:
         messages, closed = [], None
@@ -121,7 +129,7 @@ class _Packets(SocketCarrier):
         if closed is not None:
             self.close(closed)
 
-    def try_send(self, message: Message) -> bool:
+    def try_send(self, message: Sent) -> bool:
         """Send one message if the socket's buffer has room for it (False: not now). Raises LaneClosed
         when the lane is gone. A buffer holds hundreds of packets: this is rarely False."""
         if self.closed:
@@ -134,7 +142,7 @@ class _Packets(SocketCarrier):
             raise LaneClosed(f"lane broke: {e.strerror}") from None
         return True
 
-    async def send(self, message: Message) -> None:
+    async def send(self, message: Sent) -> None:
         """One message, once the buffer has room. Raises LaneClosed when the lane is gone."""
         if not self.try_send(message):
             try:
@@ -142,15 +150,16 @@ class _Packets(SocketCarrier):
             except OSError as e:
                 raise LaneClosed(f"lane broke: {e.strerror}") from None
 
-class Carrier(Protocol[Message]):
-    """What moves a lane's messages: _Packets here, frames.Frames over TCP (both SocketCarriers)."""
+class Carrier(Protocol[_Sent]):
+    """What moves a lane's messages: _Packets here, frames.Frames over TCP (both SocketCarriers). It
+    sends `_Sent`; what it reads goes to the callback it was made with."""
 
     closed: bool
 
     def start_reading(self) -> None: ...
     def stop_reading(self) -> None: ...
-    def try_send(self, message: Message) -> bool: ...
-    async def send(self, message: Message) -> None: ...
+    def try_send(self, message: _Sent) -> bool: ...
+    async def send(self, message: _Sent) -> None: ...
     def close(self, why: LaneClosed | None = None) -> None: ...
 
 
@@ -205,7 +214,7 @@ class ServerLane:
                  spawn: Callable[[Coroutine], None], *,
                  answer_now: Callable[[pb.ForwardRequest], pb.ForwardResponse | None]):
         self.name, self._answer, self._answer_now, self._spawn = name, answer, answer_now, spawn
-        self._carrier: Carrier | None = None
+        self._carrier: Carrier[pb.ForwardResponse] | None = None  # set by serve(), once the client is there
         self._loop = asyncio.get_running_loop()
         self._connecting: asyncio.Task | None = None
         self._on_close: list[Callable[[], None]] = []
@@ -225,7 +234,7 @@ class ServerLane:
         or it failed the handshake: the stream goes on without a lane). close() cancels it."""
         self._connecting = self._loop.create_task(connecting)
 
-    def serve(self, carrier: Carrier) -> None:
+    def serve(self, carrier: Carrier[pb.ForwardResponse]) -> None:
         self._carrier = carrier
         carrier.start_reading()
 
@@ -279,14 +288,19 @@ class ServerLane:
     async def _reply(self, request: pb.ForwardRequest) -> None:
         self._send(await self._answer(request))
 
+    def _connected(self) -> Carrier[pb.ForwardResponse]:
+        if self._carrier is None:  # requests come only through the carrier: a reply without one is a bug
+            raise RuntimeError(f"lane {self.name} answered a request before serve() gave it a carrier")
+        return self._carrier
+
     def _send(self, response: pb.ForwardResponse) -> None:
         with contextlib.suppress(LaneClosed):  # the client left: nobody waits for this reply
-            if not self._carrier.try_send(response):
+            if not self._connected().try_send(response):
                 self._spawn(self._send_later(response))
 
     async def _send_later(self, response: pb.ForwardResponse) -> None:
         with contextlib.suppress(LaneClosed):
-            await self._carrier.send(response)
+            await self._connected().send(response)
 
     def stop_reading(self) -> None:
         """Take no more requests (the server is stopping); those already spawned are still answered."""
@@ -311,7 +325,7 @@ class ClientLane:
     """The client's end: `send` a request; each response goes to `on_response`, the lane's end to
     `on_closed` (after which the stream it belongs to is useless too)."""
 
-    def __init__(self, carrier: Carrier):
+    def __init__(self, carrier: Carrier[pb.ForwardRequest]):
         self._carrier = carrier
 
     @classmethod
@@ -338,7 +352,7 @@ class ClientLane:
                                     on_closed))
 
     @classmethod
-    def serving(cls, carrier: Carrier) -> "ClientLane":
+    def serving(cls, carrier: Carrier[pb.ForwardRequest]) -> "ClientLane":
         carrier.start_reading()
         return cls(carrier)
 
