@@ -50,6 +50,10 @@ class Job:
     compute_seconds: float = 0.0
     done: asyncio.Future | None = None
 
+    def __post_init__(self) -> None:
+        if self.pinned and self.out_buffer is None:
+            raise ValueError("a pinned job replies into its registered region: give it as out_buffer")
+
     @property
     def tokens(self) -> int:
         return self.x.shape[0]
@@ -198,7 +202,10 @@ def _cpu_round(jobs: list[Job], experts, act, dtype: torch.dtype, clock: Compute
         if direct:
             job.out = job.out_buffer  # every group's rows hold its output already
             continue
-        out = x if not job_pieces else job_pieces[0] if len(job_pieces) == 1 else torch.cat(job_pieces)  # [T, H]
+        done = [piece for piece in job_pieces if piece is not None]
+        if len(done) < len(job_pieces):  # every group is some expert's part: a missing output is a bug
+            raise RuntimeError(f"{len(job_pieces) - len(done)} of a job's groups got no expert's output in this round")
+        out = x if not done else done[0] if len(done) == 1 else torch.cat(done)  # [T, H]
         job.out = out.to(job.x.dtype) if job.out_buffer is None else copy_into(job.out_buffer, out)  # casts if need be
 
 
@@ -211,7 +218,8 @@ def _device_round(jobs: list[Job], experts, act, device: torch.device, dtype: to
     one graph launch, copies included (graphs.run_pinned). Nothing waits for the GPU here: the
     caller's clock.seconds() does, once."""
     inputs = [job.x if job.pinned else job.x.to(device=device, dtype=dtype, non_blocking=True) for job in jobs]
-    outs = [job.out_buffer if job.pinned else torch.empty(job.x.shape, device=device, dtype=dtype) for job in jobs]
+    outs = [job.out_buffer if job.pinned and job.out_buffer is not None  # a pinned job always has one (Job checks)
+            else torch.empty(job.x.shape, device=device, dtype=dtype) for job in jobs]
     for key, parts, weights in experts:
         if graphs is not None and len(parts) == 1 and jobs[parts[0].job].pinned:
             job, part = jobs[parts[0].job], parts[0]
@@ -285,25 +293,25 @@ class MicroBatcher:
                 self._pending, self._pending_tokens = [], 0
                 self._run_jobs([job])
                 return job
-        if self._dispatcher is None:
+        if self._dispatcher is None or self._wakeup is None:  # made together, with the first round to dispatch
             self._wakeup = asyncio.Event()
-            self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch())
+            self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch(self._wakeup))
         self._wakeup.set()
         await job.done
         return job
 
-    async def _dispatch(self) -> None:
+    async def _dispatch(self, wakeup: asyncio.Event) -> None:
         while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
+            await wakeup.wait()
+            wakeup.clear()
             if not self._pending:
                 continue
             if self._wait_s > 0:  # arrivals overlap (else submit() ran the job): more may come
-                await self._gather_more()
+                await self._gather_more(wakeup)
             jobs, self._pending, self._pending_tokens = self._pending, [], 0
             self._run_jobs(jobs)
             for job in jobs:
-                if not job.done.done():
+                if job.done is not None and not job.done.done():  # submit() gave every pending job its future
                     job.done.set_result(None)
 
     def _run_jobs(self, jobs: list[Job]) -> None:
@@ -317,14 +325,14 @@ class MicroBatcher:
                 job.error = job.error or e
         self.rounds += 1
 
-    async def _gather_more(self) -> None:
+    async def _gather_more(self, wakeup: asyncio.Event) -> None:
         deadline = self._pending[0].arrived + self._wait_s
         while self._pending_tokens < self._max_tokens and (left := deadline - time.perf_counter()) > 0:
             try:
-                await asyncio.wait_for(self._wakeup.wait(), left)
+                await asyncio.wait_for(wakeup.wait(), left)
             except TimeoutError:
                 return
-            self._wakeup.clear()
+            wakeup.clear()
 
     async def close(self) -> None:
         if self._dispatcher is not None:

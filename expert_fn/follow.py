@@ -57,7 +57,7 @@ class TableFollower:
             await self._gain(gains)
         loop = asyncio.get_running_loop()
         for key in sorted(held - wanted - self._drops.keys()):
-            self._drops[key] = loop.call_later(self.drop_after, lambda k=key: loop.create_task(self._drop(k)))
+            self._drops[key] = loop.call_later(self.drop_after, self._start_drop, key)
 
     async def _gain(self, keys: list[ExpertKey]) -> None:
         need = len(keys) * self.store.adapter.expert_bytes(self.store.dtype)
@@ -70,6 +70,9 @@ class TableFollower:
         response = await self.servicer.load(keys)
         log.info("loaded %d experts in place (%.0f MiB in %.2fs) for the routing table", len(keys),
                  response.bytes_loaded / 2**20, response.seconds)
+
+    def _start_drop(self, key: ExpertKey) -> None:  # a call_later callback: the drop itself awaits
+        asyncio.get_running_loop().create_task(self._drop(key))
 
     async def _drop(self, key: ExpertKey) -> None:
         self._drops.pop(key, None)

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from kubemoe.errors import KubemoeError
 from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert_fn.config import ExpertFnConfig
@@ -122,10 +123,13 @@ async def serve(config: ExpertFnConfig) -> None:
 
 def follow_routing_table(config: ExpertFnConfig, servicer: ExpertServicer) -> asyncio.Task | None:
     """Gain and drop experts in place as the routing table names this function (follow.py), if asked."""
-    if not (config.routing_table or config.routing_configmap):
+    table, configmap = config.routing_table, config.routing_configmap
+    if not (table or configmap):
         return None
-    follower = TableFollower(servicer, config.address, config.drop_after)
-    if config.routing_table:
-        return asyncio.create_task(watch_file(Path(config.routing_table), follower.on_table))
-    namespace, name = config.routing_configmap.split("/")
-    return asyncio.create_task(watch_configmap(namespace, name, follower.on_table))
+    if not config.address:  # ExpertFnConfig refuses following without one
+        raise KubemoeError("following the routing table needs --address: how the table names this expert function")
+    on_table = TableFollower(servicer, config.address, config.drop_after).on_table
+    if table:
+        return asyncio.create_task(watch_file(Path(table), on_table))
+    namespace, name = (configmap or "").split("/")  # NAMESPACE/NAME, checked by ExpertFnConfig
+    return asyncio.create_task(watch_configmap(namespace, name, on_table))

@@ -80,7 +80,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self.store.check_held(request.layer, experts)  # names every expert not in the model, or not held
         shared = request.hidden.WhichOneof("payload") == "shared"
         return Job(x, [((request.layer, e), c) for e, c in zip(experts, counts)], out_buffer=x if shared else None,
-                   pinned=shared and segment.pinned)
+                   pinned=shared and segment is not None and segment.pinned)  # decode needs a segment to read shared
 
     def _run_round(self, jobs: list[Job]) -> None:
         tokens = run_round(jobs, lambda key: self.store.get(*key), self.store.adapter.act,
@@ -206,15 +206,16 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         Tell the client the outcome either way. The segment returned is the one the stream's own
         requests may name (a TCP lane's arena is its lane's alone)."""
         offered = dict(context.invocation_metadata() or ())
-        offer, tcp_offer = offered.get(METADATA_KEY), offered.get(TCP_METADATA_KEY)
+        offer, tcp_offer = _text(offered.get(METADATA_KEY)), _text(offered.get(TCP_METADATA_KEY))
         if offer is None and tcp_offer is None:
             return None, None
         metadata, segment, lane = [], None, None
+        shm_dir = self.config.shm_dir
         if offer is not None:
             try:
-                if self.config.shm_dir is None:
+                if shm_dir is None:
                     raise SharedMemoryError("this expert function runs without --shm-dir")
-                segment = Segment.attach(self.config.shm_dir, offer, max_bytes=4 * self.config.max_message_bytes)
+                segment = Segment.attach(shm_dir, offer, max_bytes=4 * self.config.max_message_bytes)
                 if self.config.device.type == "cuda":
                     await asyncio.to_thread(segment.pin)  # else its copies to the GPU go through a bounce buffer
                 answer = ATTACHED
@@ -223,24 +224,24 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 log.info("no shared memory with a client on %s: %s", context.peer(), e)
             self.metrics.shared_memory(answer == ATTACHED)
             metadata.append((METADATA_KEY, answer.encode("ascii", "replace").decode()))
-        if segment is not None:
+        if segment is not None and shm_dir is not None and offer is not None:  # attached: offer and folder were there
             try:
-                lane = ServerLane.over_unix(self.config.shm_dir, offer, lambda request: self._answer(request, segment),
+                lane = ServerLane.over_unix(shm_dir, offer, lambda request: self._answer(request, segment),
                                             spawn, answer_now=lambda request: self.answer_now(request, segment))
                 metadata.append((LANE_METADATA_KEY, lane.name))
             except SharedMemoryError as e:  # the stream still carries the calls
                 log.warning("%s", e)
         elif tcp_offer is not None and self.data_port is not None:
-            lane = await self._tcp_lane(tcp_offer, spawn)
+            lane = await self._tcp_lane(self.data_port, tcp_offer, spawn)
             if lane is not None:
                 metadata.append((TCP_LANE_METADATA_KEY, self.data_port.address))
         await context.send_initial_metadata(metadata)
         return segment, lane
 
-    async def _tcp_lane(self, offer: str, spawn: Callable[[Coroutine], None]) -> ServerLane | None:
+    async def _tcp_lane(self, data_port: DataPort, offer: str, spawn: Callable[[Coroutine], None]) -> ServerLane | None:
         try:
             size, token = parse_offer(offer, max_bytes=4 * self.config.max_message_bytes)
-            waiter = self.data_port.expect(token)
+            waiter = data_port.expect(token)
         except SharedMemoryError as e:
             log.info("no TCP lane for a client: %s", e)
             self.metrics.tcp_lane(False)
@@ -345,3 +346,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self.metrics.call(method, code.name)
         return status(code, message, lacking)
 
+
+def _text(value: str | bytes | None) -> str | None:
+    """A metadata value of a text key (gRPC gives bytes only for keys ending in -bin)."""
+    return value.decode("ascii", "replace") if isinstance(value, bytes) else value

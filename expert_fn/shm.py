@@ -104,6 +104,8 @@ class Segment:
     @property
     def offer(self) -> str:
         """What the client sends as METADATA_KEY."""
+        if self.path is None:  # private(): an arena that only a TCP lane reads into, never attached by name
+            raise SharedMemoryError("a private arena has no file to offer: offer a segment made by create()")
         return f"{self.path.name}:{self.nonce.hex()}"
 
     @classmethod
