@@ -64,6 +64,12 @@ class _Stream:
         self.segment, self.transport = segment, transport
         self.allocator = Allocator(HEADER_BYTES, segment.size)
 
+    def _memory(self) -> tuple[Segment, Allocator]:
+        """The segment (or arena) and its allocator; asked of a stream whose tensors travel inline, a bug."""
+        if self.segment is None or self.allocator is None:
+            raise RuntimeError(f"a stream whose tensors travel {self.transport} has no segment of regions")
+        return self.segment, self.allocator
+
     def end(self) -> None:
         """The stream is over: a TCP lane's arena is this process's own memory, registered with CUDA if
         a call pinned it; unregister it before the mapping can go (CUDA would keep the range, and a
@@ -73,8 +79,9 @@ class _Stream:
 
     def region_of_reply(self, response: pb.ForwardResponse) -> tuple[int, int]:
         """Where a TCP lane reply's tensor goes: the region its request was sent in, nowhere else."""
-        offset, nbytes = tensor_region(response, self.segment.size)
-        if nbytes and (self.regions.get(response.request_id) != offset or offset + nbytes > self.allocator.end(offset)):
+        segment, allocator = self._memory()
+        offset, nbytes = tensor_region(response, segment.size)
+        if nbytes and (self.regions.get(response.request_id) != offset or offset + nbytes > allocator.end(offset)):
             raise ValueError(f"request {response.request_id!r} was not sent in a region of {nbytes} bytes at {offset}")
         return offset, nbytes
 
@@ -88,7 +95,7 @@ class _Stream:
 
     def place(self, request_id: str, hidden: torch.Tensor, msg: pb.Tensor) -> bool:
         """Copy `hidden` into a free region and name it in `msg`; False when none is large enough."""
-        if self.allocator is None or hidden.dtype not in wire.TO_WIRE:
+        if self.segment is None or self.allocator is None or hidden.dtype not in wire.TO_WIRE:
             return False
         if self.transport == "tcp" and hidden.device.type == "cuda" and not self.segment.tried_pinning:
             self.segment.pin()  # replies land in it, then go to the GPU by DMA
@@ -103,8 +110,8 @@ class _Stream:
 
     def release(self, request_id: str) -> None:
         offset = self.regions.pop(request_id, None)
-        if offset is not None:
-            self.allocator.free(offset)
+        if offset is not None:  # only a stream with a segment has regions
+            self._memory()[1].free(offset)
 
     def hand_over(self, request_id: str, reply: pb.Tensor, sent: pb.Tensor) -> torch.Tensor:
         """The reply where it lies, as a tensor of its own; its region is freed once no view of it is left.
@@ -118,8 +125,8 @@ class _Stream:
             raise ValueError("inline, not the way it was sent" if reply.WhichOneof("payload") != "shared" else
                              "in another region, dtype or shape than it was sent in")
         offset = self.regions.pop(request_id)
-        loop, allocator = asyncio.get_running_loop(), self.allocator
-        return self.segment.view(offset, wire.FROM_WIRE[sent.dtype], list(sent.shape),
+        loop, (segment, allocator) = asyncio.get_running_loop(), self._memory()
+        return segment.view(offset, wire.FROM_WIRE[sent.dtype], list(sent.shape),
                                  on_release=lambda: _free_soon(loop, allocator, offset))
 
 
@@ -237,8 +244,9 @@ class ExpertClient:
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"no reply to request {rid!r} from {self.address} within {timeout}s") from None
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, LaneClosed) as e:
-            if done.done() and not done.cancelled() and done.exception() is not None:
-                raise done.exception() from None  # the reader's verdict is the more precise one
+            verdict = done.exception() if done.done() and not done.cancelled() else None
+            if verdict is not None:
+                raise verdict from None  # the reader's verdict is the more precise one
             # A write into a stream the server has just dropped fails with INTERNAL ("Failed
             # execute_batch") before the reader notices: that is a broken stream, safe to retry.
             if isinstance(e, grpc.aio.AioRpcError) and e.code() != grpc.StatusCode.INTERNAL:
@@ -281,7 +289,7 @@ class ExpertClient:
         lane_timeout = timeout or LANE_CONNECT_SECONDS
         if segment is not None and metadata.get(METADATA_KEY) == ATTACHED:
             stream.use(segment, "shm")
-            if LANE_METADATA_KEY in metadata:
+            if LANE_METADATA_KEY in metadata and self.shm_dir is not None:  # always: the segment is made in shm_dir
                 try:
                     stream.lane = await ClientLane.connect(
                         self.shm_dir, metadata[LANE_METADATA_KEY], segment.offer, on_response=stream.deliver,
@@ -366,10 +374,12 @@ class ExpertClient:
                 stream.lane.close()
             try:
                 await stream.call.done_writing()
-                await asyncio.wait_for(asyncio.shield(stream.reader), 1.0)
+                if stream.reader is not None:
+                    await asyncio.wait_for(asyncio.shield(stream.reader), 1.0)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, TimeoutError):
                 stream.call.cancel()
-            await asyncio.gather(stream.reader, return_exceptions=True)
+            if stream.reader is not None:  # set as the stream opened
+                await asyncio.gather(stream.reader, return_exceptions=True)
         if self._channel is not None:
             await self._channel.close()
         self._channel = None

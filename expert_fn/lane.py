@@ -329,7 +329,7 @@ class ClientLane:
         self._carrier = carrier
 
     @classmethod
-    async def connect(cls, folder: Path, name: str, offer: str, *, on_response: Callable[[pb.ForwardResponse], None],
+    async def connect(cls, folder: str | Path, name: str, offer: str, *, on_response: Callable[[pb.ForwardResponse], None],
                       on_closed: Callable[[LaneClosed], None], timeout: float | None) -> "ClientLane":
         """Raises SharedMemoryError saying why the lane cannot be used (the stream still can)."""
         if not _NAME.fullmatch(name):
