@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import grpc
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -127,3 +128,7 @@ async def test_a_full_batch_stops_waiting():
     assert time.perf_counter() - start < 5.0
     await batcher.close()
 
+
+def test_a_pinned_job_without_its_reply_region_is_refused():
+    with pytest.raises(ValueError, match="out_buffer"):  # its replies would have nowhere to go
+        Job(torch.zeros(2, 4), [((0, 0), 2)], pinned=True)

@@ -266,3 +266,9 @@ async def test_a_reply_that_does_not_come_back_the_way_it_was_sent_is_data_loss(
     assert client._stream.allocator.in_use == 0  # its region is free again
     await client.close()
     await server.stop(None)
+
+
+def test_a_private_arena_has_no_name_to_offer():
+    arena = Segment.private(HEADER_BYTES + (1 << 12))  # a TCP lane's arena: this process's own memory
+    with pytest.raises(SharedMemoryError, match="no file to offer"):
+        _ = arena.offer

@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 
+from kubemoe.frontend.batch import BatchState
 from kubemoe.frontend.engine import PromptTooLong
 from kubemoe.frontend.sampling import SamplingParams
 
@@ -48,3 +49,13 @@ def test_a_cache_too_small_for_the_batch_preempts_and_recomputes_with_the_same_t
     finally:
         fe.close()
     assert together == alone
+
+
+def test_an_empty_batch_says_so_instead_of_decoding_nothing():
+    state = BatchState()
+    with pytest.raises(RuntimeError, match="holds no sequences"):
+        state.decode_inputs([])
+    with pytest.raises(RuntimeError, match="no decode step to undo"):
+        state.undo_decode()
+    state.keep([])  # emptying an empty batch is fine
+    assert len(state) == 0 and state.width == 0
