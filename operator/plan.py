@@ -85,6 +85,21 @@ class PlanError(Exception):
 
 
 @dataclass(frozen=True)
+class Taken:
+    """What pods other than this MoEDeployment's expert functions hold on a node (`capacity` reads it)."""
+
+    resources: Mapping[str, int] = field(default_factory=dict)  # extended resource -> units requested
+    pods: int = 0
+    functions: tuple[tuple[str | None, int], ...] = ()  # other kubemoe functions: (GPU index with dra, bytes)
+
+    def plus(self, resources: Mapping[str, int], pods: int, functions: Sequence[tuple[str | None, int]]) -> "Taken":
+        total = dict(self.resources)
+        for k, v in resources.items():
+            total[k] = total.get(k, 0) + v
+        return Taken(total, self.pods + pods, (*self.functions, *functions))
+
+
+@dataclass(frozen=True)
 class NodeInfo:
     name: str
     gpus: int                      # allocatable nvidia.com/gpu
@@ -97,6 +112,7 @@ class NodeInfo:
     dra_gpus: int = 0              # GPUs the NVIDIA DRA driver published for the node (ResourceSlices)
     dra_memory_bytes: int | None = None  # the smallest of their memory capacities
     memory_bytes: int | None = None  # allocatable host memory; None = unknown
+    taken: Taken = Taken()         # held by other pods (capacity.with_taken); the planner fills the rest
 
     @property
     def physical_gpus(self) -> int:
@@ -475,7 +491,8 @@ def _placer_gpus(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str
     if not sharing.shared:
         per_replica = spec.experts.gpus
         unbounded = sum(replicas.values()) + sum(warm.values())
-        return [placer.GPU(n.name, n.name, n.gpus // per_replica if per_replica else unbounded) for n in eligible], 1
+        return [placer.GPU(n.name, n.name, _free_gpus(n) // per_replica if per_replica else unbounded)
+                for n in eligible], 1
     item = max(function_bytes(spec, b) for b in bundles)
     gpus = []
     for n in eligible:
@@ -483,12 +500,46 @@ def _placer_gpus(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str
             continue  # an MPS share of this node is too small for a function
         count = n.gpu_count(sharing.mode)
         memory = n.memory_per_gpu(sharing.mode) or 0
-        if sharing.mode != "dra":
-            memory = min(memory, n.shares_per_gpu(sharing.resource_name) * item)
-        if n.pods is not None:
-            memory = min(memory, n.pods // count * item)
-        gpus += [placer.GPU(gpu_site(n.name, i), n.name, memory) for i in range(count)]
+        held, shares = _taken_per_gpu(spec, n, count, memory)
+        for i in range(count):
+            free = memory - held[i]
+            if sharing.mode != "dra":
+                free = min(free, (n.shares_per_gpu(sharing.resource_name) - shares[i]) * item)
+            if n.pods is not None:
+                free = min(free, (n.pods - n.taken.pods) // count * item)
+            gpus.append(placer.GPU(gpu_site(n.name, i), n.name, max(free, 0)))
     return gpus, item
+
+
+def _free_gpus(node: NodeInfo) -> int:
+    """Whole nvidia.com/gpu no other pod holds (a frontend's, another MoEDeployment's)."""
+    return max(node.gpus - node.taken.resources.get(GPU, 0), 0)
+
+
+def _taken_per_gpu(spec: MoESpec, node: NodeInfo, count: int, memory: int) -> tuple[list[int], list[int]]:
+    """[count] bytes and shares other pods hold on each of the node's GPUs. Other kubemoe functions hold
+    their memory on their GPU (dra) or, like our own warm services, on the GPU holding the fewest bytes so
+    far (the device plugin picks it); shares spread the same way. With MPS a share that is not a kubemoe
+    function holds its 1/replicas of a GPU; a time-sliced one holds memory nobody declares (not counted)."""
+    held, shares = [0] * count, [0] * count
+    if not count:
+        return held, shares
+    sharing = spec.experts.sharing
+    pinned = [(int(g[3:]), b) for g, b in node.taken.functions if g and g[3:].isdigit() and int(g[3:]) < count]
+    floating = sorted((b for g, b in node.taken.functions if not (g and g[3:].isdigit() and int(g[3:]) < count)),
+                      reverse=True)
+    for index, nbytes in pinned:
+        held[index] += nbytes
+    units = node.taken.resources.get(sharing.resource_name, 0) if sharing.mode != "dra" else 0
+    if sharing.mode == "mps":  # shares of other pods, beyond those of kubemoe functions, hold their part
+        per_share = memory // max(node.shares_per_gpu(sharing.resource_name), 1)
+        floating += [per_share] * max(units - len(node.taken.functions), 0)
+    for nbytes in floating:
+        index = min(range(count), key=lambda i: (held[i], i))
+        held[index] += nbytes
+    for _ in range(units):
+        shares[min(range(count), key=lambda i: (shares[i], i))] += 1
+    return held, shares
 
 
 def _warm_gpus(spec: MoESpec, warm: Mapping[ServiceKey, int], gpus: Sequence[placer.GPU], item: int
@@ -517,15 +568,23 @@ def _warm_gpus(spec: MoESpec, warm: Mapping[ServiceKey, int], gpus: Sequence[pla
 def _capacity_text(spec: MoESpec, bundles: Sequence[Bundle], eligible: Sequence[NodeInfo]) -> str:
     sharing = spec.experts.sharing
     if not sharing.shared:
+        others = sum(n.gpus - _free_gpus(n) for n in eligible)
         return (f"{len(bundles)} replicas of {spec.experts.gpus} {GPU} do not fit the "
-                f"{sum(n.gpus for n in eligible)} GPUs of {len(eligible)} eligible nodes")
+                f"{sum(n.gpus for n in eligible)} GPUs of {len(eligible)} eligible nodes"
+                + (f" (other pods hold {others} of them: frontends, other MoEDeployments)" if others else ""))
     item = max(function_bytes(spec, b) for b in bundles)
     gpus = sum(n.gpu_count(sharing.mode) for n in eligible)
     text = (f"{len(bundles)} functions of up to {item / 2**30:.2f} GiB (bundle plus functionOverhead) do not fit "
             f"the {gpus} GPUs of {len(eligible)} eligible nodes")
+    held = sum(b for n in eligible for _, b in n.taken.functions)
+    shares = sum(n.allocatable.get(sharing.resource_name, 0) for n in eligible)
+    taken = sum(n.taken.resources.get(sharing.resource_name, 0) for n in eligible)
     if sharing.mode != "dra":
-        shares = sum(n.allocatable.get(sharing.resource_name, 0) for n in eligible)
         text += f" ({shares} {sharing.resource_name} shares)"
+    if held or (taken and sharing.mode != "dra"):
+        text += (f"; other pods hold {held / 2**30:.2f} GiB of their memory"
+                 + (f" and {taken} of {shares} {sharing.resource_name} shares" if sharing.mode != "dra" else "")
+                 + " (other MoEDeployments' functions)")
     return text
 
 

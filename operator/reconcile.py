@@ -18,6 +18,7 @@ from typing import AbstractSet, Any, Callable, Mapping
 
 from kubemoe.operator import conditions as c
 from kubemoe.operator import pod_security
+from kubemoe.operator.capacity import with_taken
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.kube import ApiError, Kube
 from kubemoe.operator.loads import LoadSource
@@ -91,6 +92,8 @@ class Reconciler:
         nodes = [NodeInfo.from_node(n) for n in self.kube.list("v1", "Node")]
         if deployment.spec.experts.sharing.mode == "dra":  # which nodes a DRA driver offers GPUs on
             nodes = with_dra_devices(nodes, self._resource_slices())
+        # What other pods hold (frontends, other MoEDeployments): the plan fills only the rest.
+        nodes = with_taken(deployment.spec, nodes, self.kube.list("v1", "Pod"), deployment.namespace, deployment.name)
         try:
             new = plan(deployment.spec, loads, nodes, previous, now)
         except PlanError as e:

@@ -38,6 +38,8 @@ BUNDLE_LABEL = "kubemoe.io/bundle"
 NODE_LABEL = "kubemoe.io/node-hash"         # node names may exceed the 63 characters of a label value
 NODE_ANNOTATION = "kubemoe.io/node"
 GPU_ANNOTATION = "kubemoe.io/gpu"           # gpuSharing dra: the GPU of the node (site node/gpuN) it runs on
+# On expert pods, for other MoEDeployments' plans (operator/capacity.py): the GPU memory one function takes.
+FUNCTION_MEMORY_ANNOTATION = "kubemoe.io/gpu-memory"
 REPLICAS_ANNOTATION = "kubemoe.io/replicas"
 RETIRED_ANNOTATION = "kubemoe.io/retired-at"  # unix seconds; present = out of the plan, kept warm
 VERSION_ANNOTATION = "kubemoe.io/plan-version"
@@ -240,6 +242,11 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
     if retired is not None:
         annotations[RETIRED_ANNOTATION] = f"{retired.since:.0f}"
     meta = {"name": name, "labels": pod_labels, "annotations": annotations}
+    # Its pods say where they were planned and what GPU memory they take, so that another MoEDeployment's
+    # plan counts them (also while Pending), as the scheduler will.
+    pod_annotations = {k: v for k, v in annotations.items() if k in (NODE_ANNOTATION, GPU_ANNOTATION)}
+    if spec.experts.sharing.shared:
+        pod_annotations[FUNCTION_MEMORY_ANNOTATION] = str(function_bytes(spec, bundle))
     args = ExpertFnArgs(checkpoint=checkpoint_path(spec), bundle=bundle.spec(), model=deployment.name,
                         dtype=spec.dtype, routing_configmap=f"{deployment.namespace}/{routing_configmap_name(deployment)}",
                         address=expert_address(deployment, bundle_name, site),
@@ -264,6 +271,7 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
             "autoscaling.knative.dev/initial-scale": str(replicas),
             "autoscaling.knative.dev/scale-down-delay": scaling.keep_alive,
             "serving.knative.dev/progress-deadline": spec.experts.knative.progress_deadline,
+            **pod_annotations,
         }
         pod["containerConcurrency"] = spec.experts.knative.container_concurrency
         return [{"apiVersion": KNATIVE[0], "kind": KNATIVE[1], "metadata": meta, "spec": {"template": {
@@ -273,7 +281,7 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
     return [
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": {
             "replicas": replicas, "selector": {"matchLabels": match},
-            "template": {"metadata": {"labels": pod_labels}, "spec": pod}}},
+            "template": {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": {**meta, "annotations": dict(annotations)}, "spec": {
             "selector": match,
             "ports": [{"name": "h2c", "port": EXPERT_PORT, "targetPort": "h2c", "appProtocol": "kubernetes.io/h2c"}]}},

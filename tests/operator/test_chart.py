@@ -87,7 +87,7 @@ def test_rbac_is_least_privilege(f):
     assert [d["metadata"]["namespace"] for d in scoped if d["kind"] == "Role"] == ["a", "b"]
     cluster_role = next(d for d in scoped if d["kind"] == "ClusterRole")
     assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
-        "nodes", "resourceslices", "customresourcedefinitions", "namespaces", "clusterkopfpeerings"}
+        "nodes", "pods", "resourceslices", "customresourcedefinitions", "namespaces", "clusterkopfpeerings"}
     operator = next(d for d in scoped if d["kind"] == "Deployment")
     assert "--namespace=a" in operator["spec"]["template"]["spec"]["containers"][0]["args"]
 

@@ -89,7 +89,7 @@ def test_knative_runtime_annotations_affinity_and_address(f):
     assert template["metadata"]["annotations"] == {
         "autoscaling.knative.dev/min-scale": "1", "autoscaling.knative.dev/max-scale": "4",
         "autoscaling.knative.dev/initial-scale": "1", "autoscaling.knative.dev/scale-down-delay": "5m",
-        "serving.knative.dev/progress-deadline": "15m"}
+        "serving.knative.dev/progress-deadline": "15m", "kubemoe.io/node": "node-0"}  # where it was planned
     assert template["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
     assert template["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
     assert not by_kind(objects, "Deployment")[1:]  # only the frontend is a Deployment

@@ -90,10 +90,6 @@ RBAC rules for objects in the namespaces the operator serves: exactly what the h
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [watch]
-# Frontend pods' IPs, to pull their /loads.
-- apiGroups: [""]
-  resources: [pods]
-  verbs: [list]
 # Kubernetes Events about what changed (Kopf posts core/v1 Events).
 - apiGroups: ["", events.k8s.io]
   resources: [events]
@@ -104,10 +100,12 @@ RBAC rules for objects in the namespaces the operator serves: exactly what the h
   verbs: [get, list, watch, patch, create]
 {{- end }}
 
-{{/* Cluster-scoped rules: planning reads nodes; Kopf observes CRDs and namespaces and peers cluster-wide. */}}
+{{/* Cluster-scoped rules: planning reads nodes and pods; Kopf observes CRDs and namespaces and peers cluster-wide. */}}
 {{- define "kubemoe.clusterRules" -}}
+# Planning reads the nodes and what every pod holds on them (GPUs, shares: operator/capacity.py), so plans
+# never over-commit; and the frontend pods' IPs, to pull their /loads.
 - apiGroups: [""]
-  resources: [nodes]
+  resources: [nodes, pods]
   verbs: [list]
 # spec.experts.gpuSharing.mode dra: the GPUs a DRA driver publishes per node.
 - apiGroups: [resource.k8s.io]
