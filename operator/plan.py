@@ -22,14 +22,17 @@ from the start (`warm_held`); a plan that brings one back reuses it, and one who
 is dropped (the operator deletes it).
 
 GPUs are shared as spec.experts.gpuSharing says. With `exclusive` a replica takes spec.experts.gpus
-whole GPUs, so a node holds allocatable // gpus replicas. With `timeSlicing`, `mps` and `dra` the
-placer's GPUs are the physical GPUs (GPU feature discovery's nvidia.com/gpu.count and .memory labels)
-and every replica, one function, takes its bundle's bytes plus spec functionOverhead of one GPU's
-memory; with the device plugin's shares a GPU also holds at most its shares (allocatable of the shared
-resource per physical GPU), and with MPS each share is 1/replicas of the memory, so a function must fit
-that. The device plugin picks which GPU a share lands on, so for timeSlicing/mps the per-GPU packing
-is the planner's model and the service is per node; with dra the plan's GPU is exact: a service runs
-on a *site* `node/gpuN`, one ResourceClaim per site, which every function placed there shares.
+whole GPUs, so a node holds allocatable // gpus replicas. With `timeSlicing`, `mps` and `dra` every
+replica, one function, takes its bundle's bytes plus spec functionOverhead of one GPU's memory, on
+the physical GPUs (GPU feature discovery's nvidia.com/gpu.count and .memory labels); with the device
+plugin's shares a GPU also holds at most its shares (allocatable of the shared resource per physical
+GPU), and with MPS each share is 1/replicas of the memory, so a function must fit that. The device
+plugin picks which GPU a share lands on, so for timeSlicing/mps the placer's bin is the node (holding
+what its GPUs hold) and the service is per node; with dra the plan's GPU is exact: a service runs on
+a *site* `node/gpuN`, one ResourceClaim per site, which every function placed there shares.
+
+Capacity is what other pods leave (`NodeInfo.taken`, read by `capacity.with_taken`): frontends, other
+MoEDeployments' functions, anything else that requests GPUs or shares on the node.
 
 The mode (distributed or offload; what auto picks) and the offload GPU budget are decided first, by
 `mode.choose_mode`; an offload plan has no expert services.
@@ -302,7 +305,8 @@ def plan(spec: MoESpec, loads: Loads, nodes: Sequence[NodeInfo], previous: Plan 
     if mode != "offload":
         _check_fits(spec, bundles, eligible)
         warm = {**{k: r.replicas for k, r in _kept(previous, now, keep_alive_s).items()}, **previous.services()}
-        placed, unplaced, gpus_held = _place(spec, bundles, _replicas(spec, bundles, loads), loads, eligible, warm)
+        placed, unplaced, gpus_held = _place(spec, bundles, _replicas(spec, bundles, loads), loads, eligible, warm,
+                                             set(previous.services()))
         placed, hosted = _host_in_place(spec, bundles, placed, loads, eligible, previous.services(), warm)
     active = {key for key in Plan(mode, bundles, placed).services()}
     retired = {**{k: r for k, r in _kept(previous, now, keep_alive_s).items() if k not in active},
@@ -440,27 +444,32 @@ def _by_layer(bundles: Sequence[Bundle]) -> dict[int, list[Bundle]]:
 
 
 def _place(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str, int], loads: Loads,
-           eligible: Sequence[NodeInfo], warm: Mapping[ServiceKey, int]
+           eligible: Sequence[NodeInfo], warm: Mapping[ServiceKey, int], serving: set[ServiceKey]
            ) -> tuple[dict[str, tuple[str, ...]], dict[str, int], int]:
     """The placer over the eligible GPUs -> (sites per bundle, unplaced per bundle, GPUs holding a replica).
 
-    A replica's queue in a layer is the load of the layer's replicas on its GPU (capacity 1). A warm
-    service is kept within the placer's WARM_SLACK.
+    A replica's queue in a layer is the load of the layer's replicas in its bin, per GPU of the bin. A
+    warm service is kept within the placer's WARM_SLACK, a `serving` one (active in the previous plan)
+    before a retired one.
     """
     gpus, item = _placer_gpus(spec, bundles, replicas, warm, eligible)
     rows = list(_by_layer(bundles).values())
     where = {b.name: (i, j) for i, row in enumerate(rows) for j, b in enumerate(row)}
     warm_previous: dict[placer.ExpertKey, list[str]] = {}
-    for (bundle, gpu), count in _warm_gpus(spec, warm, gpus, item).items():
-        if bundle in where:
-            warm_previous.setdefault(where[bundle], []).extend([gpu] * count)
+    warm_serving: dict[placer.ExpertKey, list[str]] = {}
+    bins = {g.id for g in gpus}
+    for (bundle, site), count in warm.items():  # a bin's id is its site
+        if site not in bins or bundle not in where:
+            continue  # the node left or is no longer eligible, or the bundle is gone: nothing to reuse
+        warm_previous.setdefault(where[bundle], []).extend([site] * count)
+        if (bundle, site) in serving:
+            warm_serving.setdefault(where[bundle], []).extend([site] * count)
     placement = placer.place([[replicas[b.name] for b in row] for row in rows],
                              [[loads.of(b) for b in row] for row in rows], gpus, item, warm_previous,
-                             warm_slack=WARM_SLACK, warm_held=True)
-    site = {g.id: g.id if spec.experts.sharing.mode == "dra" else g.node for g in gpus}
+                             warm_slack=WARM_SLACK, warm_held=True, warm_serving=warm_serving)
     placed: dict[str, list[str]] = {}
     for (i, j, _), gpu in placement.gpu_of.items():
-        placed.setdefault(rows[i][j].name, []).append(site[gpu])
+        placed.setdefault(rows[i][j].name, []).append(gpu)  # a bin's id is its site
     unplaced: dict[str, int] = {}
     for i, j, _ in placement.unplaced:
         unplaced[rows[i][j].name] = unplaced.get(rows[i][j].name, 0) + 1
@@ -473,19 +482,26 @@ def _place(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str, int]
                         + ("share GPUs (spec.experts.gpuSharing), " if not spec.experts.sharing.shared else "")
                         + "raise spec.experts.bundleBytes, or shorten spec.experts.scaling.keepAlive")
     # Warm services hold their memory from the start (warm_held), so this counts retired ones too.
-    held = sum(1 for used in placement.gpu_memory.values() if used > 0)
+    nodes = {n.name: n for n in eligible}
+    held = sum(1 if spec.experts.sharing.mode == "dra" else _gpus_holding(spec, nodes[g.node], used // item, item)
+               for g in gpus if (used := placement.gpu_memory.get(g.id, 0)) > 0)
     return {name: tuple(sorted(sites)) for name, sites in placed.items()}, unplaced, held
 
 
 def _placer_gpus(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str, int],
                  warm: Mapping[ServiceKey, int], eligible: Sequence[NodeInfo]) -> tuple[list[placer.GPU], int]:
-    """The placer's GPUs and the bytes of one replica on them.
+    """The placer's bins (its "GPUs", id = the site a service runs on) and the bytes of one replica in them.
 
-    exclusive: one "GPU" per node whose memory counts replica slots (allocatable // spec.experts.gpus;
-    CPU-only experts never fill a node). Shared: every physical GPU with its memory, a replica being the
-    largest bundle plus the function overhead (the last bundle of a layer may be smaller: conservative);
-    a share-counted GPU (timeSlicing, mps) also holds at most its shares, and every GPU at most its part
-    of the node's pods (one function is one pod; the kubelet runs at most maxPods, 110 by default).
+    exclusive: one bin per node whose memory counts replica slots (whole GPUs no other pod holds //
+    spec.experts.gpus; CPU-only experts never fill a node). Shared, a replica is one function: the largest
+    bundle plus the function overhead (the last bundle of a layer may be smaller: conservative). dra: every
+    GPU the DRA driver offers, exact (site node/gpuN), less what other functions hold on it. timeSlicing
+    and mps: one bin per node, because the device plugin picks the GPU of each share, not the operator (a
+    per-GPU guess would differ from window to window and move warm services for nothing); it holds what
+    its GPUs hold: on each GPU the functions its memory and its free shares take beside what other pods
+    hold there, summed, and its capacity is its GPU count, so the shortest queue is the shortest per GPU.
+    Every bin holds at most its part of the node's pods that other pods leave (one function is one pod;
+    the kubelet runs at most maxPods, 110 by default).
     """
     sharing = spec.experts.sharing
     if not sharing.shared:
@@ -494,21 +510,39 @@ def _placer_gpus(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str
         return [placer.GPU(n.name, n.name, _free_gpus(n) // per_replica if per_replica else unbounded)
                 for n in eligible], 1
     item = max(function_bytes(spec, b) for b in bundles)
-    gpus = []
+    bins = []
     for n in eligible:
         if item > _function_room(spec, n):
             continue  # an MPS share of this node is too small for a function
         count = n.gpu_count(sharing.mode)
-        memory = n.memory_per_gpu(sharing.mode) or 0
-        held, shares = _taken_per_gpu(spec, n, count, memory)
-        for i in range(count):
-            free = memory - held[i]
-            if sharing.mode != "dra":
-                free = min(free, (n.shares_per_gpu(sharing.resource_name) - shares[i]) * item)
-            if n.pods is not None:
-                free = min(free, (n.pods - n.taken.pods) // count * item)
-            gpus.append(placer.GPU(gpu_site(n.name, i), n.name, max(free, 0)))
-    return gpus, item
+        slots = _function_slots(spec, n, count, item)
+        pods = None if n.pods is None else max(n.pods - n.taken.pods, 0)
+        if sharing.mode == "dra":
+            bins += [placer.GPU(gpu_site(n.name, i), n.name, (s if pods is None else min(s, pods // count)) * item)
+                     for i, s in enumerate(slots)]
+        else:
+            total = sum(slots) if pods is None else min(sum(slots), pods)
+            bins.append(placer.GPU(n.name, n.name, total * item, capacity=count))
+    return bins, item
+
+
+def _function_slots(spec: MoESpec, node: NodeInfo, count: int, item: int) -> list[int]:
+    """[count] functions of `item` bytes each of the node's GPUs still has memory (and shares) for."""
+    sharing = spec.experts.sharing
+    memory = node.memory_per_gpu(sharing.mode) or 0
+    held, shares = _taken_per_gpu(spec, node, count, memory)
+    slots = [max(memory - held[i], 0) // item for i in range(count)]
+    if sharing.mode != "dra":
+        per_gpu = node.shares_per_gpu(sharing.resource_name)
+        slots = [min(s, max(per_gpu - shares[i], 0)) for i, s in enumerate(slots)]
+    return slots
+
+
+def _gpus_holding(spec: MoESpec, node: NodeInfo, functions: int, item: int) -> int:
+    """GPUs a node's bin of `functions` functions keeps busy: packed as tightly as its GPUs allow."""
+    count = node.gpu_count(spec.experts.sharing.mode)
+    per_gpu = max(max(_function_slots(spec, dataclasses.replace(node, taken=Taken()), count, item), default=0), 1)
+    return min(count, -(-functions // per_gpu))
 
 
 def _free_gpus(node: NodeInfo) -> int:
@@ -518,8 +552,8 @@ def _free_gpus(node: NodeInfo) -> int:
 
 def _taken_per_gpu(spec: MoESpec, node: NodeInfo, count: int, memory: int) -> tuple[list[int], list[int]]:
     """[count] bytes and shares other pods hold on each of the node's GPUs. Other kubemoe functions hold
-    their memory on their GPU (dra) or, like our own warm services, on the GPU holding the fewest bytes so
-    far (the device plugin picks it); shares spread the same way. With MPS a share that is not a kubemoe
+    their memory on their GPU (dra) or, where the device plugin picks it, on the GPU holding the fewest
+    bytes so far (largest first: as tightly as it could be); shares spread the same way. With MPS a share that is not a kubemoe
     function holds its 1/replicas of a GPU; a time-sliced one holds memory nobody declares (not counted)."""
     held, shares = [0] * count, [0] * count
     if not count:
@@ -540,29 +574,6 @@ def _taken_per_gpu(spec: MoESpec, node: NodeInfo, count: int, memory: int) -> tu
     for _ in range(units):
         shares[min(range(count), key=lambda i: (shares[i], i))] += 1
     return held, shares
-
-
-def _warm_gpus(spec: MoESpec, warm: Mapping[ServiceKey, int], gpus: Sequence[placer.GPU], item: int
-               ) -> dict[ServiceKey, int]:
-    """Warm services -> (bundle, placer GPU id) -> replicas. exclusive: the GPU id is the node; dra: the
-    site is the GPU. timeSlicing/mps services are per node (the device plugin picked the GPUs), so their
-    replicas are spread over the node's GPUs, each onto the one holding the fewest warm bytes so far."""
-    mode = spec.experts.sharing.mode
-    if mode in ("exclusive", "dra"):
-        return dict(warm)
-    by_node: dict[str, list[str]] = {}
-    for g in gpus:
-        by_node.setdefault(g.node, []).append(g.id)
-    held = {g.id: 0 for g in gpus}
-    out: dict[ServiceKey, int] = {}
-    for (bundle, node), count in sorted(warm.items()):
-        for _ in range(count):
-            if node not in by_node:
-                break  # the node left: nothing warm there to reuse
-            gpu = min(by_node[node], key=lambda g: (held[g], g))
-            held[gpu] += item
-            out[(bundle, gpu)] = out.get((bundle, gpu), 0) + 1
-    return out
 
 
 def _capacity_text(spec: MoESpec, bundles: Sequence[Bundle], eligible: Sequence[NodeInfo]) -> str:

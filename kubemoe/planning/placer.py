@@ -22,6 +22,12 @@ FFN reads the whole expert's weights whatever its tokens. Counting tokens alone 
 lightly loaded replicas on one GPU, which then reads all their weights one after another: at
 decode-sized loads the slowest GPU of the layer.
 
+`warm_serving` (optional) names the warm replicas that serve now, as opposed to ones only kept warm
+(the operator's retired services): among an expert's warm GPUs a serving one is taken unless another
+warm GPU's queue is shorter by more than warm_slack x the replica's load. Without it a replica under
+unchanged loads would hop between its serving and its retired copy whenever their queues differ at
+all: the routing table would change every window and each hop would restart the other copy's
+keepAlive, so retired replicas would never expire and keep holding memory.
 What "warm" costs depends on who keeps it. The simulator's warm replicas are the previous placement,
 released unless reused: reusing one takes its memory again (`warm_held` False). The operator's are
 running services kept for keepAlive whether reused or not (`warm_held` True): they hold their memory
@@ -72,10 +78,12 @@ class Placement:
 
 def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], gpus: Sequence[GPU],
           expert_bytes: int, warm_previous: Mapping[ExpertKey, Sequence[str]] | None = None,
-          warm_slack: float = math.inf, warm_held: bool = False, min_replica_load: float = 0.0) -> Placement:
+          warm_slack: float = math.inf, warm_held: bool = False, min_replica_load: float = 0.0,
+          warm_serving: Mapping[ExpertKey, Sequence[str]] | None = None) -> Placement:
     """replicas [L][E] and loads [L][E] -> a Placement over `gpus`.
 
-    `warm_previous` names a GPU once per warm replica of the expert there (a GPU may hold several).
+    `warm_previous` names a GPU once per warm replica of the expert there (a GPU may hold several);
+    `warm_serving` those of them that serve now (each also in `warm_previous`).
     """
     if len(replicas) != len(loads) or any(len(r) != len(x) for r, x in zip(replicas, loads)):
         raise ValueError("replicas and loads must have the same [L][E] shape")
@@ -89,6 +97,7 @@ def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], g
         raise ValueError("GPU ids must be unique")
     by_id = {g.id: g for g in gpus}
     warm = {key: [g for g in ids if g in by_id] for key, ids in (warm_previous or {}).items()}
+    serving = {key: [g for g in ids if g in by_id] for key, ids in (warm_serving or {}).items()}
     free = {g.id: g.memory_bytes for g in gpus}
     if warm_held:
         for ids in warm.values():
@@ -116,8 +125,14 @@ def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], g
             taken = hosts.setdefault(expert, set())
             needs_own = index == 0 and not (warm_held and warm.get((layer, expert)))
             # Warm GPUs not yet holding this expert first; one that does only when nothing else has room.
-            gpu = next((g for g in sorted(warm.get((layer, expert), ()), key=lambda g: (g in taken, queue.rank(g)))
-                        if warm_held or free[g] >= expert_bytes), None)
+            candidates = [g for g in sorted(warm.get((layer, expert), ()), key=lambda g: (g in taken, queue.rank(g)))
+                          if warm_held or free[g] >= expert_bytes]
+            gpu = candidates[0] if candidates else None
+            # A serving replica stays where it is unless the best warm GPU is clearly better (see above).
+            keep = next((g for g in candidates if g in serving.get((layer, expert), ()) and (g in taken) == (gpu in taken)),
+                        None)
+            if keep is not None and gpu is not None and queue.queue(keep) - queue.queue(gpu) <= warm_slack * cost:
+                gpu = keep
             cold = queue.shortest(taken)
             # New memory goes to a replica only if every expert still waiting keeps room for its first.
             room = needs_own or slots.count - 1 >= firsts_waiting
@@ -128,6 +143,8 @@ def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], g
                     cold is not None and cold_ok and (gpu in taken and cold not in taken or warm_slack < math.inf
                                                       and queue.queue(gpu) - queue.queue(cold) > warm_slack * cost)):
                 warm[(layer, expert)].remove(gpu)  # one warm replica serves one new replica
+                if gpu in serving.get((layer, expert), ()):
+                    serving[(layer, expert)].remove(gpu)
                 reused += 1
                 if not warm_held:
                     free[gpu] -= expert_bytes

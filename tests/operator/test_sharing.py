@@ -6,6 +6,7 @@ operator is tested against what it reads on a cluster."""
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections import Counter
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from kubemoe.devcluster import GpuSharing, gpu_node, gpu_resource_slice
 from kubemoe.operator.config import OperatorConfig
-from kubemoe.operator.plan import (Loads, NodeInfo, PlanError, function_bytes, node_of, plan,
+from kubemoe.operator.plan import (Loads, NodeInfo, PlanError, decisions, function_bytes, node_of, plan,
                                    with_dra_devices)
 from kubemoe.operator.render import (CLAIM, MPS_MEMORY_LIMIT_ENV, NODE_ANNOTATION, RESOURCE_CLAIM, observe,
                                      render)
@@ -229,3 +230,27 @@ def test_dra_with_knative_and_shared_gpus_above_one_are_refused_by_the_parser(f)
         MoESpec.parse(f.moed_body(experts={"runtime": "knative", "gpuSharing": {"mode": "dra"}})["spec"])
     with pytest.raises(SpecError, match="applies to gpuSharing.mode exclusive"):
         MoESpec.parse(f.moed_body(experts={"gpus": 2, "gpuSharing": {"mode": "timeSlicing"}})["spec"])
+
+
+def test_a_plan_under_unchanged_loads_stays_as_it_is(f):
+    """Time-sliced nodes are one bin each (the device plugin picks the GPU): a serving replica stays on its
+    node while the loads do not change. With a per-GPU guess, services hopped between nodes every window
+    (each hop retiring a copy and restarting its keepAlive, so retired copies never expired)."""
+    spec = MoESpec.parse(f.moed_body(model={"uri": "pvc://m/x", "layout": {
+        "moeLayers": list(range(8)), "expertsPerLayer": 16, "expertBytes": "3Mi"}}, experts={
+        "runtime": "deployment", "bundleBytes": "3Mi", "scaling": {"maxReplicasPerExpert": 4},
+        "gpuSharing": {"mode": "timeSlicing", "resourceName": "nvidia.com/gpu.shared"}})["spec"])
+    rng = random.Random(0)
+    rates = {}
+    for layer in range(8):  # Zipf-like popularity per layer, as routers produce
+        order = rng.sample(range(16), 16)
+        rates.update({(layer, e): 1000.0 / (order.index(e) + 1) for e in range(16)})
+    cluster = nodes(2, 4)
+    p = plan(spec, Loads(), cluster, None, NOW)
+    for t in (5, 10):
+        p = plan(spec, Loads(rates, 100.0, 1), cluster, p, NOW + t)
+    again = plan(spec, Loads(rates, 100.0, 1), cluster, p, NOW + 15)
+    moved = decisions(p, again)
+    assert again.version == p.version and again.nodes == p.nodes and again.hosted == p.hosted
+    assert not (moved.retired or moved.reused or moved.scaled_out or moved.scaled_in)
+    assert p.replicas + sum(map(len, p.hosted.values())) > 128 and not p.unplaced

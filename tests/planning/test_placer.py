@@ -33,6 +33,20 @@ def test_warm_slack_bounds_what_a_warm_start_may_cost():
     assert set(bounded.gpu_of.values()) == {"g0", "g1"} and bounded.warm_reused == 1
 
 
+def test_a_serving_warm_replica_stays_unless_another_warm_gpu_is_clearly_better():
+    # Expert 0 (load 4, placed first) is warm on g0; expert 1 (load 4) serves on g0 and is kept warm
+    # (retired) on g1, where the queue is 4 shorter.
+    warm = {(0, 0): ("g0",), (0, 1): ("g0", "g1")}
+    hops = place([[1, 1]], [[4.0, 4.0]], gpus(2), MIB, warm, warm_slack=1.5, warm_held=True)
+    assert hops.gpu_of[(0, 1, 0)] == "g1"  # the service would move there and g0's copy retire
+    stays = place([[1, 1]], [[4.0, 4.0]], gpus(2), MIB, warm, warm_slack=1.5, warm_held=True,
+                  warm_serving={(0, 1): ("g0",)})
+    assert stays.gpu_of[(0, 1, 0)] == "g0" and stays.warm_reused == 2  # 4 <= 1.5 x 4: not worth a move
+    moves = place([[1, 1]], [[4.0, 4.0]], gpus(2), MIB, warm, warm_slack=0.5, warm_held=True,
+                  warm_serving={(0, 1): ("g0",)})
+    assert moves.gpu_of[(0, 1, 0)] == "g1" and moves.warm_reused == 2  # 4 > 0.5 x 4: clearly better
+
+
 def test_lightly_loaded_replicas_count_as_a_weight_read_each():
     # Decode-sized loads under a knee of 64 tokens: every replica costs one weight read. By tokens
     # alone the three light experts would join expert 0's partner on g1 (3 reads there, 1 on g0).
