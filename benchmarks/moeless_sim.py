@@ -225,6 +225,29 @@ def read_routing_trace(path: Path) -> RoutingTrace:
                         len(per_request), int(per_request[0]), int(meta["num_experts"]))
 
 
+def load_report(trace: RoutingTrace, first: int, last: int, window_s: float, model: str, frontend: str) -> dict:
+    """What a frontend serving recorded requests first..last (inclusive) within `window_s` seconds answers on
+    /loads (a kubemoe.v1.LoadReport as JSON): per (layer, expert) the router's tokens/s and, for the layers
+    the predictor predicts, its tokens/s (what the operator plans with)."""
+    rows = slice(first * trace.positions, (last + 1) * trace.positions)
+    _, layers, top_k = trace.experts.shape
+
+    def per_layer(choices: np.ndarray) -> list[np.ndarray]:  # [L0] of [E0] tokens
+        return [np.bincount(choices[:, l][choices[:, l] >= 0].ravel(), minlength=trace.num_experts)
+                for l in range(layers)]
+
+    observed, predicted = per_layer(trace.experts[rows]), per_layer(trace.predicted[rows])
+    loads = []
+    for layer in range(layers):
+        for expert in range(trace.num_experts):
+            load = {"layer": layer, "expert": expert, "tokensPerSecond": float(observed[layer][expert]) / window_s}
+            if predicted[layer].any():
+                load["predictedTokensPerSecond"] = float(predicted[layer][expert]) / window_s
+            loads.append(load)
+    tokens = (last + 1 - first) * trace.positions
+    return {"model": model, "frontend": frontend, "windowSeconds": window_s, "tokens": str(tokens), "loads": loads}
+
+
 def replay_rows(trace: RoutingTrace, layout: Layout, regime: str, iterations: int, shape: TraceShape,
                 seed: int) -> list[np.ndarray]:
     """Which recorded rows make up each iteration ([T] arrays of row indices), arrivals bursty as generated.

@@ -61,3 +61,31 @@ def test_command_prints_a_plan(tiny_checkpoint, tmp_path):
     assert "CV before" in lines[1] and len(lines) == 2 + len(adapter.moe_layers) + 2
     assert all(int(line.split()[3]) > 1 for line in lines[2:2 + len(adapter.moe_layers)])  # expert 0 scaled out
     assert lines[-1] == "unplaced: none"
+
+
+def test_the_trained_layout_plans_its_recorded_loads_for_people(tmp_path, benchmark_module):
+    """kubemoe's own MoE (8 MoE layers x 16 experts, top-2; the small recipe's sizes, the layout of the base
+    model whose routing was recorded) under the recorded loads of 32 held-out requests."""
+    from kubemoe.presets import Preset
+    from kubemoe.synth import make_checkpoint
+    from kubemoe.train import get_recipe
+
+    recipe = get_recipe("small")
+    path = make_checkpoint(Preset("mixtral", "trained-small", {**recipe.config, "vocab_size": recipe.vocab_size}),
+                           tmp_path / "moe-small", progress=False)
+    sim = benchmark_module("moeless_sim")
+    trace = sim.read_routing_trace(sim.ROUTING_TRACE)
+    report = sim.load_report(trace, 0, 31, 10.0, "moe-small", "frontend-0")
+    loads = tmp_path / "loads.json"
+    loads.write_text(json.dumps(report))
+    result = CliRunner().invoke(cli, ["plan", "--checkpoint", str(path), "--loads", str(loads), "--nodes", "2",
+                                      "--gpus-per-node", "4", "--max-per-expert", "4"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith("mixtral: 8 MoE layers x 16 experts of 0.1 MiB; ") and "(from 1 report)" in lines[0]
+    rows = [line.split() for line in lines[2:10]]
+    assert [int(r[0]) for r in rows] == list(range(8)) and all(r[1] == "16" for r in rows)
+    for layer, (_, _, replicas, most, before, after) in enumerate(rows):
+        assert int(replicas) > 16 and int(most) == 4, lines  # the recorded skew scales every layer's hot experts
+        assert float(after) < float(before)
+    assert lines[10].startswith(f"{sum(int(r[2]) for r in rows)} replicas") and lines[-1] == "unplaced: none"
