@@ -10,7 +10,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,51 @@ def apply(cluster, body: dict) -> None:
         path.unlink()
 
 
+MOED = dict(group="kubemoe.io", version="v1alpha1", plural="moedeployments")
+
+
+def moed(api, namespace: str, name: str) -> dict:
+    from kubernetes import client
+    return client.CustomObjectsApi(api).get_namespaced_custom_object(namespace=namespace, name=name, **MOED)
+
+
+def condition(obj: dict, kind: str) -> dict:
+    """The status condition of type `kind`, or {}."""
+    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == kind), {})
+
+
+def routing_table(api, namespace: str, name: str) -> dict:
+    from kubernetes import client
+    cm = client.CoreV1Api(api).read_namespaced_config_map(f"{name}-routing", namespace)
+    return json.loads(cm.data["routing.json"])
+
+
+class LoadServer:
+    """Serves a LoadReport (JSON, as a frontend's /loads answers) on a frontend pod's IP and port 8000:
+    kwok pod IPs are loopback addresses, so the operator reaches it where it would reach the frontend."""
+
+    def __init__(self, ip: str, report: dict):
+        self.report = report  # replace it to change what the next GET sees
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200 if self.path == "/loads" else 404)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(json.dumps(outer.report).encode())
+
+            def log_message(self, *args):
+                pass
+
+        self.server = HTTPServer((ip, 8000), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
 class Factories:
     """Helpers for test modules (conftest is not importable under --import-mode=importlib)."""
 
@@ -150,6 +197,10 @@ class Factories:
     install_chart = staticmethod(install_chart)
     start_operator = staticmethod(start_operator)
     wait = staticmethod(wait)
+    LoadServer = LoadServer
+    moed = staticmethod(moed)
+    condition = staticmethod(condition)
+    routing_table = staticmethod(routing_table)
     repo = REPO
     chart = CHART
     samples = SAMPLES

@@ -4,11 +4,8 @@ as a process under the chart's ServiceAccount (its RBAC is what is tested), kwok
 
 from __future__ import annotations
 
-import json
 import signal
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 from kubernetes import client
@@ -33,44 +30,6 @@ def children(api, namespace: str, name: str) -> dict[str, list[dict]]:
     }
 
 
-def moed(api, namespace: str, name: str) -> dict:
-    return client.CustomObjectsApi(api).get_namespaced_custom_object(namespace=namespace, name=name, **MOED)
-
-
-def condition(obj: dict, kind: str) -> dict:
-    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == kind), {})
-
-
-def routing_table(api, namespace: str, name: str) -> dict:
-    cm = client.CoreV1Api(api).read_namespaced_config_map(f"{name}-routing", namespace)
-    return json.loads(cm.data["routing.json"])
-
-
-class LoadServer:
-    """Serves a LoadReport on a frontend pod's IP and port 8000: kwok pod IPs are loopback addresses."""
-
-    def __init__(self, ip: str, report: dict):
-        self.report = report  # replace it to change what the next GET sees
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                self.send_response(200 if self.path == "/loads" else 404)
-                self.send_header("Content-Type", "application/json")
-                self.end_headers()
-                self.wfile.write(json.dumps(outer.report).encode())
-
-            def log_message(self, *args):
-                pass
-
-        self.server = HTTPServer((ip, 8000), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def hostpath_body(f, name: str, namespace: str) -> dict:
     # A host path, not a PVC: the scheduler would hold pods of a claim that does not exist.
     body = f.moed_body(name=name, namespace=namespace, model={"uri": "hostpath:///models/tiny"})
@@ -87,7 +46,7 @@ def test_deployment_runtime_end_to_end(cluster, api, operator, namespace, f):
         found = children(api, namespace, "tiny")
         return len(found["Deployment"]) == 5 and len(found["Service"]) == 5 and found["ConfigMap"] and found
     found = f.wait(all_children, 60, "the operator to create the frontend, routing table and 4 expert services", operator)
-    owner_uid = moed(api, namespace, "tiny")["metadata"]["uid"]
+    owner_uid = f.moed(api, namespace, "tiny")["metadata"]["uid"]
     for obj in found["Deployment"] + found["Service"] + found["ConfigMap"]:
         assert [o["uid"] for o in obj["metadata"]["owner_references"]] == [owner_uid]
     service = next(s for s in found["Service"] if s["metadata"]["name"] == "tiny-frontend")
@@ -103,8 +62,8 @@ def test_deployment_runtime_end_to_end(cluster, api, operator, namespace, f):
         running = {p.metadata.labels["kubemoe.io/bundle"]: p.spec.node_name for p in pods if p.status.phase == "Running"}
         return running == planned
     f.wait(expert_pods_running, 60, f"expert pods Running on {planned}", operator)
-    ready = f.wait(lambda: condition(moed(api, namespace, "tiny"), "Ready").get("status") == "True"
-                   and moed(api, namespace, "tiny"), 60, "status Ready=True", operator)
+    ready = f.wait(lambda: f.condition(f.moed(api, namespace, "tiny"), "Ready").get("status") == "True"
+                   and f.moed(api, namespace, "tiny"), 60, "status Ready=True", operator)
     status = ready["status"]
     assert status["observedGeneration"] == ready["metadata"]["generation"]
     assert status["plan"]["replicas"] == 4 and status["plan"]["functions"] == 4 and status["mode"] == "distributed"
@@ -129,25 +88,25 @@ def test_deployment_runtime_end_to_end(cluster, api, operator, namespace, f):
                            "predictedTokensPerSecond": 300.0 if e in hot else 100.0} for e in range(4)]}
 
     def replanned(version):
-        return lambda: int(routing_table(api, namespace, "tiny")["version"]) > int(version)
+        return lambda: int(f.routing_table(api, namespace, "tiny")["version"]) > int(version)
 
     def reasons():
         return {e.reason: e.message for e in core.list_namespaced_event(
             namespace, field_selector="involvedObject.name=tiny").items}
 
     def endpoints(bundle: str) -> list[str]:
-        [route] = [r for r in routing_table(api, namespace, "tiny")["routes"] if r["bundle"] == bundle]
+        [route] = [r for r in f.routing_table(api, namespace, "tiny")["routes"] if r["bundle"] == bundle]
         return [e["address"] for e in route["endpoints"]]
 
     functions = {d["metadata"]["name"]: d["metadata"]["labels"]["kubemoe.io/bundle"] for d in found["Deployment"]
                  if d["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"}
-    version = routing_table(api, namespace, "tiny")["version"]
-    server = LoadServer(frontend_pod.status.pod_ip, report((0, 1)))
+    version = f.routing_table(api, namespace, "tiny")["version"]
+    server = f.LoadServer(frontend_pod.status.pod_ip, report((0, 1)))
     try:
         # The hot bundle scales out in place: a function already running on the chosen node (its GPU
         # has memory to spare) is named for it in the routing table and loads it; no new service.
         f.wait(replanned(version), 30, "a new plan after the load change", operator)
-        status = f.wait(lambda: (s := moed(api, namespace, "tiny")["status"])["plan"].get("hostedInPlace") == 1 and s,
+        status = f.wait(lambda: (s := f.moed(api, namespace, "tiny")["status"])["plan"].get("hostedInPlace") == 1 and s,
                         30, "status with the scaled-out plan", operator)
         assert status["plan"]["replicas"] == 4 and status["plan"]["functions"] == 4
         assert status["plan"]["layers"][0] == {"layer": 0, "replicas": 3, "cvBefore": 0.5, "cvAfter": 0.1768}
@@ -159,19 +118,19 @@ def test_deployment_runtime_end_to_end(cluster, api, operator, namespace, f):
                and "l0-e0-1 in" in reasons().get("HostedInPlace", ""), 30, "ScaledOut and HostedInPlace events", operator)
         # The load moves to the other bundle: the in-place replica leaves the table (the function keeps
         # it warm for keepAlive), and the other bundle is hosted in place in turn.
-        version = routing_table(api, namespace, "tiny")["version"]
+        version = f.routing_table(api, namespace, "tiny")["version"]
         server.report = report((2, 3))
         f.wait(replanned(version), 30, "a new plan after the load moved", operator)
         assert endpoints("l0-e0-1") == [own] and len(endpoints("l0-e2-3")) == 2
         f.wait(lambda: "ScaledIn" in reasons(), 30, "a ScaledIn event", operator)
         # It comes back: the same running function hosts it again (a warm start: it may still hold it).
-        version = routing_table(api, namespace, "tiny")["version"]
+        version = f.routing_table(api, namespace, "tiny")["version"]
         server.report = report((0, 1))
         f.wait(replanned(version), 30, "a new plan after the load came back", operator)
         assert endpoints("l0-e0-1") == [own, host]
     finally:
         server.close()
-    status = moed(api, namespace, "tiny")["status"]
+    status = f.moed(api, namespace, "tiny")["status"]
     assert status["plan"]["retired"] == 0 and status["cost"]["usdPerMillionTokens"] > 0
 
     # Deleting the MoEDeployment deletes every child (owner references + garbage collector).
@@ -188,7 +147,7 @@ def test_restart_mid_way_creates_no_duplicates(cluster, api, operator, namespace
     f.wait(lambda: any(children(api, namespace, "again").values()), 60, "the first child", operator)
     operator.kill(signal.SIGKILL)
     operator.start()
-    f.wait(lambda: condition(moed(api, namespace, "again"), "PlanApplied").get("status") == "True", 60,
+    f.wait(lambda: f.condition(f.moed(api, namespace, "again"), "PlanApplied").get("status") == "True", 60,
            "PlanApplied after the restart", operator)
     found = children(api, namespace, "again")
     names = [(kind, o["metadata"]["name"]) for kind, objs in found.items() for o in objs]
@@ -220,11 +179,11 @@ def test_knative_runtime_renders_pinned_services_with_the_plan(cluster, api, ope
         container = template["spec"]["containers"][0]
         assert container["ports"][0]["name"] == "h2c" and container["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert template["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"  # not pruned
-    table = f.wait(lambda: routing_table(api, namespace, "kn"), 30, "the routing table (applied last)", operator)
+    table = f.wait(lambda: f.routing_table(api, namespace, "kn"), 30, "the routing table (applied last)", operator)
     addresses = {e["address"] for r in table["routes"] for e in r["endpoints"]}
     assert addresses == {f"{k['metadata']['name']}.{namespace}.svc.cluster.local:80" for k in ksvcs}
     # No Knative controller runs here, so the services never report Ready: ExpertsReady says so.
-    experts = f.wait(lambda: condition(moed(api, namespace, "kn"), "ExpertsReady") or None, 30, "ExpertsReady", operator)
+    experts = f.wait(lambda: f.condition(f.moed(api, namespace, "kn"), "ExpertsReady") or None, 30, "ExpertsReady", operator)
     assert experts["status"] == "False" and experts["reason"] == "Progressing"
 
 
@@ -238,7 +197,7 @@ def test_a_second_operator_replica_stands_by(cluster, api, operator, namespace, 
         # loaded machine that can take a while, so wait for its startup and then for it to hold back.
         f.wait(lambda: "Initial authentication has finished" in standby.tail(200), 60, "the standby to start", standby)
         f.apply(cluster, hostpath_body(f, "peered", namespace))
-        f.wait(lambda: condition(moed(api, namespace, "peered"), "PlanApplied").get("status") == "True", 60,
+        f.wait(lambda: f.condition(f.moed(api, namespace, "peered"), "PlanApplied").get("status") == "True", 60,
                "PlanApplied by the active operator", operator)
         time.sleep(5)  # time for a standby that wrongly acts to show it
         assert "peered" not in standby.tail(500), standby.tail(40)

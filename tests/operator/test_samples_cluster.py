@@ -48,10 +48,6 @@ def shared_cluster(tmp_path_factory, f):
             operator.kill(signal.SIGTERM)
 
 
-def condition(obj: dict, kind: str) -> dict:
-    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == kind), {})
-
-
 def as_tested(f, name: str) -> dict:
     body = copy.deepcopy(f.sample(name))
     body["spec"]["model"]["uri"] = f"hostpath:///models/{name}"
@@ -91,7 +87,7 @@ def test_every_sample_becomes_ready_on_one_node_of_four_shared_gpus(shared_clust
     f.wait(lambda: core.read_namespaced_service_account("default", namespace), 30, "the default service account")
     try:
         objects.create_namespaced_custom_object(namespace=namespace, body=body, **MOED)
-        ready = f.wait(lambda: condition(moed := objects.get_namespaced_custom_object(
+        ready = f.wait(lambda: f.condition(moed := objects.get_namespaced_custom_object(
             namespace=namespace, name=name, **MOED), "Ready").get("status") == "True" and moed,
             150, f"{name} Ready", operator)
         plan = ready["status"]["plan"]
@@ -124,10 +120,10 @@ def test_a_sample_without_gpu_sharing_is_refused_and_every_condition_says_why(sh
     core.create_namespace({"metadata": {"name": "unshared"}})
     try:
         objects.create_namespaced_custom_object(namespace="unshared", body=body, **MOED)
-        moed = f.wait(lambda: condition(m := objects.get_namespaced_custom_object(
+        moed = f.wait(lambda: f.condition(m := objects.get_namespaced_custom_object(
             namespace="unshared", name="mixtral-8x7b", **MOED), "PlanApplied") and m, 60, "PlanApplied", operator)
         for kind in ("Ready", "PlanApplied", "ExpertsReady", "FrontendReady"):
-            found = condition(moed, kind)
+            found = f.condition(moed, kind)
             assert (found["status"], found["reason"]) == ("False", "InsufficientCapacity"), found
             assert "share GPUs (spec.experts.gpuSharing)" in found["message"], found
         assert not core.list_namespaced_pod("unshared").items  # nothing applied, nothing pending
