@@ -68,11 +68,6 @@ DEEPSEEK_V3 = {
     "frontend": {"replicas": FRONTENDS},
     "cost": {"gpuHourPrice": 2.5},
 }
-# Controllers as large clusters run them: the defaults (20 queries/s, 5 workers) are sized for small ones
-# and would make this benchmark measure kube-controller-manager's rate limiter, not the operator.
-CONTROLLER_MANAGER = ("--kube-api-qps=300", "--kube-api-burst=600", "--concurrent-deployment-syncs=20",
-                      "--concurrent-replicaset-syncs=20")
-SCHEDULER = ("--kube-api-qps=300", "--kube-api-burst=600")
 
 
 def skewed(spec: MoESpec, seed: int) -> dict[tuple[int, int], float]:
@@ -257,8 +252,9 @@ def start_operator(cluster: Cluster, folder: Path, interval_s: float) -> subproc
 def run(node_count: int, interval_s: float, timeout_s: float, budget_s: float) -> dict:
     print(f"--- {node_count} nodes: starting the control plane", flush=True)
     started = time.monotonic()
-    config = ClusterConfig(nodes=0, timeout_s=600, knative_crds=False, controller_manager_args=CONTROLLER_MANAGER,
-                           scheduler_args=SCHEDULER, service_cidr="10.0.0.0/20")  # ~1300 Services
+    # The control plane is tuned as large clusters are (kubemoe/devcluster: controllers' client QPS and workers,
+    # the nodes' lease cadence).
+    config = ClusterConfig(nodes=0, timeout_s=600, knative_crds=False, service_cidr="10.0.0.0/20")  # ~1300 Services
     with Cluster(config) as cluster, tempfile.TemporaryDirectory() as tmp:
         for batch in range(0, node_count, 100):
             cluster.add_gpu_nodes(min(100, node_count - batch), 8, wait=False)

@@ -22,6 +22,18 @@ def test_fake_gpu_nodes_are_ready_with_gpu_capacity_and_gfd_labels(api, gpu_node
         assert node.metadata.annotations["kwok.x-k8s.io/node"] == "fake"
 
 
+
+def test_nodes_hold_leases_of_the_configured_length_and_stay_ready_between_renewals(cluster, api, gpu_nodes):
+    # kwok renews each node's Lease as a kubelet does; the node lifecycle controller's grace period follows
+    # the lease's length, so a node whose lease lasts longer than the default 50 s grace is not marked NotReady.
+    coordination = client.CoordinationV1Api(api)
+    for name in gpu_nodes:
+        lease = coordination.read_namespaced_lease(name, "kube-node-lease")
+        assert lease.spec.lease_duration_seconds == cluster.config.node_lease_s
+    flapped = [e.involved_object.name for e in client.CoreV1Api(api).list_event_for_all_namespaces(
+        field_selector="reason=NodeNotReady").items]
+    assert not flapped, f"nodes marked NotReady between lease renewals: {flapped}"
+
 def test_control_plane_runs_with_rbac(cluster, api):
     # The admin kubeconfig authenticates as a member of system:masters ...
     review = client.AuthorizationV1Api(api).create_self_subject_access_review(
