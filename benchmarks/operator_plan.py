@@ -117,10 +117,11 @@ class FrontendLoads:
 
 
 def time_plan(spec: MoESpec, nodes: list[NodeInfo], repeats: int = 5) -> dict:
-    loads = Loads(skewed(spec, 0), 5000.0, FRONTENDS)
+    rates = skewed(spec, 0)
     first = plan(spec, Loads(), nodes, None, 0.0)
     times = []
     for i in range(repeats):
+        loads = Loads(rates, 5000.0, FRONTENDS)  # fresh, as each reconcile's are: no sums kept from the last plan
         started = time.perf_counter()
         plan(spec, loads, nodes, first, 1.0 + i)
         times.append((time.perf_counter() - started) * 1000)

@@ -156,8 +156,14 @@ class Loads:
     tokens_per_second: float = 0.0
     frontends: int = 0
 
+    # A plan asks for each bundle's rate several times (scaler, placer, hosting, summaries): summed once.
+    _of: dict[tuple[tuple[int, int], ...], float] = field(default_factory=dict, init=False, repr=False, compare=False)
+
     def of(self, bundle: Bundle) -> float:
-        return sum(self.per_expert.get(key, 0.0) for key in bundle.experts)
+        rate = self._of.get(bundle.experts)
+        if rate is None:
+            rate = self._of[bundle.experts] = sum(self.per_expert.get(key, 0.0) for key in bundle.experts)
+        return rate
 
 
 NO_LOADS = Loads()
@@ -483,6 +489,8 @@ def _place(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str, int]
                         + "raise spec.experts.bundleBytes, or shorten spec.experts.scaling.keepAlive")
     # Warm services hold their memory from the start (warm_held), so this counts retired ones too.
     nodes = {n.name: n for n in eligible}
+    if not spec.experts.sharing.shared:
+        return {name: tuple(sorted(sites)) for name, sites in placed.items()}, unplaced, 0  # plan() counts whole GPUs
     held = sum(1 if spec.experts.sharing.mode == "dra" else _gpus_holding(spec, nodes[g.node], used // item, item)
                for g in gpus if (used := placement.gpu_memory.get(g.id, 0)) > 0)
     return {name: tuple(sorted(sites)) for name, sites in placed.items()}, unplaced, held
