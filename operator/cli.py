@@ -44,6 +44,7 @@ def command(namespaces, all_namespaces, peering, standalone, priority, liveness,
                         ("expert_image", expert_image)):
         if value is not None:
             os.environ[PREFIX + name.upper()] = str(value)
+    os.environ[PREFIX + "WATCH_NAMESPACES"] = ",".join(namespaces)
     OperatorConfig.from_env()  # fail here, with the variable's name, not inside Kopf
     logs.configure(logging.DEBUG if verbose else logging.INFO)
     import kopf

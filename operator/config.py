@@ -24,6 +24,7 @@ class OperatorConfig:
     loads_timeout_s: float = 2.0       # per frontend; a frontend that does not answer is left out
     field_manager: str = FIELD_MANAGER
     apply_concurrency: int = 8         # objects applied at once (the API server, not the operator, is the limit)
+    watch_namespaces: str = ""         # comma-separated, as `kubemoe operator --namespace` gives them; "": all
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "OperatorConfig":

@@ -5,6 +5,10 @@
 Create, update and resume reconcile the spec; the timer pulls the frontends' /loads and re-plans;
 delete only reports (owner references let the garbage collector remove the children, so no
 finalizer is needed). Settings come from the environment once (`OperatorConfig.from_env`).
+
+Nodes, pods and the expert/frontend Deployments (and Knative Services) are kept from watches (Kopf
+indices): a reconcile lists none of the cluster's nodes and pods, and a child's change (its pods Ready)
+brings the owner's status up to date within a second (status_follower.py).
 """
 
 from __future__ import annotations
@@ -17,11 +21,15 @@ from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.events import events
 from kubemoe.operator.kube import Kube
 from kubemoe.operator.loads import FrontendLoads
-from kubemoe.operator.reconcile import Outcome, Reconciler
-from kubemoe.operator.spec import GROUP, PLURAL, VERSION
+from kubemoe.operator.plan import NodeInfo
+from kubemoe.operator.reconcile import Outcome, Reconciler, Watched
+from kubemoe.operator.render import MANAGED_BY, MANAGER
+from kubemoe.operator.spec import GROUP, KIND, PLURAL, VERSION
+from kubemoe.operator.status_follower import StatusFollower
 
 CONFIG = OperatorConfig.from_env()
 RESOURCE = (GROUP, VERSION, PLURAL)
+CHILDREN = {"labels": {MANAGED_BY: MANAGER}}
 
 
 @kopf.on.startup()
@@ -44,22 +52,64 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -> 
     kube = Kube(ApiClient(), CONFIG.field_manager)
     memo.reconciler = Reconciler(kube, CONFIG)
     memo.load_source = FrontendLoads(kube, CONFIG.loads_port, CONFIG.loads_timeout_s)
+    memo.status_follower = StatusFollower()
     logger.info("kubemoe operator: peering %r (priority %d), loads every %.0fs", settings.peering.name,
                 settings.peering.priority, CONFIG.loads_interval_s)
+
+
+@kopf.index("v1", "nodes")
+def node_infos(body, **_) -> NodeInfo:
+    # Parsed once per change of a node (kwok's and kubelets' heartbeats are leases: nodes rarely change).
+    return NodeInfo.from_node(body)
+
+
+@kopf.index("v1", "pods")
+def all_pods(body, **_) -> dict:
+    # What every pod holds on its node, for capacity.py (the planner fills only what they leave).
+    return dict(body)
+
+
+@kopf.index("apps", "v1", "deployments", **CHILDREN)
+@kopf.index("serving.knative.dev", "v1", "services", **CHILDREN)
+def children_index(body, **_) -> dict[str, dict]:
+    # The expert and frontend workloads by owner uid: what their readiness is, for the status.
+    return {uid: dict(body) for uid in owner_uids(body)}
+
+
+def owner_uids(body) -> list[str]:
+    return [ref["uid"] for ref in body["metadata"].get("ownerReferences") or [] if ref.get("kind") == KIND]
+
+
+@kopf.on.event("apps", "v1", "deployments", **CHILDREN)
+@kopf.on.event("serving.knative.dev", "v1", "services", **CHILDREN)
+async def child_changed(body, memo: kopf.Memo, children_index: kopf.Index, **_) -> None:
+    # Ready in the status follows the pods within a second, not at the next timer tick.
+    reconciler = memo.reconciler
+    for uid in owner_uids(body):
+        # The index is read when the refresh runs (a copy: the watches keep changing it meanwhile).
+        memo.status_follower.changed(
+            uid, lambda uid=uid: reconciler.refresh_status(uid, [*children_index.get(uid, ())]))
+
+
+def watched(node_infos: kopf.Index, all_pods: kopf.Index) -> Watched:
+    # Copies: the watches keep changing the indices while a reconcile runs in its thread. Nodes are
+    # cluster-wide always; pods only when every namespace is watched (capacity counts pods of them all).
+    return Watched([*node_infos.get(None, ())], None if CONFIG.watch_namespaces else [*all_pods.get(None, ())])
 
 
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE, field="spec")
-def reconcile(body, memo: kopf.Memo, **_) -> None:
+def reconcile(body, memo: kopf.Memo, node_infos: kopf.Index, all_pods: kopf.Index, **_) -> None:
     # A spec change re-plans with the loads last seen (kept per object in memo by the timer).
-    report(body, memo.reconciler.reconcile(body, memo.get("loads")))
+    report(body, memo.reconciler.reconcile(body, memo.get("loads"), watched=watched(node_infos, all_pods)))
 
 
 @kopf.timer(*RESOURCE, interval=CONFIG.loads_interval_s, initial_delay=CONFIG.loads_interval_s, idle=None)
-def replan(body, memo: kopf.Memo, **_) -> None:
+def replan(body, memo: kopf.Memo, node_infos: kopf.Index, all_pods: kopf.Index, **_) -> None:
     # Asks the frontends for fresh loads (or keeps the last ones when none answers) and re-plans with them.
-    outcome = memo.reconciler.reconcile(body, memo.get("loads"), source=memo.load_source)
+    outcome = memo.reconciler.reconcile(body, memo.get("loads"), source=memo.load_source,
+                                        watched=watched(node_infos, all_pods))
     memo.loads = outcome.loads
     if outcome.loads_error:
         kopf.event(body, type="Warning", reason="LoadsUnavailable", message=outcome.loads_error)
@@ -67,7 +117,8 @@ def replan(body, memo: kopf.Memo, **_) -> None:
 
 
 @kopf.on.delete(*RESOURCE, optional=True)
-def deleted(name, **_) -> None:
+def deleted(name, uid, memo: kopf.Memo, **_) -> None:
+    memo.reconciler.forget(uid)
     # Nothing to clean up by hand: every child has an owner reference to this object.
     logging.getLogger(__name__).info("MoEDeployment %s deleted; the garbage collector removes its children", name)
 

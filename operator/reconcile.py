@@ -14,7 +14,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Callable, Mapping
+from typing import AbstractSet, Any, Callable, Iterable, Mapping, Sequence
 
 from kubemoe.operator import conditions as c
 from kubemoe.operator import pod_security
@@ -26,7 +26,7 @@ from kubemoe.operator.plan import (NO_LOADS, Decisions, Loads, NodeInfo, Plan, P
                                    with_dra_devices)
 from kubemoe.operator.render import (COMPONENT, EXPERT, FINGERPRINT_ANNOTATION, FRONTEND, KINDS, KNATIVE,
                                      OPTIONAL_KINDS, RETIRED_ANNOTATION, ROUTING, observe, render, selector)
-from kubemoe.operator.spec import MoEDeployment, MoESpec, SpecError
+from kubemoe.operator.spec import API_VERSION, KIND, MoEDeployment, MoESpec, SpecError
 
 Object = dict[str, Any]
 ObjectKey = tuple[str, str, str]  # (apiVersion, kind, name)
@@ -50,6 +50,27 @@ class Outcome:
     applied: c.Condition | None = None  # PlanApplied as reported in the status (the error, if any)
     loads: Loads = NO_LOADS             # what the plan was made with (the handler keeps them for the next one)
     loads_error: str | None = None      # why the frontends' loads could not be asked for
+    deployment: MoEDeployment | None = None  # the spec as parsed (None when it did not parse)
+
+
+@dataclass(frozen=True)
+class Watched:
+    """What the operator's watches hold (Kopf indices, see handlers.py), so that a reconcile does not list
+    every node and pod of the cluster again: at 1000 nodes those lists were megabytes a tick."""
+
+    nodes: Sequence[NodeInfo]                 # as the planner reads them, parsed once per change of a node
+    pods: Iterable[Mapping[str, Any]] | None  # every pod (what each holds on its node: operator/capacity.py);
+                                              # None: the watch sees only some namespaces, so they are listed
+
+
+@dataclass(frozen=True)
+class _Applied:
+    """The last plan a reconcile applied, for re-evaluating the status when children change."""
+
+    deployment: MoEDeployment
+    plan: Plan
+    loads: Loads
+    generation: int
 
 
 def key_of(obj: Mapping[str, Any]) -> ObjectKey:
@@ -60,15 +81,42 @@ class Reconciler:
     def __init__(self, kube: Kube, config: OperatorConfig, clock: Callable[[], float] = time.time):
         self.kube, self.config, self.clock = kube, config, clock
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._applied: dict[str, _Applied] = {}  # by uid; only a cache: a restart reconciles everything (resume)
 
     def reconcile(self, body: Mapping[str, Any], loads: Loads | None = None,
-                  source: LoadSource | None = None) -> Outcome:
-        """Plan with `loads`, or with what `source` (the frontends) reports now when it reports anything."""
+                  source: LoadSource | None = None, watched: Watched | None = None) -> Outcome:
+        """Plan with `loads`, or with what `source` (the frontends) reports now when it reports anything;
+        nodes and pods from `watched` where the caller keeps them, else listed."""
         # Handlers and the timer run in worker threads: one reconcile per object at a time.
-        with self._locks[body["metadata"]["uid"]]:
-            return self._reconcile(body, loads or NO_LOADS, source)
+        uid = body["metadata"]["uid"]
+        with self._locks[uid]:
+            outcome = self._reconcile(body, loads or NO_LOADS, source, watched)
+            if outcome.error is None and outcome.plan is not None and outcome.deployment is not None:
+                self._applied[uid] = _Applied(outcome.deployment, outcome.plan, outcome.loads,
+                                              int(body["metadata"].get("generation", 0)))
+            else:
+                self._applied.pop(uid, None)
+            return outcome
 
-    def _reconcile(self, body: Mapping[str, Any], loads: Loads, source: LoadSource | None) -> Outcome:
+    def refresh_status(self, uid: str, children: Iterable[Mapping[str, Any]]) -> Outcome | None:
+        """The status again from the last applied plan and `children` as watched now (their readiness
+        changed): no planning, no applies, one GET and one status patch. None when this process has applied
+        no plan for `uid` yet, or the spec changed since (the reconcile that follows writes the status)."""
+        with self._locks[uid]:
+            last = self._applied.get(uid)
+            if last is None:
+                return None
+            body = self.kube.get(API_VERSION, KIND, last.deployment.namespace, last.deployment.name)
+            if body["metadata"]["uid"] != uid or int(body["metadata"].get("generation", 0)) != last.generation:
+                return None
+            mine = [o for o in children if any(r.get("uid") == uid for r in o["metadata"].get("ownerReferences") or [])]
+            return self._finish(body, last.deployment, last.plan, mine, Changes(), last.loads, None, retry=False)
+
+    def forget(self, uid: str) -> None:
+        self._applied.pop(uid, None)
+
+    def _reconcile(self, body: Mapping[str, Any], loads: Loads, source: LoadSource | None,
+                   watched: Watched | None) -> Outcome:
         now = self.clock()
         try:
             deployment = MoEDeployment.from_body(body)  # the one parse of this reconcile
@@ -81,19 +129,21 @@ class Reconciler:
                 loads = source.fetch(deployment) or loads  # None: no frontend answered, keep the last loads
             except ApiError as e:
                 loads_error = f"cannot list frontend pods: {e.message}"
-        outcome = self._apply(body, deployment, loads, now)
+        outcome = self._apply(body, deployment, loads, now, watched)
         outcome.loads_error = loads_error
         return outcome
 
-    def _apply(self, body: Mapping[str, Any], deployment: MoEDeployment, loads: Loads, now: float) -> Outcome:
+    def _apply(self, body: Mapping[str, Any], deployment: MoEDeployment, loads: Loads, now: float,
+               watched: Watched | None) -> Outcome:
         children = self._children(deployment)
         mode = deployment.spec.mode
         previous = observe(deployment.spec, mode, children.values())
-        nodes = [NodeInfo.from_node(n) for n in self.kube.list("v1", "Node")]
+        nodes = list(watched.nodes) if watched else [NodeInfo.from_node(n) for n in self.kube.list("v1", "Node")]
         if deployment.spec.experts.sharing.mode == "dra":  # which nodes a DRA driver offers GPUs on
             nodes = with_dra_devices(nodes, self._resource_slices())
         # What other pods hold (frontends, other MoEDeployments): the plan fills only the rest.
-        nodes = with_taken(deployment.spec, nodes, self.kube.list("v1", "Pod"), deployment.namespace, deployment.name)
+        pods = watched.pods if watched and watched.pods is not None else self.kube.list("v1", "Pod")
+        nodes = with_taken(deployment.spec, nodes, pods, deployment.namespace, deployment.name)
         try:
             new = plan(deployment.spec, loads, nodes, previous, now)
         except PlanError as e:
@@ -207,7 +257,7 @@ class Reconciler:
             status["plan"] = _plan_status(new)
             status["cost"] = _cost(deployment.spec, new, loads)
         self.kube.patch_status(meta["namespace"], meta["name"], status)
-        return Outcome(new, changes, status, error, retry, applied, loads)
+        return Outcome(new, changes, status, error, retry, applied, loads, deployment=deployment)
 
 
 def _plan_applied(new: Plan) -> c.Condition:

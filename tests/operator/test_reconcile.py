@@ -1,14 +1,18 @@
 """The Reconciler against an in-memory API (no cluster): status, events and the warm pool's decisions."""
 
+import asyncio
 import copy
+from collections import Counter
 
 from kubemoe.operator import conditions as c
 from kubemoe.operator import events as ev
 from kubemoe.operator.config import OperatorConfig
-from kubemoe.operator.plan import Loads
+from kubemoe.operator.plan import Loads, NodeInfo
 from kubemoe.operator.pod_security import ENFORCE_LABEL as ENFORCE
-from kubemoe.operator.reconcile import Reconciler
-from kubemoe.operator.render import RETIRED_ANNOTATION
+from kubemoe.operator.reconcile import Reconciler, Watched
+from kubemoe.operator.render import COMPONENT, RETIRED_ANNOTATION
+from kubemoe.operator.spec import KIND
+from kubemoe.operator.status_follower import StatusFollower
 
 NOW = 1_000_000.0
 SKEWED = Loads({(0, 0): 800.0, (0, 1): 100.0, (0, 2): 100.0, (0, 3): 100.0}, 50.0, 1)
@@ -21,13 +25,18 @@ class MemoryKube:
     def __init__(self, nodes, namespace_labels=None):
         self.objects, self.nodes, self.status = {}, nodes, {}
         self.namespace_labels, self.namespaces_read = namespace_labels or {}, 0
+        self.listed: Counter[str] = Counter()
+        self.moed: dict | None = None  # the MoEDeployment as the API serves it (get)
 
     def get(self, api_version, kind, namespace, name):
+        if kind == KIND:
+            return copy.deepcopy(self.moed)
         assert (api_version, kind) == ("v1", "Namespace"), kind
         self.namespaces_read += 1
         return {"metadata": {"name": name, "labels": dict(self.namespace_labels)}}
 
     def list(self, api_version, kind, namespace=None, label_selector=""):
+        self.listed[kind] += 1
         if kind == "Node":
             return copy.deepcopy(self.nodes)
         wanted = dict(p.split("=") for p in label_selector.split(",") if p)
@@ -295,3 +304,62 @@ def test_the_mode_auto_chose_is_in_the_status_and_an_event_when_it_changes(f):
     _, found = step(body, reconciler, kube, Loads())
     assert kube.status["mode"] == "distributed" and kube.status["offload"] is None
     assert found[ev.MODE_CHOSEN].message == "mode distributed: mode auto: node node-1 has 8 GPUs for expert functions"
+
+
+# -- watched nodes and pods, status following the children ---------------------------------------------
+
+def _ready(workload):
+    """A Deployment as kube-controller-manager reports it once its pods are Ready."""
+    ready = copy.deepcopy(workload)
+    ready["metadata"]["generation"] = 1
+    ready["status"] = {"observedGeneration": 1, "readyReplicas": ready["spec"].get("replicas", 1)}
+    return ready
+
+
+def test_watched_nodes_and_pods_are_planned_on_without_listing_the_cluster(f):
+    body, kube, clock, reconciler = setup(f)
+    listed = reconciler.reconcile(body, SKEWED)
+    assert kube.listed["Node"] == 1 and kube.listed["Pod"] == 1
+    kube.listed.clear()
+    watched = Watched([NodeInfo.from_node(n) for n in api_nodes(4)], [])
+    again = reconciler.reconcile(body, SKEWED, watched=watched)
+    assert kube.listed["Node"] == 0 and kube.listed["Pod"] == 0
+    assert again.plan.nodes == listed.plan.nodes and not again.changes.applied
+    # A watch of some namespaces only (pods None): pods are listed, capacity counts every namespace's.
+    reconciler.reconcile(body, SKEWED, watched=Watched(watched.nodes, None))
+    assert kube.listed["Node"] == 0 and kube.listed["Pod"] == 1
+
+
+def test_status_follows_the_children_without_planning_or_applying(f):
+    body, kube, clock, reconciler = setup(f)
+    outcome = reconciler.reconcile(body, SKEWED)
+    assert conditions(kube)[c.READY]["status"] == "False"  # nothing Ready yet
+    kube.moed = {**body, "status": kube.status}
+    workloads = [o for (_, k, _), o in kube.objects.items() if k == "Deployment"]
+    applied, listed = dict(kube.objects), sum(kube.listed.values())
+    half = [_ready(w) if i % 2 else w for i, w in enumerate(workloads)]
+    reconciler.refresh_status("uid-1", half)
+    assert conditions(kube)[c.READY]["status"] == "False"
+    experts = sum(1 for i, w in enumerate(workloads) if i % 2 and w["metadata"]["labels"][COMPONENT] == "expert")
+    assert 0 < experts and conditions(kube)[c.EXPERTS_READY]["message"].startswith(f"{experts}/")
+    refreshed = reconciler.refresh_status("uid-1", [_ready(w) for w in workloads])
+    assert conditions(kube)[c.READY]["status"] == "True" and refreshed.plan is outcome.plan
+    assert kube.objects == applied and sum(kube.listed.values()) == listed  # no apply, no list
+    # Another MoEDeployment's children count for nothing; a spec change waits for its reconcile.
+    assert reconciler.refresh_status("uid-2", workloads) is None
+    kube.moed["metadata"] = {**kube.moed["metadata"], "generation": 2}
+    assert reconciler.refresh_status("uid-1", workloads) is None
+    assert conditions(kube)[c.READY]["status"] == "True"
+
+
+async def test_a_burst_of_child_changes_refreshes_the_owner_once():
+    refreshed = []
+    follower = StatusFollower(delay_s=0.05)
+    for i in range(100):  # hundreds of Deployments turning Ready at once
+        follower.changed("uid-1", lambda i=i: refreshed.append(("uid-1", i)))
+    follower.changed("uid-2", lambda: refreshed.append(("uid-2", 0)))
+    await asyncio.sleep(0.2)
+    assert sorted(refreshed) == [("uid-1", 99), ("uid-2", 0)]  # once each, with the latest change's refresh
+    follower.changed("uid-1", lambda: refreshed.append(("uid-1", 100)))  # a change after it ran: again
+    await asyncio.sleep(0.2)
+    assert refreshed[-1] == ("uid-1", 100) and len(refreshed) == 3

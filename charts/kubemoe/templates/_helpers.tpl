@@ -68,16 +68,17 @@ RBAC rules for objects in the namespaces the operator serves: exactly what the h
 - apiGroups: [kubemoe.io]
   resources: [moedeployments/finalizers]
   verbs: [update]
-# Children: server-side apply (create + patch), list to diff and prune, delete when retired.
+# Children: server-side apply (create + patch), list to diff and prune, delete when retired; the
+# workloads are watched too, so the status follows their readiness (operator/status_follower.py).
 - apiGroups: [""]
   resources: [configmaps, services, serviceaccounts]
   verbs: [get, list, create, patch, delete]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [serving.knative.dev]
   resources: [services]
-  verbs: [get, list, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 # spec.experts.gpuSharing.mode dra: one ResourceClaim per planned GPU, shared by the functions on it.
 - apiGroups: [resource.k8s.io]
   resources: [resourceclaims]
@@ -103,10 +104,11 @@ RBAC rules for objects in the namespaces the operator serves: exactly what the h
 {{/* Cluster-scoped rules: planning reads nodes and pods; Kopf observes CRDs and namespaces and peers cluster-wide. */}}
 {{- define "kubemoe.clusterRules" -}}
 # Planning reads the nodes and what every pod holds on them (GPUs, shares: operator/capacity.py), so plans
-# never over-commit; and the frontend pods' IPs, to pull their /loads.
+# never over-commit; and the frontend pods' IPs, to pull their /loads. Watched: the operator keeps them
+# (Kopf indices) instead of listing the whole cluster every reconcile.
 - apiGroups: [""]
   resources: [nodes, pods]
-  verbs: [list]
+  verbs: [list, watch]
 # spec.experts.gpuSharing.mode dra: the GPUs a DRA driver publishes per node.
 - apiGroups: [resource.k8s.io]
   resources: [resourceslices]
