@@ -20,6 +20,7 @@ Shapes: T = tokens, H = hidden size, K = experts per token, N = a call's rows.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -148,17 +149,18 @@ class _Call:
         ends = list(itertools.accumulate(p.count for p in self.pieces))
         spans = [slice(ends[i] - self.pieces[i].count, ends[i]) for i in indices]
         rows = [torch.cat([t[s] for s in spans]) for t in (self.rows.tokens, self.rows.slots, self.x)]
-        return _Call([self.pieces[i] for i in indices], ExpertGroup(-1, rows[0], rows[1]), rows[2])
+        pieces = [self.pieces[i] for i in indices]
+        return _Call(pieces, ExpertGroup(-1, rows[0], rows[1], sum(p.count for p in pieces)), rows[2])
 
 
 def _rows_of(pieces: Sequence[Piece], groups: Mapping[int, ExpertGroup]) -> ExpertGroup:
     """The batch rows of a call's pieces, piece after piece (one piece that is its whole group: that group)."""
-    if len(pieces) == 1 and pieces[0].start == 0 and pieces[0].count == len(groups[pieces[0].expert].tokens):
+    if len(pieces) == 1 and pieces[0].start == 0 and pieces[0].count == groups[pieces[0].expert].count:
         return groups[pieces[0].expert]
-    spans = [(g, None if p.start == 0 and p.count == len(g.tokens) else slice(p.start, p.start + p.count))
+    spans = [(g, None if p.start == 0 and p.count == g.count else slice(p.start, p.start + p.count))
              for p in pieces for g in (groups[p.expert],)]  # a whole group is not sliced: ~2 us a slice
     return ExpertGroup(-1, torch.cat([g.tokens if s is None else g.tokens[s] for g, s in spans]),
-                       torch.cat([g.slots if s is None else g.slots[s] for g, s in spans]))
+                       torch.cat([g.slots if s is None else g.slots[s] for g, s in spans]), sum(p.count for p in pieces))
 
 
 class Dispatcher:
@@ -279,7 +281,7 @@ class Dispatcher:
             self._observe(layer, hidden, top_k_index, top_k_weights)
             return grouped_ffn(hidden, top_k_index, top_k_weights, stack, self.adapter.act, weight_on_input, counts)
         groups = group_tokens(top_k_index)
-        self._record_counts(layer, [(g.expert, len(g.tokens)) for g in groups])
+        self._record_counts(layer, [(g.expert, g.count) for g in groups])
         self._observe(layer, hidden, top_k_index, top_k_weights)
         local, remote = [], {}
         for g in groups:
@@ -288,7 +290,7 @@ class Dispatcher:
                 local.append(g)
             else:
                 remote[g.expert] = (g, route)
-        calls = self._submit(layer, remote, hidden, top_k_weights, weight_on_input) if remote else []
+        calls = self._submit(layer, remote, hidden, top_k_weights, weight_on_input) if remote else None
         out = torch.zeros_like(hidden)
         if self.offload is not None:  # every in-process expert of the layer, placed by the offload policy
             if local:
@@ -298,23 +300,24 @@ class Dispatcher:
                 y = expert_ffn(expert_inputs(hidden, top_k_weights, g, weight_on_input), self._local[(layer, g.expert)],
                                self.adapter.act)
                 combine(out, top_k_weights, g, y, weight_on_input)
-        if calls:
+        if calls is not None:
             self._gather(calls, out, top_k_weights, weight_on_input)
         return out
 
-    def _gather(self, calls: list, out: torch.Tensor, top_k_weights: torch.Tensor, weight_on_input: bool) -> None:
+    def _gather(self, calls: concurrent.futures.Future, out: torch.Tensor, top_k_weights: torch.Tensor,
+                weight_on_input: bool) -> None:
         """Add the remote calls' outputs to `out` [T, H]. Each (token, choice) pair comes back from
         exactly one call: placed at its own row of a [T * K, H] buffer, summed over K in a fixed order
         (a token's K outputs may share a call: index_add_'s atomics on CUDA would sum them in any order)."""
         t, k = top_k_weights.shape
         pairs = torch.zeros(t * k, out.shape[1], dtype=out.dtype, device=out.device)  # [T * K, H]
         failed: list[DispatchError] = []
-        for future in calls:
-            try:
-                results = future.result()
-            except DispatchError as e:  # the others still come back: only the rows without experts fail
-                failed.append(e)
+        for results in calls.result():
+            if isinstance(results, DispatchError):  # the others still came back: only the rows without experts fail
+                failed.append(results)
                 continue
+            if isinstance(results, BaseException):  # a cancellation or a bug: as it is
+                raise results
             for rows, y in results:
                 if not weight_on_input:
                     y = y * top_k_weights[rows.tokens, rows.slots, None]
@@ -349,26 +352,28 @@ class Dispatcher:
         return usable or route.addresses
 
     def _submit(self, layer: int, remote: dict[int, tuple[ExpertGroup, BundleRoute]], hidden: torch.Tensor,
-                top_k_weights: torch.Tensor, weight_on_input: bool) -> list:
-        """The layer's remote experts as one call per address -> futures of [(rows, output [rows, H])]."""
+                top_k_weights: torch.Tensor, weight_on_input: bool) -> concurrent.futures.Future:
+        """The layer's remote experts as one call per address, started together -> a future of each call's
+        [(rows, output [rows, H])] or its exception, in call order."""
         now = time.monotonic()
         experts = list(remote)
         candidates = [self._usable(remote[e][1], layer, e, now) for e in experts]
         # Read only where an expert has several replicas to split across: reading it waits for the GPU.
         predicted = self._predicted(layer) if any(len(c) > 1 for c in candidates) else None
-        plan = plan_calls(experts, [len(remote[e][0].tokens) for e in experts], candidates,
+        plan = plan_calls(experts, [remote[e][0].count for e in experts], candidates,
                           {a: r.inflight_tokens for a, r in self._replicas.items()}, predicted,
                           self.config.split_min_tokens,
                           [remote[e][1].bundle for e in experts] if self.config.calls_per_bundle else None)
         # Ids are unique per call in flight on a client: every call of the layer gets its own.
         request_id = f"{uuid.uuid4().hex[:8]}-{next(self._ids)}"
         routes = {e: route for e, (_, route) in remote.items()}
-        futures = []
+        calls = []
         for n, ((address, _), pieces) in enumerate(plan.items()):
             rows = _rows_of(pieces, {p.expert: remote[p.expert][0] for p in pieces})
             call = _Call(pieces, rows, expert_inputs(hidden, top_k_weights, rows, weight_on_input))
-            futures.append(self.io.submit(self._call(layer, routes, call, address, f"{request_id}.{n}")))
-        return futures
+            calls.append(self._call(layer, routes, call, address, f"{request_id}.{n}"))
+        # One hand-over to the I/O loop for the layer: each wakes its thread (a write, a context switch).
+        return self.io.submit(_together(calls))
 
     async def _call(self, layer: int, routes: dict[int, BundleRoute], call: _Call, address: str, request_id: str,
                     attempt: int = 0, tried: frozenset[tuple[str, int]] = frozenset(), errors: tuple[str, ...] = ()):
@@ -458,6 +463,10 @@ class Dispatcher:
             self.io.run(client.close(), timeout=5)
         self._clients.clear()
         self.io.stop()
+
+
+async def _together(calls: list) -> list:
+    return await asyncio.gather(*calls, return_exceptions=True)
 
 
 class _LayerExperts(torch.nn.Module):

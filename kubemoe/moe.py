@@ -25,19 +25,22 @@ class ExpertGroup:
     expert: int
     tokens: torch.Tensor  # [N_e] token positions in the batch
     slots: torch.Tensor  # [N_e] which of the token's K choices this is
+    count: int  # N_e, known on the host (a tensor's len() is a call into torch: ~1 us a group)
 
 
 def group_tokens(top_k_index: torch.Tensor) -> list[ExpertGroup]:  # [T, K] -> groups, by expert id
-    flat = top_k_index.reshape(-1)
-    order = flat.argsort(stable=True)
-    experts, counts = flat[order].unique_consecutive(return_counts=True)
+    """The (token, choice) pairs of each routed expert, in ascending expert order, each group in
+    token order: one stable sort and one count where the index lives, one read to the host (the
+    group sizes), then views. No per-group tensor op: with 64 experts a loop of slices cost ~1.5 ms
+    a layer on a busy 2-core CPU."""
+    flat = top_k_index.reshape(-1)  # [T * K]
+    order = flat.argsort(stable=True)  # [T * K] pairs grouped by expert, each group in pair order
+    counts = torch.bincount(flat).tolist()  # [max id + 1]: the one wait for the device
     k = top_k_index.shape[1]
-    groups, start = [], 0
-    for expert, count in zip(experts.tolist(), counts.tolist()):
-        picked = order[start:start + count]
-        groups.append(ExpertGroup(expert, picked // k, picked % k))
-        start += count
-    return groups
+    experts = [e for e, n in enumerate(counts) if n]
+    sizes = [counts[e] for e in experts]
+    tokens, slots = (order // k).split(sizes), (order % k).split(sizes)
+    return [ExpertGroup(e, t, s, n) for e, t, s, n in zip(experts, tokens, slots, sizes)]
 
 
 def expert_inputs(

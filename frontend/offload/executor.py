@@ -136,7 +136,7 @@ class OffloadExecutor:
         held = len(self.landed)
         return LayerDemand(
             layer=position,
-            pending={g.expert: len(g.tokens) for g in groups},
+            pending={g.expert: g.count for g in groups},
             resident=self.on_device(position),
             ahead=ahead,
             resident_ahead=[self.on_device(p) for p in window[:len(ahead)]],
@@ -165,7 +165,7 @@ class OffloadExecutor:
         if cpu_groups:
             inputs = torch.cat([expert_inputs(hidden, top_k_weights, g, self.weight_on_input) for g in cpu_groups])
             inputs = inputs.cpu()  # [N, H]; waits for this layer's attention and gate, which the gate's read did already
-            parts = inputs.split([len(g.tokens) for g in cpu_groups])
+            parts = inputs.split([g.count for g in cpu_groups])
             futures = [self.cpu.submit((layer, g.expert), x) for g, x in zip(cpu_groups, parts)]
 
         # 2. Experts already on the device (resident or prefetched).

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kubemoe.moe import LocalExperts, StackedExperts, can_group, expert_counts, grouped_ffn
+from kubemoe.moe import LocalExperts, StackedExperts, can_group, expert_counts, group_tokens, grouped_ffn
 
 E, H, I, T = 8, 32, 48, 19
 
@@ -43,3 +43,16 @@ def test_grouped_matches_the_loop_with_many_experts_per_token_in_any_order(dtype
 def test_expert_counts_counts_every_choice_and_sizes_by_the_layer():
     index = torch.tensor([[0, 3], [3, 1], [3, 0]])
     assert expert_counts(index, 6).tolist() == [2, 1, 0, 3, 0, 0]
+
+
+def test_group_tokens_gives_each_routed_expert_its_pairs_in_order_and_skips_the_unrouted():
+    top_k_index = torch.stack([torch.randperm(64, generator=torch.Generator().manual_seed(t))[:8] for t in range(16)])
+    top_k_index[top_k_index == 5] = 7  # expert 5 gets no token; 7 gets some tokens twice over (two slots)
+    groups = group_tokens(top_k_index)
+    flat = top_k_index.reshape(-1)
+    assert [g.expert for g in groups] == sorted(set(flat.tolist()))
+    for g in groups:
+        pairs = (flat == g.expert).nonzero().squeeze(1)  # [N_e] in pair order
+        assert torch.equal(g.tokens, pairs // 8) and torch.equal(g.slots, pairs % 8)
+        assert g.count == len(pairs)
+    assert group_tokens(torch.empty(0, 2, dtype=torch.int64)) == []
