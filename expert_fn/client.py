@@ -58,6 +58,8 @@ class _Stream:
         self.write_lock = asyncio.Lock()  # one writer at a time
         self.pending: dict[str, asyncio.Future] = {}  # request_id -> its caller's future
         self.regions: dict[str, int] = {}  # request_id -> offset of its region, until the reply is read
+        # A TCP lane's requests whose bytes are sent from the caller's tensor, not copied into the arena first.
+        self.sending: dict[str, memoryview] = {}
         self.reader: asyncio.Task | None = None
 
     def use(self, segment: Segment, transport: str) -> None:
@@ -102,11 +104,19 @@ class _Stream:
         offset = self.allocator.alloc(hidden.nbytes)
         if offset is None:
             return False
-        shape = list(hidden.shape)
-        self.segment.write(offset, hidden)
-        wire.describe_shared(msg, hidden.dtype, shape, offset)
+        if self.transport == "tcp" and hidden.device.type == "cpu" and hidden.is_contiguous() and hidden.nbytes:
+            # The frame's payload goes out from where the tensor lies (sent_from): one copy of the bytes
+            # fewer. The reply still lands in the region. The caller keeps the tensor until the call returns.
+            self.sending[request_id] = hidden.reshape(-1).view(torch.uint8).numpy().data
+        else:
+            self.segment.write(offset, hidden)
+        wire.describe_shared(msg, hidden.dtype, list(hidden.shape), offset)
         self.regions[request_id] = offset
         return True
+
+    def sent_from(self, request: pb.ForwardRequest) -> memoryview | None:
+        """Where a TCP lane request's payload is, when not in its arena region (frames.Frames' `source`)."""
+        return self.sending.pop(request.request_id, None) if self.sending else None
 
     def release(self, request_id: str) -> None:
         offset = self.regions.pop(request_id, None)
@@ -128,6 +138,12 @@ class _Stream:
         loop, (segment, allocator) = asyncio.get_running_loop(), self._memory()
         return segment.view(offset, wire.FROM_WIRE[sent.dtype], list(sent.shape),
                                  on_release=lambda: _free_soon(loop, allocator, offset))
+
+
+def _expire(reply: asyncio.Future) -> None:
+    """A call's deadline passed: its caller stops waiting (a late reply frees its region, _Stream.deliver)."""
+    if not reply.done():
+        reply.set_exception(TimeoutError())
 
 
 def _free_soon(loop: asyncio.AbstractEventLoop, allocator: Allocator, offset: int) -> None:
@@ -212,10 +228,13 @@ class ExpertClient:
     async def _call_streamed(self, request: pb.ForwardRequest, hidden: torch.Tensor,
                              timeout: float | None) -> tuple[torch.Tensor, pb.ServerTiming]:
         rid = request.request_id
-        stream = await self._open(timeout)
+        stream = self._stream if self._stream is not None else await self._open(timeout)
         if rid in stream.pending:
             raise ValueError(f"request_id {rid!r} is already in flight on this client; ids must be unique")
-        done = stream.pending[rid] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        done = stream.pending[rid] = loop.create_future()
+        # A timer on the reply's future, not asyncio.wait_for (a task and more callbacks: ~10 us a call).
+        expiry = None if timeout is None else loop.call_later(timeout, _expire, done)
         try:
             shared = stream.place(rid, hidden, request.hidden)
             if not shared:
@@ -223,7 +242,7 @@ class ExpertClient:
             if not (shared and stream.lane is not None and await stream.lane.send(request)):
                 async with stream.write_lock:
                     await stream.call.write(request)
-            response = await (done if timeout is None else asyncio.wait_for(done, timeout))
+            response = await done
             if response.HasField("error"):
                 stream.release(rid)
                 # As a unary call fails: the experts the server lacks ride in the trailing metadata.
@@ -256,6 +275,10 @@ class ExpertClient:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream to {self.address} closed: {e}") from None
         finally:
             stream.pending.pop(rid, None)
+            if stream.sending:  # not sent on the lane (it closed first): nothing reads it any more
+                stream.sending.pop(rid, None)
+            if expiry is not None:
+                expiry.cancel()
 
     async def _open(self, timeout: float | None) -> _Stream:
         if self._stream is None:
@@ -301,7 +324,7 @@ class ExpertClient:
                 host, port = lane_address(metadata[TCP_LANE_METADATA_KEY], self.address)
                 stream.use(arena, "tcp")  # before the lane reads: its replies' regions are the stream's
                 stream.lane = ClientLane.serving(await connect_tcp(
-                    host, port, token, arena, stream.region_of_reply,
+                    host, port, token, arena, stream.region_of_reply, source=stream.sent_from,
                     on_responses=lambda responses: each(responses, stream.deliver),
                     on_closed=lambda why: self._lane_closed(stream, why), timeout=lane_timeout))
             except SharedMemoryError as e:

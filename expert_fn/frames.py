@@ -52,15 +52,19 @@ MAX_MESSAGE_BYTES = 64 << 10
 TOKEN_CHARS = 32
 _HEADER = struct.Struct("<II")
 _TOKEN = re.compile(rb"[0-9a-f]{32}")
-# Header, message and the start of a small payload come in one read; a larger payload's rest is
-# read straight into its region.
+# Header, message and the start of a small payload come in reads of at most _READ_AHEAD bytes (the
+# payload's part of them is copied once more, into its region; a longer message takes several reads);
+# a larger payload's rest is read straight into its region. The staging buffer holds the largest message.
 _STAGING_BYTES = 128 << 10
+_READ_AHEAD = 8 << 10
 _MAX_PIECES = 512  # buffers per sendmsg, below Linux's IOV_MAX of 1024
 log = logging.getLogger(__name__)
 
 # Where a received message's payload goes: (offset, bytes) in the arena; raises ValueError saying
 # why the message may not write there.
 Placement = Callable[[Received], tuple[int, int]]
+# Where a sent message's payload lies when not in its arena region (the caller's tensor); None: the region.
+Source = Callable[[Sent], memoryview | None]
 
 
 def tensor_region(message: pb.ForwardRequest | pb.ForwardResponse, arena_bytes: int) -> tuple[int, int]:
@@ -111,9 +115,10 @@ class Frames(SocketCarrier[Received, Sent]):
     """A connected TCP socket carrying one message (and its tensor's bytes) per frame."""
 
     def __init__(self, sock: socket.socket, arena: Segment, message_type: type[Received], place: Placement[Received],
-                 on_messages: Callable[[list[Received]], None], on_closed: Callable[[LaneClosed], None]):
+                 on_messages: Callable[[list[Received]], None], on_closed: Callable[[LaneClosed], None],
+                 source: Source[Sent] | None = None):
         super().__init__(sock, message_type, on_messages, on_closed)
-        self._place = place
+        self._place, self._source = place, source
         self._arena, self._arena_bytes = memoryview(arena.buffer), arena.size
         self._staging = memoryview(bytearray(_STAGING_BYTES))
         self._staged = 0  # bytes in _staging not parsed yet
@@ -128,7 +133,7 @@ class Frames(SocketCarrier[Received, Sent]):
         messages, closed = [], None
         while True:  # drain what is there: one wake-up for all of it
             into = (self._payload.region[self._payload.read:] if self._payload is not None
-                    else self._staging[self._staged:])
+                    else self._staging[self._staged:self._staged + _READ_AHEAD])
             try:
                 n = self.sock.recv_into(into)
             except (BlockingIOError, InterruptedError):
@@ -203,7 +208,10 @@ class Frames(SocketCarrier[Received, Sent]):
         offset, nbytes = tensor_region(message, self._arena_bytes)
         pieces = [memoryview(_HEADER.pack(len(data), nbytes) + data)]
         if nbytes:
-            pieces.append(self._arena[offset:offset + nbytes])
+            source = None if self._source is None else self._source(message)
+            if source is not None and source.nbytes != nbytes:  # the sender's own bookkeeping: a bug
+                raise RuntimeError(f"a frame's payload of {source.nbytes} bytes for a region of {nbytes}")
+            pieces.append(self._arena[offset:offset + nbytes] if source is None else source)
         if self._backlog:  # frames go out whole and in order
             self._backlog.extend(pieces)
         else:
@@ -340,7 +348,7 @@ async def serve_lane(lane, waiter: asyncio.Future, arena: Segment) -> None:
 
 async def connect(host: str, port: int, token: bytes, arena: Segment, place: Placement[pb.ForwardResponse], *,
                   on_responses: Callable[[list[pb.ForwardResponse]], None], on_closed: Callable[[LaneClosed], None],
-                  timeout: float | None) -> Frames:
+                  timeout: float | None, source: Source[pb.ForwardRequest] | None = None) -> Frames:
     """The client's end of a TCP lane; raises SharedMemoryError saying why it cannot be used."""
     loop = asyncio.get_running_loop()
     sock = socket.socket(_family(host), socket.SOCK_STREAM)
@@ -361,7 +369,7 @@ async def connect(host: str, port: int, token: bytes, arena: Segment, place: Pla
     if answer != ATTACHED.encode():
         sock.close()
         raise SharedMemoryError(f"the TCP lane at {host}:{port} refused the stream's token")
-    return Frames(sock, arena, pb.ForwardResponse, place, on_responses, on_closed)
+    return Frames(sock, arena, pb.ForwardResponse, place, on_responses, on_closed, source)
 
 
 def lane_address(advertised: str, dialled: str) -> tuple[str, int]:

@@ -47,6 +47,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self.batcher = MicroBatcher(self._run_round, wait_s=config.batch_wait_ms / 1e3,
                                     max_tokens=config.max_batch_tokens)
         self._dtype = wire.TO_WIRE[config.dtype]
+        self._hidden_size = store.adapter.hidden_size  # read per request: a transformers config's attributes are slow
         self._graphs = ExpertGraphs(store.adapter.hidden_size, store.adapter.act, config.device, config.dtype,
                                     config.cuda_graph_tokens) \
             if config.device.type == "cuda" and config.cuda_graph_tokens > 0 else None
@@ -72,7 +73,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             x = wire.decode(request.hidden, segment)
         except wire.WireError as e:
             raise invalid(f"hidden: {e}") from None
-        hidden_size = self.store.adapter.hidden_size
+        hidden_size = self._hidden_size
         if x.dim() != 2 or x.shape[1] != hidden_size:
             raise invalid(f"hidden must have shape [tokens, {hidden_size}] for this model, got {list(x.shape)}")
         if sum(counts) != x.shape[0]:

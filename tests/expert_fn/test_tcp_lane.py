@@ -267,3 +267,39 @@ async def test_frames_queued_faster_than_the_peer_reads_all_arrive_whole_and_in_
     assert got == [str(n) for n in range(3000)] and not sender.closed and not receiver.closed
     sender.close()
     receiver.close()
+
+
+async def test_a_frame_sent_from_its_source_lands_whole_and_a_message_longer_than_one_read_ahead_parses():
+    """A client's payload sent from the caller's tensor (not its arena) arrives bit for bit in the region,
+    and a message longer than the receiver's read-ahead (many experts in one call) is read whole first."""
+    from kubemoe.expert_fn.frames import _READ_AHEAD, Frames
+
+    sending, receiving = (Segment.private(HEADER_BYTES + (1 << 20)) for _ in range(2))
+    listener = socket.create_server(("127.0.0.1", 0))
+    loop = asyncio.get_running_loop()
+    sender_sock = socket.socket()
+    sender_sock.setblocking(False)
+    await loop.sock_connect(sender_sock, listener.getsockname())
+    receiver_sock, _ = await loop.sock_accept(listener)
+    listener.close()
+    x = torch.randn(300, H)  # 150 KiB
+    got: list[pb.ForwardRequest] = []
+    sender = Frames(sender_sock, sending, pb.ForwardRequest, lambda m: (0, 0), lambda ms: None, lambda why: None,
+                    source=lambda m: x.reshape(-1).view(torch.uint8).numpy().data)
+    receiver = Frames(receiver_sock, receiving, pb.ForwardRequest, lambda m: tensor_region(m, receiving.size),
+                      got.extend, lambda why: None)
+    receiver.start_reading()
+    experts = list(range(3000))
+    req = pb.ForwardRequest(model="m", request_id="long", layer=1, experts=experts, counts=[0] * 2999 + [300])
+    wire.describe_shared(req.hidden, torch.float32, [300, H], HEADER_BYTES)
+    assert req.ByteSize() > _READ_AHEAD
+    sender.try_send(req)
+    for _ in range(300):
+        if got:
+            break
+        await asyncio.sleep(0.01)
+    assert [list(m.experts) for m in got] == [experts] and not receiver.closed
+    assert torch.equal(receiving.view(HEADER_BYTES, torch.float32, [300, H]), x)
+    assert not sending.view(HEADER_BYTES, torch.float32, [300, H]).any()  # nothing went through the sender's arena
+    sender.close()
+    receiver.close()
