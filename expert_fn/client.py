@@ -18,6 +18,7 @@ Errors surface as grpc.aio.AioRpcError: `.code()` is the status, `.details()` sa
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -60,6 +61,8 @@ class _Stream:
         self.regions: dict[str, int] = {}  # request_id -> offset of its region, until the reply is read
         # A TCP lane's requests whose bytes are sent from the caller's tensor, not copied into the arena first.
         self.sending: dict[str, memoryview] = {}
+        # Regions whose replies' last view went on another thread: freed by the next place() (_free_soon).
+        self.freed_elsewhere: collections.deque[int] = collections.deque()
         self.reader: asyncio.Task | None = None
 
     def use(self, segment: Segment, transport: str) -> None:
@@ -101,6 +104,8 @@ class _Stream:
             return False
         if self.transport == "tcp" and hidden.device.type == "cuda" and not self.segment.tried_pinning:
             self.segment.pin()  # replies land in it, then go to the GPU by DMA
+        while self.freed_elsewhere:
+            self.allocator.free(self.freed_elsewhere.popleft())
         offset = self.allocator.alloc(hidden.nbytes)
         if offset is None:
             return False
@@ -137,7 +142,7 @@ class _Stream:
         offset = self.regions.pop(request_id)
         loop, (segment, allocator) = asyncio.get_running_loop(), self._memory()
         return segment.view(offset, wire.FROM_WIRE[sent.dtype], list(sent.shape),
-                                 on_release=lambda: _free_soon(loop, allocator, offset))
+                                 on_release=lambda: _free_soon(loop, allocator, offset, self.freed_elsewhere))
 
 
 def _expire(reply: asyncio.Future) -> None:
@@ -146,17 +151,22 @@ def _expire(reply: asyncio.Future) -> None:
         reply.set_exception(TimeoutError())
 
 
-def _free_soon(loop: asyncio.AbstractEventLoop, allocator: Allocator, offset: int) -> None:
+def _free_soon(loop: asyncio.AbstractEventLoop, allocator: Allocator, offset: int, later: collections.deque) -> None:
     """Free a region on its stream's loop, from whichever thread dropped the last view of it.
 
     Soon, not now: a finalizer may run in the middle of the allocator's own code. From the loop's
-    thread without call_soon_threadsafe's wake-up write (the loop is awake already)."""
+    thread in its next turn; from another (a frontend's model thread drops a layer's replies) into
+    `later`, which the stream's next call frees before it allocates: waking the loop's thread for it
+    (call_soon_threadsafe) cost a write and a context switch a call."""
     try:
         on_loop = asyncio.get_running_loop() is loop
     except RuntimeError:  # no loop runs on this thread
         on_loop = False
+    if not on_loop:
+        later.append(offset)  # deque.append is atomic: no lock against the loop's popleft
+        return
     with contextlib.suppress(RuntimeError):  # the loop is closed: so is the stream, and the segment with it
-        (loop.call_soon if on_loop else loop.call_soon_threadsafe)(allocator.free, offset)
+        loop.call_soon(allocator.free, offset)
 
 
 class ExpertClient:

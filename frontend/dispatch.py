@@ -301,16 +301,18 @@ class Dispatcher:
                                self.adapter.act)
                 combine(out, top_k_weights, g, y, weight_on_input)
         if calls is not None:
-            self._gather(calls, out, top_k_weights, weight_on_input)
+            self._gather(calls, out, top_k_weights, weight_on_input, every_pair=not local)
         return out
 
     def _gather(self, calls: concurrent.futures.Future, out: torch.Tensor, top_k_weights: torch.Tensor,
-                weight_on_input: bool) -> None:
+                weight_on_input: bool, every_pair: bool) -> None:
         """Add the remote calls' outputs to `out` [T, H]. Each (token, choice) pair comes back from
         exactly one call: placed at its own row of a [T * K, H] buffer, summed over K in a fixed order
         (a token's K outputs may share a call: index_add_'s atomics on CUDA would sum them in any order)."""
         t, k = top_k_weights.shape
-        pairs = torch.zeros(t * k, out.shape[1], dtype=out.dtype, device=out.device)  # [T * K, H]
+        # When the calls carry every pair (no expert ran here) each row is written: not zeroed first
+        # (a fill of T * K rows wakes torch's CPU threads; ~1 ms a layer on the busy 2-core machine).
+        pairs = (torch.empty if every_pair else torch.zeros)(t * k, out.shape[1], dtype=out.dtype, device=out.device)
         failed: list[DispatchError] = []
         for results in calls.result():
             if isinstance(results, DispatchError):  # the others still came back: only the rows without experts fail

@@ -152,6 +152,23 @@ async def shm_server(tiny_checkpoint, serve, tmp_path):
         yield running
 
 
+async def test_a_reply_dropped_on_another_thread_frees_its_region_at_the_streams_next_call(shm_server, tmp_path):
+    """A frontend's model thread drops a layer's replies: their regions are freed by the stream's next
+    call, on the loop, without a wake-up of the loop's thread for each."""
+    x = torch.randn(8, H, generator=torch.Generator().manual_seed(0))
+    client = shm_server.client(shm_dir=tmp_path)
+    held = [await client.forward(1, [3], [8], x)]
+    want = held[0].clone()
+    await asyncio.to_thread(held.clear)  # the last view goes on another thread
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert client._stream.allocator.in_use == 1 and len(client._stream.freed_elsewhere) == 1  # not freed yet
+    again = await client.forward(1, [3], [8], x)
+    assert client._stream.allocator.in_use == 1 and not client._stream.freed_elsewhere  # the old region went first
+    assert torch.equal(again, want)
+    await client.close()
+
+
 async def test_tensors_go_through_shared_memory_with_the_inline_results(shm_server, tmp_path):
     xs = [torch.randn(n, H, generator=torch.Generator().manual_seed(n)) for n in (1, 5, 17, 64)]
     inline = shm_server.client()
