@@ -4,7 +4,7 @@
 # for the tests, .whl-test (pytest and the test suite's imports; `pip download --python-version 3.12
 # --only-binary=:all: -d .whl-test pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf
 # prometheus-client aiohttp click pyyaml tqdm openai`). Results go into $OUT.
-# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|gpu-tests|probe|profile|goal-ab [ARGS]
+# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|gpu-tests|probe|profile|goal-ab [ARGS]
 # (gpu-tests [PATHS]: the GPU tests under PATHS, default all of tests/)
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
 set -euo pipefail
@@ -36,9 +36,12 @@ case "${1:-all}" in
         mkdir -p "$OUT/$variant-$round"
         echo "# $variant, round $round"
         (cd "$tree" && PYTHONPATH="/tmp/site:$tree" python3 benchmarks/expert_fn_overhead.py --device cuda --sizes mixtral \
-          --tokens 64 --seconds 1 --out "$OUT/$variant-$round" "${extra[@]}") 2>&1 | grep -E "^goal|stamp to stamp| shm "
+          --tokens 64 --seconds 1 --out "$OUT/$variant-$round" "${extra[@]}") 2>&1 | grep -E "^goal|stamp to stamp| shm | tcp "
       done
     done ;;
+  call-cpu)  # issues 16/17: CPU time of a call's Python per path and of the dispatcher's per-layer work on this host's
+    # CPU, for a baseline tree ($2: e.g. `git archive 33d804d | tar -x -C base` carried along) and this one (~4 min)
+    python3 benchmarks/call_cpu.py --baseline-tree "${2:?give the baseline tree}" --out "$OUT" "${@:3}" ;;
   profile)  # where the goal point's time goes: torch.profiler traces of bare rounds and of the server's rounds
     mkdir -p "$OUT/traces"
     python3 benchmarks/round_cost.py --tokens 64 --trace "$OUT/traces" > "$OUT/round_cost.json"
@@ -71,5 +74,5 @@ case "${1:-all}" in
   chunked-prefill)  # issue 17 item 3: how long a 4000-token prompt stalls 8 decoding requests, chunked (budget
     # 2048, 512) against one-shot prefill; Mixtral sizes cut to 2 layers, in-process experts (~3 min)
     python3 benchmarks/chunked_prefill.py --device cuda --preset mixtral-4l --layers 2 --batch 8 --long 4000 --out "$OUT" "${@:2}" ;;
-  *) echo "usage: $0 expert_fn|frontend|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
+  *) echo "usage: $0 expert_fn|frontend|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
 esac
