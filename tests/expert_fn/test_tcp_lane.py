@@ -238,11 +238,8 @@ def test_lane_addresses_default_to_the_dialled_host():
         lane_address("not-a-port", "x:1")
 
 
-async def test_frames_queued_faster_than_the_peer_reads_all_arrive_whole_and_in_order():
-    """More frames than one sendmsg may carry (IOV_MAX), queued while the peer does not read, then read."""
-    from kubemoe.expert_fn.frames import Frames
-
-    arena = Segment.private(HEADER_BYTES + (1 << 20))
+async def loopback_pair() -> tuple[socket.socket, socket.socket]:
+    """Two ends of one TCP connection over loopback: (the connecting one, the accepted one)."""
     listener = socket.create_server(("127.0.0.1", 0))
     loop = asyncio.get_running_loop()
     sender_sock = socket.socket()
@@ -250,6 +247,15 @@ async def test_frames_queued_faster_than_the_peer_reads_all_arrive_whole_and_in_
     await loop.sock_connect(sender_sock, listener.getsockname())
     receiver_sock, _ = await loop.sock_accept(listener)
     listener.close()
+    return sender_sock, receiver_sock
+
+
+async def test_frames_queued_faster_than_the_peer_reads_all_arrive_whole_and_in_order():
+    """More frames than one sendmsg may carry (IOV_MAX), queued while the peer does not read, then read."""
+    from kubemoe.expert_fn.frames import Frames
+
+    arena = Segment.private(HEADER_BYTES + (1 << 20))
+    sender_sock, receiver_sock = await loopback_pair()
     got: list[str] = []
     sender = Frames(sender_sock, arena, pb.ForwardRequest, lambda m: (0, 0), lambda ms: None, lambda why: None)
     receiver = Frames(receiver_sock, arena, pb.ForwardRequest, lambda m: tensor_region(m, arena.size),
@@ -275,13 +281,7 @@ async def test_a_frame_sent_from_its_source_lands_whole_and_a_message_longer_tha
     from kubemoe.expert_fn.frames import _READ_AHEAD, Frames
 
     sending, receiving = (Segment.private(HEADER_BYTES + (1 << 20)) for _ in range(2))
-    listener = socket.create_server(("127.0.0.1", 0))
-    loop = asyncio.get_running_loop()
-    sender_sock = socket.socket()
-    sender_sock.setblocking(False)
-    await loop.sock_connect(sender_sock, listener.getsockname())
-    receiver_sock, _ = await loop.sock_accept(listener)
-    listener.close()
+    sender_sock, receiver_sock = await loopback_pair()
     x = torch.randn(300, H)  # 150 KiB
     got: list[pb.ForwardRequest] = []
     sender = Frames(sender_sock, sending, pb.ForwardRequest, lambda m: (0, 0), lambda ms: None, lambda why: None,
