@@ -204,3 +204,29 @@ def test_plan_calls_sends_every_token_to_one_replica_of_its_expert_in_one_call_p
     # The baseline: experts of different bundles on one address go as separate calls.
     assert len(plan_calls([0, 1], [3, 3], [["a"], ["a"]], {}, None, 64)) == 1
     assert len(plan_calls([0, 1], [3, 3], [["a"], ["a"]], {}, None, 64, tags=["x", "y"])) == 2
+
+
+def test_a_layer_split_between_in_process_and_remote_experts_equals_the_in_process_path(tiny_checkpoint):
+    """Half of a layer's experts here, half in an expert function: the remote calls' pairs are added to
+    what the in-process experts left (rows of the pairs they ran stay zero in the gathered buffer)."""
+    path = tiny_checkpoint("mixtral")
+    fe = Frontend(FrontendConfig(checkpoint=path, predictor="none"))
+    here, there = embedded_bundles(path, 2)
+    servers = ExpertServers(path, [there])
+    try:
+        layer = fe.adapter.moe_layers[0]
+        generator = torch.Generator().manual_seed(1)
+        hidden = torch.randn(40, fe.adapter.hidden_size, generator=generator)  # [T, H]
+        weights, index = torch.randn(40, fe.adapter.num_experts, generator=generator).softmax(-1).topk(2, dim=-1)
+        fe.set_routing_table(table_for_bundles(fe.model_id, [here, there], {here.name: [LOCAL], there.name: [LOCAL]}))
+        fe.dispatcher.apply_pending()
+        in_process = fe.dispatcher.run_layer(layer, hidden, index, weights)
+        fe.set_routing_table(table_for_bundles(fe.model_id, [here, there], {here.name: [LOCAL], **servers.addresses},
+                                               version=2))
+        fe.dispatcher.apply_pending()
+        mixed = fe.dispatcher.run_layer(layer, hidden, index, weights)
+        assert fe.metrics.registry.get_sample_value("kubemoe_frontend_expert_calls_total") == 1
+    finally:
+        fe.close()
+        servers.stop()
+    torch.testing.assert_close(mixed, in_process, rtol=1.3e-6, atol=1e-5)
