@@ -29,7 +29,7 @@ from kubemoe.operator.status_follower import StatusFollower
 
 CONFIG = OperatorConfig.from_env()
 RESOURCE = (GROUP, VERSION, PLURAL)
-CHILDREN = {"labels": {MANAGED_BY: MANAGER}}
+CHILD_LABELS = {MANAGED_BY: MANAGER}  # the workloads this operator made
 
 
 @kopf.on.startup()
@@ -57,6 +57,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -> 
                 settings.peering.priority, CONFIG.loads_interval_s)
 
 
+# INDICES: kopf passes each index to every handler as a keyword argument named after it (node_infos,
+# all_pods, children_index); its callback protocols list only the arguments it always passes, so mypy
+# refuses handlers that name an index. The `type: ignore[arg-type]` on their decorators is for that alone.
 @kopf.index("v1", "nodes")
 def node_infos(body, **_) -> NodeInfo:
     # Parsed once per change of a node (kwok's and kubelets' heartbeats are leases: nodes rarely change).
@@ -69,8 +72,8 @@ def all_pods(body, **_) -> dict:
     return dict(body)
 
 
-@kopf.index("apps", "v1", "deployments", **CHILDREN)
-@kopf.index("serving.knative.dev", "v1", "services", **CHILDREN)
+@kopf.index("apps", "v1", "deployments", labels=CHILD_LABELS)
+@kopf.index("serving.knative.dev", "v1", "services", labels=CHILD_LABELS)
 def children_index(body, **_) -> dict[str, dict]:
     # The expert and frontend workloads by owner uid: what their readiness is, for the status.
     return {uid: dict(body) for uid in owner_uids(body)}
@@ -80,8 +83,8 @@ def owner_uids(body) -> list[str]:
     return [ref["uid"] for ref in body["metadata"].get("ownerReferences") or [] if ref.get("kind") == KIND]
 
 
-@kopf.on.event("apps", "v1", "deployments", **CHILDREN)
-@kopf.on.event("serving.knative.dev", "v1", "services", **CHILDREN)
+@kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
+@kopf.on.event("serving.knative.dev", "v1", "services", labels=CHILD_LABELS)  # type: ignore[arg-type]  # see INDICES
 async def child_changed(body, memo: kopf.Memo, children_index: kopf.Index, **_) -> None:
     # Ready in the status follows the pods within a second, not at the next timer tick.
     reconciler = memo.reconciler
@@ -99,13 +102,13 @@ def watched(node_infos: kopf.Index, all_pods: kopf.Index) -> Watched:
 
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
-@kopf.on.update(*RESOURCE, field="spec")
+@kopf.on.update(*RESOURCE, field="spec")  # type: ignore[arg-type]  # see INDICES
 def reconcile(body, memo: kopf.Memo, node_infos: kopf.Index, all_pods: kopf.Index, **_) -> None:
     # A spec change re-plans with the loads last seen (kept per object in memo by the timer).
     report(body, memo.reconciler.reconcile(body, memo.get("loads"), watched=watched(node_infos, all_pods)))
 
 
-@kopf.timer(*RESOURCE, interval=CONFIG.loads_interval_s, initial_delay=CONFIG.loads_interval_s, idle=None)
+@kopf.timer(*RESOURCE, interval=CONFIG.loads_interval_s, initial_delay=CONFIG.loads_interval_s, idle=None)  # type: ignore[arg-type]  # see INDICES
 def replan(body, memo: kopf.Memo, node_infos: kopf.Index, all_pods: kopf.Index, **_) -> None:
     # Asks the frontends for fresh loads (or keeps the last ones when none answers) and re-plans with them.
     outcome = memo.reconciler.reconcile(body, memo.get("loads"), source=memo.load_source,

@@ -98,7 +98,7 @@ class Reconciler:
                 self._applied.pop(uid, None)
             return outcome
 
-    def refresh_status(self, uid: str, children: Iterable[Mapping[str, Any]]) -> Outcome | None:
+    def refresh_status(self, uid: str, children: Iterable[Object]) -> Outcome | None:
         """The status again from the last applied plan and `children` as watched now (their readiness
         changed): no planning, no applies, one GET and one status patch. None when this process has applied
         no plan for `uid` yet, or the spec changed since (the reconcile that follows writes the status)."""
