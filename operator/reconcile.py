@@ -167,7 +167,7 @@ class Reconciler:
             changes.unchanged = len(wanted) - len(stale)
             # Apply in order groups (experts, frontend, routing table last), each group concurrently:
             # a DeepSeek-V3-sized plan is ~650 objects, one round trip each.
-            for _, group in itertools.groupby(stale, key=lambda o: _apply_order(o) // 10):
+            for _, group in itertools.groupby(stale, key=lambda o: _apply_order(o)[0]):
                 batch = list(group)
                 with ThreadPoolExecutor(max_workers=self.config.apply_concurrency) as pool:
                     list(pool.map(self.kube.apply, batch))
@@ -285,14 +285,19 @@ def _plan_status(new: Plan) -> dict[str, Any]:
                        for x in new.layers]}
 
 
-def _apply_order(obj: Object) -> int:
-    # Expert services before the routing table that names them; the table last, so frontends switch
-    # only to services that exist. Deletions (prune) come after everything.
-    component = obj["metadata"]["labels"].get(COMPONENT)
+def _apply_order(obj: Object) -> tuple[int, int]:
+    """(group, kind's place): groups are applied one after another, the objects of one group concurrently.
+    Accounts first (expert pods run as the frontend's account: they read the routing table), a RoleBinding
+    only once its Role exists (the API server resolves the Role to check the binding grants no more than
+    the operator holds, and answers NotFound while it is missing), then expert services before the routing
+    table that names them, the table last, so frontends switch only to services that exist. Deletions
+    (prune) come after everything."""
+    kind = (obj["apiVersion"], obj["kind"])
     if obj["kind"] in ("ServiceAccount", "Role", "RoleBinding"):
-        component = None  # accounts first: expert pods run as the frontend's (they read the routing table)
-    return {EXPERT: 1, FRONTEND: 2, ROUTING: 3}.get(component, 0) * 10 + [k for k in KINDS].index(
-        (obj["apiVersion"], obj["kind"]))
+        group = 1 if obj["kind"] == "RoleBinding" else 0
+    else:
+        group = 1 + {EXPERT: 1, FRONTEND: 2, ROUTING: 3}.get(obj["metadata"]["labels"].get(COMPONENT), 0)
+    return group, KINDS.index(kind)
 
 
 def _fingerprint(obj: Mapping[str, Any]) -> str | None:

@@ -2,11 +2,13 @@
 
 import asyncio
 import copy
+import time
 from collections import Counter
 
 from kubemoe.operator import conditions as c
 from kubemoe.operator import events as ev
 from kubemoe.operator.config import OperatorConfig
+from kubemoe.operator.kube import ApiError
 from kubemoe.operator.plan import Loads, NodeInfo
 from kubemoe.operator.pod_security import ENFORCE_LABEL as ENFORCE
 from kubemoe.operator.reconcile import Reconciler, Watched
@@ -363,3 +365,24 @@ async def test_a_burst_of_child_changes_refreshes_the_owner_once():
     follower.changed("uid-1", lambda: refreshed.append(("uid-1", 100)))  # a change after it ran: again
     await asyncio.sleep(0.2)
     assert refreshed[-1] == ("uid-1", 100) and len(refreshed) == 3
+
+
+class ResolvingKube(MemoryKube):
+    """A RoleBinding is refused while its Role is missing, as the API server's escalation check does; a Role
+    takes a moment to store, so a binding sent beside it finds none."""
+
+    def apply(self, obj):
+        if obj["kind"] == "Role":
+            time.sleep(0.05)
+        if obj["kind"] == "RoleBinding" and ("rbac.authorization.k8s.io/v1", "Role", obj["roleRef"]["name"]) not in self.objects:
+            raise ApiError(404, f'rolebindings.rbac.authorization.k8s.io "{obj["metadata"]["name"]}" not found')
+        super().apply(obj)
+
+
+def test_a_role_binding_is_applied_only_once_its_role_exists(f):
+    body, _, clock, _ = setup(f)
+    kube = ResolvingKube(api_nodes(4))
+    step(body, Reconciler(kube, OperatorConfig(), clock), kube, Loads())
+    applied = next(x for x in kube.status["conditions"] if x["type"] == c.PLAN_APPLIED)
+    assert applied["status"] == "True", applied
+    assert {"Role", "RoleBinding"} <= {k for (_, k, _) in kube.objects}
