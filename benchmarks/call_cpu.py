@@ -296,8 +296,6 @@ def main(args: argparse.Namespace) -> None:
             goals[f"cpu_us_per_call_{path}_vs_before"] = Goal(total["after"] / total["before"], "< 1.0")
         goals["layer_caller_cpu_vs_before"] = Goal(after["layer_caller_cpu_us"] / before["layer_caller_cpu_us"], "< 1.0")
         goals["group_tokens_vs_before"] = Goal(after["group_tokens_us"] / before["group_tokens_us"], "< 1.0")
-    for name, goal in goals.items():
-        print(f"goal {name}: {goal.value:.3f} {goal.goal} ({'met' if goal.met else 'NOT met'})")
     baseline = (str(args.baseline_tree) if args.baseline_tree else args.baseline) if "before" in medians else None
     path = write_results("call_cpu", torch.device("cpu"), rows, goals, args.out, baseline=baseline,
                          blocks={name: dict(figures) for name, figures in blocks.items()},

@@ -74,6 +74,9 @@ def git_commit() -> str:
 
 def write_results(benchmark: str, device: torch.device, raw: list[dict], goals: dict[str, Goal],
                   out: Path = RESULTS, **extra) -> Path:
+    """Writes the results file (and prints each goal as it goes into it: every run shows its ratios)."""
+    for name, goal in goals.items():
+        print(f"goal {name}: {goal.value:.4f} {goal.goal} ({'met' if goal.met else 'NOT met'})")
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{benchmark}_{machine_slug(device)}.json"
     doc = {

@@ -194,8 +194,6 @@ def main() -> None:
         goals[name] = Goal(r["median_ms"] / base[(r["layout"], r["tokens"])]["median_ms"], "< 1.0")
         goals[name.replace("layer_time", "layer_cpu")] = Goal(
             r["cpu_ms_per_layer"] / base[(r["layout"], r["tokens"])]["cpu_ms_per_layer"], "< 1.0")
-    for name, goal in goals.items():
-        print(f"goal {name}: {goal.value:.4f} {goal.goal} ({'met' if goal.met else 'NOT met'})")
     path = write_results("dispatch_calls", device, rows, goals, out=args.out,
                          settings={k: str(v) for k, v in vars(args).items()},
                          bound="the frontend and every expert-function process share this machine's cores; a call's "

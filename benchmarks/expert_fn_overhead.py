@@ -419,8 +419,6 @@ async def main(args: argparse.Namespace) -> None:
                                    "seconds_per_point": args.seconds,
                                    "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
                                    "weights_dtype": str(dtype).removeprefix("torch.")})
-    for name, goal in goals.items():
-        print(f"goal {name}: {goal.value:.3f} {goal.goal}: {'met' if goal.met else 'NOT met'}")
     print(f"wrote {path}")
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -284,7 +283,6 @@ def main() -> None:
                                 "same device through shared memory; roofline = bytes per step / measured HBM read "
                                 "bandwidth (uniform routing); prefill roofline = FLOPs / measured bf16 matmul rate")
     print(f"wrote {path}")
-    print(json.dumps({k: g.as_dict() for k, g in goals.items()}, indent=2))
 
 
 if __name__ == "__main__":

@@ -193,8 +193,6 @@ def run(args, device: torch.device, work: Path) -> None:
 
     overall = next(r for r in per_group if r["group"] == "all")
     goals = {"llapor_top4_hit": Goal(overall["llapor_candidate_hit"], GOAL_HIT)}
-    for name, goal in goals.items():
-        print(f"goal {name}: {goal.value:.4f} {goal.goal} -> {'met' if goal.met else 'NOT met'}")
     path = write_results(
         "llapor", device, raw, goals, out=args.out,
         measured="MEASURED on the routing of kubemoe's own trained MoE over held-out standard-library text",

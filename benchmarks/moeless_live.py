@@ -385,8 +385,6 @@ def main() -> None:
              "latency_vs_oracle": Goal(by["kubemoe"]["mean_ms"] / by["oracle"]["mean_ms"], "<= 1.10"),
              "cost_vs_static": Goal(by["kubemoe"]["gb_s_per_1k_tokens"] / by["static"]["gb_s_per_1k_tokens"], "<= 0.2"),
              "replan_step_p99_vs_steady": Goal(max(replan) if replan else float("nan"), "<= 1.1")}
-    for name, goal in goals.items():
-        print(f"goal {name}: {goal.value:.4f} {goal.goal} ({'met' if goal.met else 'NOT met'})")
     path = write_results("moeless_live", device, rows, goals, out=args.out,
                          settings={k: str(v) for k, v in vars(args).items()},
                          expert_mib=expert_bytes / 2**20, eplb_redundant_per_layer=redundant,

@@ -632,8 +632,6 @@ def main() -> None:
              "latency_vs_eplb": Goal(overall[at]["latency_vs_eplb"], "<= 0.78"),
              "latency_vs_oracle": Goal(overall[at]["latency_vs_oracle"], "<= 1.10"),
              "cost_vs_static": Goal(cost, "<= 0.2")}
-    for name, goal in goals.items():
-        print(f"goal {name}: {goal.value:.4f} {goal.goal} ({'met' if goal.met else 'NOT met'})")
     sources = sorted({w.source for w in found})
     path = write_results("moeless_sim", torch.device("cpu"), rows, goals,
                          traces={"generated": f"seed {args.seed}: {asdict(shape)}" if "generated" in sources else None,

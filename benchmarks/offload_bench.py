@@ -537,8 +537,6 @@ def main() -> None:
         measured = json.loads(LLAPOR.read_text())
         goals["llapor_top4_hit"] = Goal(measured["goals"]["llapor_top4_hit"]["value"], ">= 0.94")
         llapor_note = f"read from {LLAPOR.name} (llapor_accuracy.py at {measured['commit'][:10]} on {measured['machine']})"
-    for name, goal in goals.items():
-        print(f"goal {name}: {goal.value:.3f} {goal.goal} -> {'met' if goal.met else 'NOT met'}")
     path = write_results(
         "offload", device, raw, goals, out=args.out,
         measured="MEASURED: the offload executor in the transformers model, random weights, ROUTING REPLAYED from "

@@ -272,8 +272,6 @@ def main() -> None:
         "modelled_pcie4_step_vs_bound": Goal(geomean(r["step_vs_bound"] for r in pcie4), "<= 1.15"),
     }
     print("geometric means over models and batches, PCIe 4.0 (modelled):")
-    for name, goal in goals.items():
-        print(f"  {name}: {goal.value:.3f} (goal {goal.goal}, {'met' if goal.met else 'not met'})")
     path = write_results(
         "offload_sim", torch.device("cpu"), rows, goals, out=args.out,
         kind="MODELLED, not measured: frontend/offload/pipeline.py with assumed cost figures",

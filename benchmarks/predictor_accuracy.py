@@ -167,8 +167,6 @@ def main() -> None:
         "finetuned_minus_reuse_acc_d2": Goal(100 * (tuned2 - reuse2), ">= 10"),
         "finetuned_minus_mlp_acc_d2": Goal(100 * (tuned2 - mlp2), ">= 0"),
     }
-    for name, goal in goals.items():
-        print(f"goal {name}: {goal.value:.3f} {goal.goal} ({'met' if goal.met else 'NOT met'})")
     tag = "base" if base else "small"
     path = write_results(f"predictor_{tag}", device, raw, goals, out=args.out, checkpoint_recipe=tag,
                          model_parameters=model_params, threshold=args.threshold,
