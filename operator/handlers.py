@@ -68,8 +68,9 @@ def node_infos(body, **_) -> NodeInfo:
 
 @kopf.index("v1", "pods")
 def all_pods(body, **_) -> dict:
-    # What every pod holds on its node, for capacity.py (the planner fills only what they leave).
-    return dict(body)
+    # What every pod holds on its node, for capacity.py (the planner fills only what they leave). All
+    # under one key: kopf reads a returned dict as {key: value}, so the pod itself would be split by field.
+    return {None: dict(body)}
 
 
 @kopf.index("apps", "v1", "deployments", labels=CHILD_LABELS)
