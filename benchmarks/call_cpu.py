@@ -297,13 +297,12 @@ def main(args: argparse.Namespace) -> None:
         goals["layer_caller_cpu_vs_before"] = Goal(after["layer_caller_cpu_us"] / before["layer_caller_cpu_us"], "< 1.0")
         goals["group_tokens_vs_before"] = Goal(after["group_tokens_us"] / before["group_tokens_us"], "< 1.0")
     baseline = (str(args.baseline_tree) if args.baseline_tree else args.baseline) if "before" in medians else None
-    path = write_results("call_cpu", torch.device("cpu"), rows, goals, args.out, baseline=baseline,
-                         blocks={name: dict(figures) for name, figures in blocks.items()},
-                         settings={k: str(v) for k, v in vars(args).items() if k not in ("worker", "out")},
-                         bound="CPU time of both processes per call (every thread), the tiny FFN's reported time "
-                               "subtracted: the Python and copies of a call; on a 2-core machine shared with other work",
-                         seconds=round(time.perf_counter() - started, 1))
-    print(f"wrote {path}")
+    write_results("call_cpu", torch.device("cpu"), rows, goals, args.out, baseline=baseline,
+                  blocks={name: dict(figures) for name, figures in blocks.items()},
+                  settings={k: str(v) for k, v in vars(args).items() if k not in ("worker", "out")},
+                  bound="CPU time of both processes per call (every thread), the tiny FFN's reported time "
+                        "subtracted: the Python and copies of a call; on a 2-core machine shared with other work",
+                  seconds=round(time.perf_counter() - started, 1))
 
 
 if __name__ == "__main__":

@@ -105,12 +105,11 @@ def main() -> None:
                                                               "<= 0.6")
         goals["long_ttft_chunked_vs_oneshot_h200"] = Goal(by["chunked"]["long_ttft_ms"] / by["oneshot"]["long_ttft_ms"],
                                                           "<= 1.2")
-    path = write_results("chunked_prefill", device, rows, goals, out=Path(args.out),
-                         checkpoint={"arch": preset.arch, "preset": preset.name, "dtype": preset.dtype},
-                         method=f"{args.batch} requests decoding, one {args.long}-token prompt arriving; the longest gap "
-                                "between two tokens of a running request while it is prefilled, and its TTFT; second of "
-                                "two runs; in-process experts; one-shot = a step budget holding the whole prompt")
-    print(f"wrote {path}")
+    write_results("chunked_prefill", device, rows, goals, out=Path(args.out),
+                  checkpoint={"arch": preset.arch, "preset": preset.name, "dtype": preset.dtype},
+                  method=f"{args.batch} requests decoding, one {args.long}-token prompt arriving; the longest gap "
+                         "between two tokens of a running request while it is prefilled, and its TTFT; second of "
+                         "two runs; in-process experts; one-shot = a step budget holding the whole prompt")
 
 
 if __name__ == "__main__":

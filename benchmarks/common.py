@@ -74,7 +74,8 @@ def git_commit() -> str:
 
 def write_results(benchmark: str, device: torch.device, raw: list[dict], goals: dict[str, Goal],
                   out: Path = RESULTS, **extra) -> Path:
-    """Writes the results file (and prints each goal as it goes into it: every run shows its ratios)."""
+    """Writes the results file, printing each goal as it goes into it (every run shows its ratios) and where
+    the file went."""
     for name, goal in goals.items():
         print(f"goal {name}: {goal.value:.4f} {goal.goal} ({'met' if goal.met else 'NOT met'})")
     out.mkdir(parents=True, exist_ok=True)
@@ -90,6 +91,7 @@ def write_results(benchmark: str, device: torch.device, raw: list[dict], goals: 
         "goals": {name: goal.as_dict() for name, goal in goals.items()},
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {path}" + (f" in {extra['seconds']:.0f} s" if "seconds" in extra else ""))
     return path
 
 

@@ -194,12 +194,11 @@ def main() -> None:
         goals[name] = Goal(r["median_ms"] / base[(r["layout"], r["tokens"])]["median_ms"], "< 1.0")
         goals[name.replace("layer_time", "layer_cpu")] = Goal(
             r["cpu_ms_per_layer"] / base[(r["layout"], r["tokens"])]["cpu_ms_per_layer"], "< 1.0")
-    path = write_results("dispatch_calls", device, rows, goals, out=args.out,
-                         settings={k: str(v) for k, v in vars(args).items()},
-                         bound="the frontend and every expert-function process share this machine's cores; a call's "
-                               "fixed cost (encode, lane round trip, a server round) is what one call per function saves",
-                         seconds=round(time.perf_counter() - started, 1))
-    print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
+    write_results("dispatch_calls", device, rows, goals, out=args.out,
+                  settings={k: str(v) for k, v in vars(args).items()},
+                  bound="the frontend and every expert-function process share this machine's cores; a call's "
+                        "fixed cost (encode, lane round trip, a server round) is what one call per function saves",
+                  seconds=round(time.perf_counter() - started, 1))
 
 
 if __name__ == "__main__":

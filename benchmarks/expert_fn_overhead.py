@@ -411,15 +411,14 @@ async def main(args: argparse.Namespace) -> None:
     if row("tcp", 256):  # the request's and the reply's bytes, each at loopback speed
         need_us = row("tcp", 256)["bytes"] / loopback * 1e6
         goals["tcp_overhead_vs_loopback_256tok"] = Goal(row("tcp", 256)["overhead_us"] / need_us, "<= 2.0")
-    path = write_results("expert_fn", device, rows, goals, args.out, breakdown_64tok_mixtral=breakdown,
-                         loopback_tcp_bytes_per_second=loopback,
-                         settings={"batch_wait_ms": args.batch_wait_ms, "busy_poll_us": args.busy_poll_us,
-                                   "client_busy_poll_us": args.client_busy_poll_us,
-                                   "cuda_graph_tokens": args.cuda_graph_tokens,
-                                   "seconds_per_point": args.seconds,
-                                   "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
-                                   "weights_dtype": str(dtype).removeprefix("torch.")})
-    print(f"wrote {path}")
+    write_results("expert_fn", device, rows, goals, args.out, breakdown_64tok_mixtral=breakdown,
+                  loopback_tcp_bytes_per_second=loopback,
+                  settings={"batch_wait_ms": args.batch_wait_ms, "busy_poll_us": args.busy_poll_us,
+                            "client_busy_poll_us": args.client_busy_poll_us,
+                            "cuda_graph_tokens": args.cuda_graph_tokens,
+                            "seconds_per_point": args.seconds,
+                            "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+                            "weights_dtype": str(dtype).removeprefix("torch.")})
 
 
 if __name__ == "__main__":

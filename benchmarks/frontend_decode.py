@@ -276,13 +276,12 @@ def main() -> None:
             goals["grpc_vs_inprocess_b1_h200"] = Goal(by_batch[1]["disaggregated_vs_inprocess"], ">= 0.6")
     print(f"engine time to first token, {ttft_batch} x {args.prompt}-token prompts: "
           f"median {ttft['median_ms']:.1f} ms, max {ttft['max_ms']:.1f} ms")
-    path = write_results("frontend", device, rows, goals, out=Path(args.out), checkpoint=checkpoint,
-                         predictor=args.predictor, hardware=hw, ttft={"batch": ttft_batch, **ttft},
-                         method=f"median decode step of {args.steps} after {args.warmup} warm-up steps after a batched "
-                                f"{args.prompt}-token prefill, greedy; {args.experts} expert-function processes on the "
-                                "same device through shared memory; roofline = bytes per step / measured HBM read "
-                                "bandwidth (uniform routing); prefill roofline = FLOPs / measured bf16 matmul rate")
-    print(f"wrote {path}")
+    write_results("frontend", device, rows, goals, out=Path(args.out), checkpoint=checkpoint,
+                  predictor=args.predictor, hardware=hw, ttft={"batch": ttft_batch, **ttft},
+                  method=f"median decode step of {args.steps} after {args.warmup} warm-up steps after a batched "
+                         f"{args.prompt}-token prefill, greedy; {args.experts} expert-function processes on the "
+                         "same device through shared memory; roofline = bytes per step / measured HBM read "
+                         "bandwidth (uniform routing); prefill roofline = FLOPs / measured bf16 matmul rate")
 
 
 if __name__ == "__main__":

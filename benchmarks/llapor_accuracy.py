@@ -193,7 +193,7 @@ def run(args, device: torch.device, work: Path) -> None:
 
     overall = next(r for r in per_group if r["group"] == "all")
     goals = {"llapor_top4_hit": Goal(overall["llapor_candidate_hit"], GOAL_HIT)}
-    path = write_results(
+    write_results(
         "llapor", device, raw, goals, out=args.out,
         measured="MEASURED on the routing of kubemoe's own trained MoE over held-out standard-library text",
         model={"checkpoint": str(checkpoint) if args.checkpoint else f"trained here: {args.size} recipe, seed 0",
@@ -202,14 +202,13 @@ def run(args, device: torch.device, work: Path) -> None:
                f"{k + SPARE_CANDIDATES} (LayerScope's top-4 within true top-6, spare slots on the prediction's side)",
         rows={"fit": len(fit), "held": len(held), "test": len(test)},
         layer_groups={"rule": "three contiguous groups by the least-squares piecewise-constant fit of the "
-                              "consecutive-layer routing correlation (frontend/offload/layer_groups.py)",
+                       "consecutive-layer routing correlation (frontend/offload/layer_groups.py)",
                       "groups": {str(s): llapor.group(s) for s in llapor.pairs},
                       "correlation": llapor.info["correlation"]},
         llapor={"parameters": llapor.parameters_count(), "archs": {str(s): vars(a) for s, a in llapor.archs.items()},
                 "training": llapor.info["layers"]},
         per_group=per_group, timings={k: round(v, 1) for k, v in timings.items()},
     )
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

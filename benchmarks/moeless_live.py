@@ -385,13 +385,12 @@ def main() -> None:
              "latency_vs_oracle": Goal(by["kubemoe"]["mean_ms"] / by["oracle"]["mean_ms"], "<= 1.10"),
              "cost_vs_static": Goal(by["kubemoe"]["gb_s_per_1k_tokens"] / by["static"]["gb_s_per_1k_tokens"], "<= 0.2"),
              "replan_step_p99_vs_steady": Goal(max(replan) if replan else float("nan"), "<= 1.1")}
-    path = write_results("moeless_live", device, rows, goals, out=args.out,
-                         settings={k: str(v) for k, v in vars(args).items()},
-                         expert_mib=expert_bytes / 2**20, eplb_redundant_per_layer=redundant,
-                         bound="one GPU shared by every expert-function process: balance across processes buys "
-                               "little; cost is memory held x time (every plan holds its replicas), not pay-per-use",
-                         seconds=round(time.perf_counter() - started, 1))
-    print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
+    write_results("moeless_live", device, rows, goals, out=args.out,
+                  settings={k: str(v) for k, v in vars(args).items()},
+                  expert_mib=expert_bytes / 2**20, eplb_redundant_per_layer=redundant,
+                  bound="one GPU shared by every expert-function process: balance across processes buys "
+                        "little; cost is memory held x time (every plan holds its replicas), not pay-per-use",
+                  seconds=round(time.perf_counter() - started, 1))
 
 
 if __name__ == "__main__":

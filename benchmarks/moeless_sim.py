@@ -633,21 +633,20 @@ def main() -> None:
              "latency_vs_oracle": Goal(overall[at]["latency_vs_oracle"], "<= 1.10"),
              "cost_vs_static": Goal(cost, "<= 0.2")}
     sources = sorted({w.source for w in found})
-    path = write_results("moeless_sim", torch.device("cpu"), rows, goals,
-                         traces={"generated": f"seed {args.seed}: {asdict(shape)}" if "generated" in sources else None,
-                                 "recorded": str(args.recorded.name) if "recorded" in sources else None,
-                                 "file": str(args.traces) if args.traces else None},
-                         layout_mapping=recorded_trace.__doc__.split("\n\n", 1)[1].strip().replace("\n    ", " "),
-                         replay=replay_rows.__doc__.split("\n\n", 1)[1].strip().replace("\n    ", " "),
-                         goals_taken_at=f"{at}, decode and prefill iterations together (ratio of mean MoE-layer "
-                                        "latency; cost: pay-per-use vs held, per iteration)",
-                         overall=overall, sweeps=sweeps, sim=asdict(base), why_unmet=WHY_UNMET,
-                         layouts={l.name: asdict(l) for l in {w.layout for w in found}},
-                         latency_model="kubemoe.planning.latency defaults (H200 Mixtral curve, 0.25 ms a call, "
-                                       "23 GB/s copies); generated traces: prediction error exp(N(0, (0.1 d)^2)); "
-                                       "recorded: the fine-tuned d=1 predictor's own guesses",
-                         seconds=round(time.perf_counter() - started, 1))
-    print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
+    write_results("moeless_sim", torch.device("cpu"), rows, goals,
+                  traces={"generated": f"seed {args.seed}: {asdict(shape)}" if "generated" in sources else None,
+                          "recorded": str(args.recorded.name) if "recorded" in sources else None,
+                          "file": str(args.traces) if args.traces else None},
+                  layout_mapping=recorded_trace.__doc__.split("\n\n", 1)[1].strip().replace("\n    ", " "),
+                  replay=replay_rows.__doc__.split("\n\n", 1)[1].strip().replace("\n    ", " "),
+                  goals_taken_at=f"{at}, decode and prefill iterations together (ratio of mean MoE-layer "
+                                 "latency; cost: pay-per-use vs held, per iteration)",
+                  overall=overall, sweeps=sweeps, sim=asdict(base), why_unmet=WHY_UNMET,
+                  layouts={l.name: asdict(l) for l in {w.layout for w in found}},
+                  latency_model="kubemoe.planning.latency defaults (H200 Mixtral curve, 0.25 ms a call, "
+                                "23 GB/s copies); generated traces: prediction error exp(N(0, (0.1 d)^2)); "
+                                "recorded: the fine-tuned d=1 predictor's own guesses",
+                  seconds=round(time.perf_counter() - started, 1))
 
 
 if __name__ == "__main__":

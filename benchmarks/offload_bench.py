@@ -537,7 +537,7 @@ def main() -> None:
         measured = json.loads(LLAPOR.read_text())
         goals["llapor_top4_hit"] = Goal(measured["goals"]["llapor_top4_hit"]["value"], ">= 0.94")
         llapor_note = f"read from {LLAPOR.name} (llapor_accuracy.py at {measured['commit'][:10]} on {measured['machine']})"
-    path = write_results(
+    write_results(
         "offload", device, raw, goals, out=args.out,
         measured="MEASURED: the offload executor in the transformers model, random weights, ROUTING REPLAYED from "
                  f"kubemoe's trained base model ({args.trace.name}: {setups and next(iter(setups.values()))['moe_layers']}"
@@ -555,7 +555,6 @@ def main() -> None:
         modelled_links=models, modelled_note="MODELLED: pipeline.py with the costs measured here, t_io rescaled",
         external_peers=peers, llapor=llapor_note, seconds=round(time.perf_counter() - started, 1),
     )
-    print(f"wrote {path}")
 
 
 def bench_trace_meta(path: Path) -> dict:

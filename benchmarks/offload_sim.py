@@ -272,7 +272,7 @@ def main() -> None:
         "modelled_pcie4_step_vs_bound": Goal(geomean(r["step_vs_bound"] for r in pcie4), "<= 1.15"),
     }
     print("geometric means over models and batches, PCIe 4.0 (modelled):")
-    path = write_results(
+    write_results(
         "offload_sim", torch.device("cpu"), rows, goals, out=args.out,
         kind="MODELLED, not measured: frontend/offload/pipeline.py with assumed cost figures",
         assumed_machine=ASSUMED_MACHINE, pcie_bytes_per_s=PCIE_BANDWIDTH, routing=routing,
@@ -281,7 +281,6 @@ def main() -> None:
                 for m, s in MODELS.items()},
         ratios=table,
     )
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -346,14 +346,13 @@ def main() -> None:
         goals["plan_ms_1000_nodes"] = Goal(big["plan_ms_median"], "<= 100")
         reached = [seconds(big, s, "ready_s") for s in steps if s in big]
         goals["converge_s_1000_nodes"] = Goal(max(reached), "<= 10")
-    path = write_results("operator", torch.device("cpu"), rows, goals, model="DeepSeek-V3 layout (58 x 256, bf16)",
-                         runtime="deployment: kube-controller-manager, kube-scheduler and kwok pods",
-                         operator="python -m kubemoe.operator.cli (kopf, peering) with the chart's RBAC",
-                         converge_means="kubectl apply (or the frontends' new loads) -> status Ready=True with "
-                                        "every pod Ready; converge_s_1000_nodes is the slowest of create, loads "
-                                        "and loads_moved, or the time a step ran before timing out (timed_out)",
-                         load_average_before=load_before, interval_s=args.interval)
-    print(f"wrote {path}")
+    write_results("operator", torch.device("cpu"), rows, goals, model="DeepSeek-V3 layout (58 x 256, bf16)",
+                  runtime="deployment: kube-controller-manager, kube-scheduler and kwok pods",
+                  operator="python -m kubemoe.operator.cli (kopf, peering) with the chart's RBAC",
+                  converge_means="kubectl apply (or the frontends' new loads) -> status Ready=True with "
+                                 "every pod Ready; converge_s_1000_nodes is the slowest of create, loads "
+                                 "and loads_moved, or the time a step ran before timing out (timed_out)",
+                  load_average_before=load_before, interval_s=args.interval)
 
 
 if __name__ == "__main__":

@@ -168,14 +168,14 @@ def main() -> None:
         "finetuned_minus_mlp_acc_d2": Goal(100 * (tuned2 - mlp2), ">= 0"),
     }
     tag = "base" if base else "small"
-    path = write_results(f"predictor_{tag}", device, raw, goals, out=args.out, checkpoint_recipe=tag,
-                         model_parameters=model_params, threshold=args.threshold,
-                         records={"fit": len(fit), "stop": len(stop), "judge": len(judge)},
-                         notes="judged on held-out standard-library text the model and the predictors never saw; "
-                               "accuracy = top-k set accuracy, load_error = total variation distance per 64 tokens")
+    write_results(f"predictor_{tag}", device, raw, goals, out=args.out, checkpoint_recipe=tag,
+                  model_parameters=model_params, threshold=args.threshold,
+                  records={"fit": len(fit), "stop": len(stop), "judge": len(judge)},
+                  notes="judged on held-out standard-library text the model and the predictors never saw; "
+                        "accuracy = top-k set accuracy, load_error = total variation distance per 64 tokens")
     trace_path = args.out / f"routing_trace_{tag}_{machine_slug(device)}.safetensors"
     save_file(trace, trace_path, metadata={"source": "predictor_accuracy.py judge records", **shape.to_metadata()})
-    print(f"wrote {path} and {trace_path}")
+    print(f"wrote {trace_path}")
 
 
 def _trace(judge: RoutingRecords, predictor: LoadPredictor) -> dict[str, torch.Tensor]:

@@ -92,12 +92,11 @@ def main() -> None:
     print(f"training: {report.seconds:.1f}s of optimiser steps, {wall:.1f}s with tokenizer and data; "
           f"loss {report.losses[-1][1]:.3f}, held-out {report.held_out_loss:.3f}")
     goal = f"train_seconds_{args.size}"
-    path = write_results(f"train_moe_{args.size}", device, raw,
-                         {goal: Goal(wall, f"<= {TIME_BUDGET_S[args.size]}")}, out=args.out,
-                         recipe=args.size, seed=args.seed, training=report.as_dict(), held_out_tokens=held_tokens,
-                         mean=mean, notes="random = the same recipe saved at initialisation (steps=0); cv = population "
-                                          "std / mean of tokens per expert; window_cv over windows of 256 tokens")
-    print(f"wrote {path}")
+    write_results(f"train_moe_{args.size}", device, raw,
+                  {goal: Goal(wall, f"<= {TIME_BUDGET_S[args.size]}")}, out=args.out,
+                  recipe=args.size, seed=args.seed, training=report.as_dict(), held_out_tokens=held_tokens,
+                  mean=mean, notes="random = the same recipe saved at initialisation (steps=0); cv = population "
+                                   "std / mean of tokens per expert; window_cv over windows of 256 tokens")
 
 
 if __name__ == "__main__":
