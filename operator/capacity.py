@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from kubernetes.utils import parse_quantity
 
-from kubemoe.operator.plan import GPU, NodeInfo, Taken, tolerated
+from kubemoe.operator.plan import GPU, NodeInfo, Taken, placeable
 from kubemoe.operator.render import (COMPONENT, EXPERT, FRONTEND, FUNCTION_MEMORY_ANNOTATION, GPU_ANNOTATION,
                                      INSTANCE, NODE_ANNOTATION)
 from kubemoe.operator.spec import MoESpec
@@ -90,11 +90,8 @@ def reserve_frontends(spec: MoESpec, nodes: Sequence[NodeInfo], frontends_bound:
     want, gpus = spec.frontend.replicas - frontends_bound, spec.frontend.gpus
     if want <= 0 or gpus <= 0:
         return list(nodes)
-    placement = spec.frontend.placement
     out = {n.name: n for n in nodes}
-    fitting = [n.name for n in nodes if n.schedulable
-               and all(n.labels.get(k) == v for k, v in placement.node_selector.items())
-               and all(tolerated(t, placement.tolerations) for t in n.taints if t.get("effect") in ("NoSchedule", "NoExecute"))]
+    fitting = [n.name for n in nodes if placeable(n, spec.frontend.placement)]
     for _ in range(want):
         free = {name: out[name].gpus - out[name].taken.resources.get(GPU, 0) for name in fitting}
         best = max((name for name in fitting if free[name] >= gpus), key=lambda name: (free[name], name), default=None)

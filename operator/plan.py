@@ -255,15 +255,15 @@ def with_dra_devices(nodes: Sequence[NodeInfo], slices: Sequence[Mapping[str, An
 def eligible_nodes(spec: MoESpec, nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
     """Nodes an expert replica may run on: schedulable, selected, every hard taint tolerated, GPUs enough
     and shared the way spec.experts.gpuSharing asks."""
-    return [n for n in nodes if _placeable(n, spec.experts.placement) and _offers_gpus(spec, n)]
+    return [n for n in nodes if placeable(n, spec.experts.placement) and _offers_gpus(spec, n)]
 
 
 def offload_nodes(spec: MoESpec, nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
     """Nodes an offload frontend may run on: one GPU (its node affinity, render.py), spec.frontend.placement."""
-    return [n for n in nodes if _placeable(n, spec.frontend.placement) and n.physical_gpus == 1]
+    return [n for n in nodes if placeable(n, spec.frontend.placement) and n.physical_gpus == 1]
 
 
-def _placeable(node: NodeInfo, placement: Placement) -> bool:
+def placeable(node: NodeInfo, placement: Placement) -> bool:
     """Schedulable, selected, and every hard taint tolerated."""
     return (node.schedulable and all(node.labels.get(k) == v for k, v in placement.node_selector.items())
             and all(tolerated(t, placement.tolerations) for t in node.taints
