@@ -8,14 +8,18 @@
 # (gpu-tests [PATHS]: the GPU tests under PATHS, default all of tests/)
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
 set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# Once per machine, under a lock: on a two-GPU host two of these run side by side (CUDA_VISIBLE_DEVICES=0 and 1)
+install() (  # install TARGET PIP-ARGS...: skipped when an earlier run finished the same install
+  exec 9>"$1.lock"; flock 9; [ -f "$1/.installed" ] || { python3 -m pip install -q --no-compile --upgrade --target "$@"; touch "$1/.installed"; }
+)
+install /tmp/site --no-index --no-deps --no-cache-dir .whl/*.whl
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, transformers, grpc; print("torch", torch.__version__, "transformers", transformers.__version__, "grpc", grpc.__version__)'
 case "${1:-all}" in
   expert_fn) python3 benchmarks/expert_fn_overhead.py --device cuda --out "$OUT" "${@:2}" ;;
   gpu-tests)
-    python3 -m pip install -q --no-index --find-links .whl-test --no-compile --upgrade --target /tmp/site-test \
+    install /tmp/site-test --no-index --find-links .whl-test \
       pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf prometheus-client aiohttp click pyyaml tqdm openai
     targets=("${@:2}"); [ ${#targets[@]} -gt 0 ] || targets=(tests)  # e.g. tests/frontend/offload: only those
     PYTHONPATH="/tmp/site:/tmp/site-test:$PWD" python3 -m pytest -q -p no:cacheprovider -m gpu "${targets[@]}" ;;
