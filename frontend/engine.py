@@ -29,7 +29,7 @@ from transformers import DynamicCache
 
 from kubemoe.frontend.batch import BatchState, split_rows
 from kubemoe.frontend.records import ForwardRows
-from kubemoe.frontend.sampling import SamplingParams, sample_next
+from kubemoe.frontend.sampling import SamplingParams, greedy_tokens, sample_next
 from kubemoe.frontend.kv_cache import KVCacheConfig
 from kubemoe.frontend.scheduler import (Chunk, QueueFull, Scheduler, SchedulerConfig, StepPlan, cached_tokens,
                                         chunk_groups)
@@ -353,18 +353,19 @@ class Engine:
     def _advance_all(self, seqs: list[Sequence], logits: torch.Tensor, mb: MicroBatch, indices,
                      failed: list) -> list[Sequence]:  # logits [len(seqs), V] -> the sequences that finished
         done = []
-        for seq, row, index in zip(seqs, logits, indices):
+        greedy = greedy_tokens(logits, [seq.params for seq in seqs])
+        for i, (seq, row, index) in enumerate(zip(seqs, logits, indices)):
             try:
-                if self._advance(seq, row, mb, index):
+                token = greedy[i] if i in greedy else sample_next(row, seq.params, seq.generator)
+                if self._advance(seq, token, mb, index):
                     done.append(seq)
             except Exception as e:  # noqa: BLE001 - e.g. a row of NaN logits: only its request ends
                 log.exception("sampling for request %s failed", seq.request_id)
                 failed.append((seq, _message(e)))
         return done
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor, mb: MicroBatch, index: int) -> bool:
-        """Sample one token for `seq`, stream it, and say whether the sequence is done."""
-        token = sample_next(logits, seq.params, seq.generator)
+    def _advance(self, seq: Sequence, token: int, mb: MicroBatch, index: int) -> bool:
+        """Take `seq`'s next token, stream it, and say whether the sequence is done."""
         mb.tokens[index] = token
         if token in self.eos_ids:
             seq.emit(self._delta(seq, [], seq.text.flush(), "stop"))

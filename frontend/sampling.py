@@ -34,6 +34,16 @@ class SamplingParams:
         return None if self.seed is None else torch.Generator().manual_seed(self.seed)
 
 
+def greedy_tokens(logits: torch.Tensor, params: list[SamplingParams]) -> dict[int, int]:
+    """The greedy rows' tokens of logits [n, V], {row: token id}, read back in one transfer: a read per
+    row would wait for the device once per sequence of the batch, every step."""
+    rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    if not rows:
+        return {}
+    picked = logits if len(rows) == len(params) else logits[torch.tensor(rows, device=logits.device)]
+    return dict(zip(rows, picked.argmax(-1).tolist()))
+
+
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from logits [V]."""
     if params.temperature == 0.0:

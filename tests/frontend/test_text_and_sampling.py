@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from kubemoe.frontend.sampling import SamplingParams, sample_next
+from kubemoe.frontend.sampling import SamplingParams, greedy_tokens, sample_next
 from kubemoe.frontend.text import TextStream
 
 
@@ -45,6 +45,14 @@ def test_greedy_and_seeded_sampling():
     assert a == b and set(a) <= {0, 1, 2, 3}
 
 
+def test_greedy_rows_are_read_together_and_sampled_rows_left_out():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 0.0, 0.0], [0.0, 0.0, 9.0]])
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=0)]
+    assert greedy_tokens(logits, params) == {0: 1, 2: 2}
+    assert greedy_tokens(logits, [SamplingParams(temperature=0)] * 3) == {0: 1, 1: 0, 2: 2}
+    assert greedy_tokens(logits, [SamplingParams()] * 3) == {}
+
+
 def test_top_k_and_top_p_restrict_the_choice():
     logits = torch.tensor([5.0, 4.0, -3.0, -3.0])
     g = torch.Generator().manual_seed(0)
@@ -57,3 +65,27 @@ def test_top_k_and_top_p_restrict_the_choice():
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_deltas_equal_decoding_the_whole_generation(tokenizer):
+    """Decoding a window per token gives the text of decoding everything at once, for any ids
+    (split characters, special tokens and spaces included), and each token decodes a bounded window."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = len(tokenizer)
+    calls = []
+    original = tokenizer.decode
+
+    def counting(ids, **kwargs):
+        calls.append(len(ids))
+        return original(ids, **kwargs)
+
+    tokenizer.decode = counting
+    try:
+        for _ in range(30):
+            ids = torch.randint(0, vocab, (int(torch.randint(1, 60, (1,), generator=gen)),), generator=gen).tolist()
+            stream = TextStream(tokenizer)
+            out = "".join(stream.push(i) for i in ids) + stream.flush()
+            assert out == original(ids, skip_special_tokens=True), ids
+    finally:
+        tokenizer.decode = original
+    assert max(calls) < 20  # a window, never the whole generation
