@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Goal, write_results  # noqa: E402
-from frontend_decode import add_model_arguments, cut_preset  # noqa: E402
+from frontend_decode import add_model_arguments, cut_preset, engine_thread_profile  # noqa: E402
 
 from kubemoe.bundles import bundles_by_count  # noqa: E402
 from kubemoe.frontend.app import Frontend, FrontendConfig  # noqa: E402
@@ -62,7 +62,9 @@ def stall(fe: Frontend, batch: int, long: int, decode_tokens: int, vocab: int) -
                 "long_ttft_ms": (first_token - sent) * 1e3}
 
     asyncio.run(run())  # warm-up
-    return asyncio.run(run())
+    with engine_thread_profile(fe.engine) as top:
+        row = asyncio.run(run())
+    return {**row, "engine_thread_top": top}
 
 
 def main() -> None:
@@ -109,7 +111,8 @@ def main() -> None:
                   checkpoint={"arch": preset.arch, "preset": preset.name, "dtype": preset.dtype},
                   method=f"{args.batch} requests decoding, one {args.long}-token prompt arriving; the longest gap "
                          "between two tokens of a running request while it is prefilled, and its TTFT; second of "
-                         "two runs; in-process experts; one-shot = a step budget holding the whole prompt")
+                         "two runs (its engine thread profiled: engine_thread_top); in-process experts; one-shot = a step "
+                         "budget holding the whole prompt")
 
 
 if __name__ == "__main__":

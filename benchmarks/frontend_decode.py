@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import cProfile
+import pstats
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -159,14 +163,34 @@ def engine_ttft(fe: Frontend, batch: int, prompt: int, vocab: int) -> dict:
     return {"median_ms": statistics.median(times) * 1e3, "max_ms": times[-1] * 1e3}
 
 
+@contextlib.contextmanager
+def engine_thread_profile(engine, top: int = 15) -> Iterator[list[dict]]:
+    """Where the engine thread's time goes while the block runs: a cProfile of Engine.step. Yields a list
+    that holds, once the block is done, the `top` functions by own time."""
+    stats, step, summary = cProfile.Profile(), engine.step, []
+
+    def profiled(plan):
+        stats.enable()
+        try:
+            return step(plan)
+        finally:
+            stats.disable()
+
+    engine.step = profiled
+    try:
+        yield summary
+    finally:
+        del engine.step  # the class's method again
+    ranked = sorted(pstats.Stats(stats).stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
+    summary.extend({"function": f"{Path(f).name}:{line}({name})", "calls": nc, "tottime_ms": tt * 1e3,
+                    "cumtime_ms": ct * 1e3} for (f, line, name), (_, nc, tt, ct, _) in ranked)
+
+
 def engine_decode(fe: Frontend, batch: int, prompt: int, steps: int, warmup: int, vocab: int,
                   profile: bool = False) -> dict:
     """Decode as served: `batch` requests of `prompt` tokens sent to the engine at once, greedy; the step
     is the median gap between a request's tokens once every request is decoding (after `warmup` more
-    steps). `profile`: where the engine thread's time goes over those steps (cProfile of Engine.step)."""
-    import cProfile
-    import pstats
-
+    steps). `profile`: where the engine thread's time goes over those steps (engine_thread_profile)."""
     admission = -(-batch * prompt // fe.engine.scheduler.config.max_step_tokens)  # steps until all have prefilled
     params = SamplingParams(temperature=0, max_tokens=admission + warmup + steps + 2)
     prompt = min(prompt, fe.engine.max_context - params.max_tokens)  # every request generates all of them
@@ -184,30 +208,14 @@ def engine_decode(fe: Frontend, batch: int, prompt: int, steps: int, warmup: int
     fe.engine.eos_ids = set()  # every request decodes through the window
     asyncio.run(run())  # warm-up: shapes, cache growth
     times = [[] for _ in range(batch)]
-    stats = cProfile.Profile() if profile else None
-    step = fe.engine.step
-    if stats:
-        def profiled(plan):
-            stats.enable()
-            try:
-                return step(plan)
-            finally:
-                stats.disable()
-        fe.engine.step = profiled
-    try:
+    with engine_thread_profile(fe.engine) if profile else contextlib.nullcontext([]) as top:
         asyncio.run(run())
-    finally:
-        if stats:
-            del fe.engine.step  # the class's method again
     all_decoding = max(ts[0] for ts in times)
     gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if a > all_decoding][warmup * batch:]
     step_s = statistics.median(gaps)
     row = {"batch": batch, "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s, "gaps": len(gaps)}
-    if stats:
-        top = pstats.Stats(stats).sort_stats("tottime")
-        row["engine_thread_top"] = [
-            {"function": f"{Path(f).name}:{line}({name})", "calls": nc, "tottime_ms": tt * 1e3, "cumtime_ms": ct * 1e3}
-            for (f, line, name), (_, nc, tt, ct, _) in sorted(top.stats.items(), key=lambda kv: -kv[1][2])[:15]]
+    if profile:
+        row["engine_thread_top"] = top
     return row
 
 

@@ -3,6 +3,11 @@
 Only the bundle's own tensors are read (safetensors memory-maps the shards), straight into the
 serving dtype on the serving device. Load and Unload change the held set at run time; the function
 is ready (health SERVING) while it holds its whole bundle.
+
+On a GPU, loads run on a CUDA stream of their own. On the serving stream (the device's default one,
+which every round uses), a Load's copies from pageable memory (tens of milliseconds per Mixtral
+expert) would queue ahead of the rounds that arrive meanwhile: a re-plan that loads experts in place
+would stall every call to this function until its copies were done.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class ExpertStore:
         self._weights: dict[ExpertKey, ExpertWeights] = {}  # replaced, never mutated: readers need no lock
         self._lock = threading.Lock()  # one load/unload at a time
         self._loading: frozenset[ExpertKey] = frozenset()
+        self._serving = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self._load_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # -- reads (hot path) ---------------------------------------------------------------------
 
@@ -96,12 +103,23 @@ class ExpertStore:
         with self._lock:
             self._loading = frozenset(keys) - self._weights.keys()
             try:
-                new = {key: self.adapter.load_expert(self.checkpoint, *key, self.dtype, self.device)
-                       for key in keys if key in self._loading}
+                new = {key: self._read(key) for key in keys if key in self._loading}
                 self._weights = {**self._weights, **new}
             finally:
                 self._loading = frozenset()
         return sum(w.nbytes for w in new.values()), time.perf_counter() - start
+
+    def _read(self, key: ExpertKey) -> ExpertWeights:
+        if self._load_stream is None or self._serving is None:
+            return self.adapter.load_expert(self.checkpoint, *key, self.dtype, self.device)
+        with torch.cuda.stream(self._load_stream):
+            weights = self.adapter.load_expert(self.checkpoint, *key, self.dtype, self.device)
+        self._load_stream.synchronize()  # in before anyone can call it
+        for tensor in (weights.gate_up, weights.down):
+            # Allocated on the load stream, read on the serving one: once unloaded, their memory is reused
+            # only after the rounds queued on the serving stream by then are done with it.
+            tensor.record_stream(self._serving)
+        return weights
 
     def unload(self, keys: Iterable[ExpertKey]) -> int:
         """Drop the given experts (those not held are ignored); returns the bytes freed."""

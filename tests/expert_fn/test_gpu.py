@@ -155,3 +155,29 @@ async def test_a_cuda_expert_function_captures_its_graphs_before_it_reports_read
     async with serve(tiny_checkpoint(ARCH), "1:0-3", device="cuda", cuda_graph_tokens=16) as gpu:
         graphs = gpu.servicer._graphs
         assert graphs.sizes == [1, 2, 4, 8, 16] and len(graphs) == 4 * 5
+
+
+def test_a_load_runs_beside_the_serving_stream_not_behind_it(tiny_checkpoint):
+    """A Load (a re-plan moving experts in place) copies on a stream of its own: it finishes while work
+    queued on the serving stream is still running, and what it loaded equals what the CPU reads."""
+    from kubemoe.adapters import MoEAdapter
+    from kubemoe.checkpoint import Checkpoint
+    from kubemoe.expert_fn.store import ExpertStore
+
+    checkpoint = Checkpoint(tiny_checkpoint(ARCH))
+    adapter = MoEAdapter(checkpoint.config)
+    store = ExpertStore(checkpoint, adapter, [(LAYER, 0)], torch.float32, torch.device("cuda"))
+    serving_done = torch.cuda.Event()
+    torch.cuda._sleep(4_000_000_000)  # about two seconds of a round that is still running on the serving stream
+    serving_done.record()
+    store.load([(LAYER, e) for e in EXPERTS])
+    assert not serving_done.query()  # the load did not wait for the serving stream
+    for e in EXPERTS:
+        want = adapter.load_expert(checkpoint, LAYER, e, torch.float32, "cpu")
+        got = store.get(LAYER, e)
+        assert torch.equal(got.gate_up.cpu(), want.gate_up) and torch.equal(got.down.cpu(), want.down)
+    torch.cuda.synchronize()
+    store.unload([(LAYER, e) for e in EXPERTS])
+    store.load([(LAYER, EXPERTS[0])])  # the freed memory is reused safely once the serving stream is past it
+    assert torch.equal(store.get(LAYER, EXPERTS[0]).down.cpu(), adapter.load_expert(checkpoint, LAYER, EXPERTS[0],
+                                                                                     torch.float32, "cpu").down)
