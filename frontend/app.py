@@ -8,6 +8,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from kubemoe.adapters import MoEAdapter
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.checkpoint import Checkpoint, default_model_id
@@ -75,6 +77,12 @@ class Frontend:
         self.checkpoint = Checkpoint(config.checkpoint)
         self.adapter = MoEAdapter(self.checkpoint.config)
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            # cuDNN's attention builds a plan for every new key length the first time it sees it (56 ms
+            # per call on the H200, benchmarks/experiments/sdpa_probe.py), and a left-padded decode batch
+            # (a mask: the case SDPA hands to cuDNN) has a new key length at every step: 33 ms per layer
+            # in the engine. The memory-efficient kernel takes it at 0.07 ms from the first call.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.dtype = resolve_dtype(config.dtype, self.checkpoint.config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint.path)
         self.metrics = FrontendMetrics(config.model_id)
