@@ -230,7 +230,9 @@ class Engine:
             self.on_forward(ForwardRows(tuple(s.request_id for s in seqs), (start,) * len(seqs),
                                         (stop - start,) * len(seqs)))
         try:
-            logits = self.model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]  # [n, V]
+            # The last position's logits only: all of a 4000-token chunk's would be a [4000, V] matmul
+            # and 0.5 GB of float32 for one row that is sampled.
+            logits = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [n, V]
         except torch.OutOfMemoryError as e:
             if self._out_of_memory(e):
                 self._leave_batch(seqs, requeue=True)
