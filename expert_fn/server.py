@@ -43,14 +43,16 @@ class ExpertFunction:
     servicer: ExpertServicer
 
     async def stop(self, grace: float | None) -> None:
-        """Refuse new calls, answer the requests in flight, end every open stream, then stop.
+        """End every open stream (each answers what it has read), then refuse new calls, answer the
+        requests in flight, and stop.
 
         Frontends hold their ForwardStreams open: a plain server.stop(grace) would wait out the
-        whole grace period (Knative's scale-down) and then cancel whatever was running."""
-        stopping = asyncio.ensure_future(self.server.stop(grace))
-        await asyncio.sleep(0)  # server.stop has begun: new calls are refused from here on
+        whole grace period (Knative's scale-down) and then cancel whatever was running. The streams
+        end while the server still runs: a stream whose final status raced the server's shutdown
+        failed to send it, and gRPC logged the failure with a traceback."""
         self.servicer.end_streams()
-        await stopping
+        await self.servicer.streams_ended(grace)
+        await self.server.stop(grace)
         if self.servicer.data_port is not None:
             self.servicer.data_port.close()
         await self.servicer.batcher.close()

@@ -14,6 +14,7 @@ those regions, and the stream's lane (lane.py) carries them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -53,6 +54,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             if config.device.type == "cuda" and config.cuda_graph_tokens > 0 else None
         self._forwards_in_progress = 0
         self._ending = asyncio.Event()  # set when the server stops: open streams end (see end_streams)
+        self._open_streams = 0  # ForwardStreams whose final status is not sent yet
+        self._no_open_streams = asyncio.Event()
+        self._no_open_streams.set()
         self.data_port: DataPort | None = None  # where TCP lanes connect (frames.py); None: no TCP lanes
         self._tcp_lanes = itertools.count()
 
@@ -148,10 +152,23 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         on another replica."""
         self._ending.set()
 
+    async def streams_ended(self, timeout: float | None) -> None:
+        """Wait (at most `timeout` seconds) until every ForwardStream has sent its final status."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._no_open_streams.wait(), timeout)
+
+    def _stream_done(self, _context) -> None:
+        self._open_streams -= 1
+        if not self._open_streams:
+            self._no_open_streams.set()
+
     async def ForwardStream(self, request_iterator, context) -> None:
         # Each request runs in its own task and writes its own reply (one writer at a time): no hop
         # through a queue and a generator per reply. Requests from the lane, if the client connects
         # one, run in `running` too.
+        self._open_streams += 1
+        self._no_open_streams.clear()
+        context.add_done_callback(self._stream_done)  # once its status is sent (or the call is cancelled)
         loop = asyncio.get_running_loop()
         running: set[asyncio.Task] = set()
 
