@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,9 +51,11 @@ class ExpertFunction:
         whole grace period (Knative's scale-down) and then cancel whatever was running. The streams
         end while the server still runs: a stream whose final status raced the server's shutdown
         failed to send it, and gRPC logged the failure with a traceback."""
+        deadline = None if grace is None else time.monotonic() + grace
         self.servicer.end_streams()
         await self.servicer.streams_ended(grace)
-        await self.server.stop(grace)
+        # One grace period for both waits, as Knative allows one before it kills the pod.
+        await self.server.stop(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self.servicer.data_port is not None:
             self.servicer.data_port.close()
         await self.servicer.batcher.close()
