@@ -466,8 +466,8 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=16, help="generated tokens per sequence and round (issue: 64; "
                                                                    "2 rounds of 16 keep the H200 run within 8 minutes)")
     parser.add_argument("--rounds", type=int, default=2,
-                        help="rounds over the policies, each in another order (the second in reverse): a policy's "
-                             "place in the run moved its figures by up to 1.8x on the H200 host")
+                        help="rounds over the configurations, round r starting r / rounds of the way along the list: a "
+                             "configuration's place in the run moved its figures by up to 1.8x on the H200 host")
     parser.add_argument("--ablation-batch", type=int, default=16)
     parser.add_argument("--resident-share", type=float, default=0.25,
                         help="experts the budget holds beside the working set, as a share of all experts")
