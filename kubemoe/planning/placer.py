@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 ExpertKey = tuple[int, int]        # (layer index, expert): layer indexes the [L] rows
@@ -114,11 +114,12 @@ def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], g
     replica_load: dict[ReplicaKey, float] = {}
     unplaced: list[ReplicaKey] = []
     reused = 0
+    queue = _Queues(gpus, capacity, total, free, expert_bytes)
     for layer, (counts, row) in enumerate(zip(replicas, loads)):
         # Most-loaded replica first; equal loads by expert, so the result is deterministic.
         order = sorted(((row[e] / counts[e], e, i) for e in range(len(row)) for i in range(counts[e])),
                        key=lambda x: (-x[0], x[1], x[2]))
-        queue = _LayerQueue(gpus, capacity, total, free, expert_bytes)
+        queue.next_layer()
         hosts: dict[int, set[str]] = {}
         for load, expert, index in order:
             key = (layer, expert, index)
@@ -178,29 +179,33 @@ class _Slots:
         self.per_gpu[gpu] = now
 
 
-@dataclass
-class _LayerQueue:
-    """GPUs ordered by (layer load / capacity, total load / capacity, most free memory, id): a lazy
-    min-heap, O(log G) a replica. Free memory spreads replicas that carry no load at all."""
+class _Queues:
+    """GPUs ordered by (layer load / capacity, total load / capacity, most free memory, id), the
+    shortest queue first. Free memory spreads replicas that carry no load at all.
 
-    gpus: Sequence[GPU]
-    capacity: Mapping[str, float]
-    total: Mapping[str, float]
-    free: Mapping[str, int]
-    expert_bytes: int
-    layer: dict[str, float] = field(default_factory=dict)
-    heap: list = field(default_factory=list)
+    Every GPU a layer has not touched yet has layer load 0, so their order is that of the rest of the
+    key: one lazy min-heap over all GPUs keeps it across layers, and a small heap per layer holds the
+    GPUs the layer has touched. A layer costs O(its replicas x log G), not O(G): rebuilding a heap of
+    every GPU per layer was the largest part of a DeepSeek-V3 plan (58 layers x 1000 nodes). A GPU's
+    entries go stale when its loads or memory change; a fresh one is pushed then.
+    """
 
-    def __post_init__(self) -> None:
-        # rank() of every GPU with room while the layer is still empty, built inline: at 1000 GPUs x 58 layers
-        # the method calls were a third of a DeepSeek-V3 plan.
-        total, free, item = self.total, self.free, self.expert_bytes
-        self.heap = [(0.0, total[g.id] / g.capacity, -free[g.id], g.id) for g in self.gpus if free[g.id] >= item]
-        heapq.heapify(self.heap)
+    def __init__(self, gpus: Sequence[GPU], capacity: Mapping[str, float], total: Mapping[str, float],
+                 free: Mapping[str, int], expert_bytes: int):
+        self.capacity, self.total, self.free, self.expert_bytes = capacity, total, free, expert_bytes
+        self.layer: dict[str, float] = {}
+        self.untouched = [(total[g.id] / g.capacity, -free[g.id], g.id) for g in gpus if free[g.id] >= expert_bytes]
+        heapq.heapify(self.untouched)
+        self.touched: list[tuple[float, float, int, str]] = []
+
+    def next_layer(self) -> None:
+        self.layer, self.touched = {}, []
+
+    def _base(self, gpu: str) -> tuple[float, int, str]:
+        return self.total[gpu] / self.capacity[gpu], -self.free[gpu], gpu
 
     def rank(self, gpu: str) -> tuple[float, float, int, str]:
-        capacity = self.capacity[gpu]
-        return (self.layer.get(gpu, 0.0) / capacity, self.total[gpu] / capacity, -self.free[gpu], gpu)
+        return (self.layer.get(gpu, 0.0) / self.capacity[gpu], *self._base(gpu))
 
     def queue(self, gpu: str) -> float:
         return self.layer.get(gpu, 0.0) / self.capacity[gpu]
@@ -208,24 +213,35 @@ class _LayerQueue:
     def add(self, gpu: str, load: float) -> None:
         self.layer[gpu] = self.layer.get(gpu, 0.0) + load
         if self.free[gpu] >= self.expert_bytes:
-            heapq.heappush(self.heap, self.rank(gpu))  # the old entry goes stale
+            heapq.heappush(self.touched, self.rank(gpu))
+            heapq.heappush(self.untouched, self._base(gpu))  # for the next layers; the old entries go stale
 
     def shortest(self, avoid: set[str]) -> str | None:
         """The least-loaded GPU with room, avoiding `avoid` (this expert's GPUs) unless nothing else has room."""
+        avoided: list[tuple[float, float, int, str]] = []
+        best = [self._first(self.untouched, self._base, avoid, avoided, skip=self.layer),
+                self._first(self.touched, self.rank, avoid, avoided)]
+        found = min((r for r in best if r is not None), default=None) or min(avoided, default=None)
+        return found[-1] if found is not None else None  # all avoided: every GPU with room already holds it
+
+    def _first(self, heap: list, key, avoid: set[str], avoided: list, skip: Mapping[str, float] = {}):
+        """The first valid entry of `heap` not in `avoid` or `skip`, as a full rank; avoided ones are
+        collected (as full ranks) and every skipped entry goes back."""
         skipped, found = [], None
-        while self.heap:
-            entry = self.heap[0]
+        while heap:
+            entry = heap[0]
             gpu = entry[-1]
-            if entry != self.rank(gpu) or self.free[gpu] < self.expert_bytes:
-                heapq.heappop(self.heap)  # stale, or full for good (memory only shrinks while placing)
+            if entry != key(gpu) or self.free[gpu] < self.expert_bytes:
+                heapq.heappop(heap)  # stale, or full for good (memory only shrinks while placing)
                 continue
+            skipped.append(heapq.heappop(heap))
+            if gpu in skip:
+                continue  # touched in this layer: its rank is in the layer's heap
             if gpu in avoid:
-                skipped.append(heapq.heappop(self.heap))
+                avoided.append(self.rank(gpu))
                 continue
-            found = gpu
+            found = self.rank(gpu)
             break
         for entry in skipped:
-            heapq.heappush(self.heap, entry)
-        if found is None and skipped:
-            found = min(skipped)[-1]  # every GPU with room already holds this expert: share one
+            heapq.heappush(heap, entry)
         return found
