@@ -121,8 +121,13 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--switch-interval-ms", type=float, default=0.0,
+                        help="sys.setswitchinterval for the run (0: Python's default, 5 ms): how long a thread that "
+                             "wants the GIL waits before the holder must drop it")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     device = torch.device(args.device)
     preset = cut_preset(args.arch, args.preset, args.layers)
     rows = []
@@ -147,8 +152,9 @@ def main() -> None:
         finally:
             fe.close()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "engine_step_probe.json").write_text(json.dumps({"device": str(device), "preset": preset.name,
-                                                                 "prompt": args.prompt, "rows": rows}, indent=1))
+    name = f"engine_step_probe{'_switch' + str(args.switch_interval_ms) if args.switch_interval_ms else ''}.json"
+    (args.out / name).write_text(json.dumps({"device": str(device), "preset": preset.name, "prompt": args.prompt,
+                                             "switch_interval_s": sys.getswitchinterval(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
