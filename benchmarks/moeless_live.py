@@ -34,6 +34,8 @@ bytes of the replicas each plan holds, times the wall time it holds them, per 10
 On one H200 the P processes share one GPU: kernels of different processes queue on it, so a plan's
 balance across processes buys far less than across P real GPUs (each extra weight read is paid by
 all). The figures say what kubemoe's machinery costs and does on one GPU, not MoEless's 8-GPU gains.
+With `--gpus N` process p runs on GPU p % N (CUDA_VISIBLE_DEVICES, as a pod gets its GPU): `--processes 8
+--gpus 8` on an 8-GPU host is MoEless's setting (issue 18); the driver stays on `--device`.
 Goals: the four ratios of moeless_sim (latency_vs_static, _eplb, _oracle; cost_vs_static) over
 decode and prefill together, and replan_step_p99_vs_steady (<= 1.1): kubemoe's re-plan steps' p99
 over its steady steps' p99, the larger of decode and prefill.
@@ -284,6 +286,9 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--layers", type=int, default=2, help="MoE layers (the trace's layers 1..L)")
     parser.add_argument("--processes", type=int, default=4, help="expert-function processes (the 'GPUs')")
+    parser.add_argument("--gpus", type=int, default=0,
+                        help="GPUs the processes are spread over, process p on GPU p %% gpus (issue 18: one per GPU on "
+                             "8 GPUs); 0: all on --device's GPU with the driver")
     parser.add_argument("--decode-iterations", type=int, default=40)
     parser.add_argument("--prefill-iterations", type=int, default=10)
     parser.add_argument("--decode-tokens", type=float, default=128, help="mean sequences in a decode batch")
@@ -322,7 +327,8 @@ def main() -> None:
         static = static_ep(np.ones((L, E)).tolist(), gpus, expert_bytes)
         first = {p: tuple(sorted((layer, e) for (layer, e, _), g in static.gpu_of.items() if int(g) == p)) for p in range(P)}
         bundles = [Bundle(f"p{p}", first[p]) for p in range(P)]
-        with expert_processes(ckpt, bundles, model, ready_timeout=900, shm_dir=Path(shm)) as procs:
+        with expert_processes(ckpt, bundles, model, ready_timeout=900, shm_dir=Path(shm),
+                              gpus=list(range(args.gpus))) as procs:
             addresses = [procs.addresses[b.name][0] for b in bundles]
             dispatcher = Dispatcher(adapter, checkpoint, DispatchConfig(model=model, shm_dir=Path(shm)),
                                     LoadRecorder(model, "live"), dtype, device)

@@ -230,3 +230,17 @@ def test_a_layer_split_between_in_process_and_remote_experts_equals_the_in_proce
         fe.close()
         servers.stop()
     torch.testing.assert_close(mixed, in_process, rtol=1.3e-6, atol=1e-5)
+
+
+def test_expert_processes_each_see_their_own_gpu(tiny_checkpoint, tmp_path):
+    """gpus=[3, 5] over three processes: the first sees GPU 3, the second 5, the third 3 again (issue 18's
+    one process per GPU); here, without GPUs, they still serve on the CPU."""
+    path = tiny_checkpoint("mixtral")
+    bundles = embedded_bundles(path, 3)
+    with expert_processes(path, bundles, "m", shm_dir=tmp_path, gpus=[3, 5]) as experts:
+        seen = []
+        for proc in experts.procs.values():
+            environ = dict(item.split("=", 1) for item in
+                           open(f"/proc/{proc.pid}/environ").read().split("\0") if "=" in item)
+            seen.append(environ.get("CUDA_VISIBLE_DEVICES"))
+    assert seen == ["3", "5", "3"]
