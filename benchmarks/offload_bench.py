@@ -323,17 +323,13 @@ class Bench:
         return steps
 
 
-def merged(runs: list[Run]) -> Run:
-    """One row of several rounds of the same (preset, policy, batch): their tokens over their time, every
-    decode step, the decisions summed."""
-    stats, decode = OffloadStats(), OffloadStats()
-    for run in runs:
-        stats.add(run.stats)
-        decode.add(run.decode)
-    first = runs[0]
-    return Run(first.preset, first.policy, first.batch, first.prompt, sum(r.output for r in runs),
-               sum(r.prefill_s for r in runs), [s for r in runs for s in r.decode_steps_s], stats, decode,
-               sum(r.copied_bytes for r in runs), sum(r.copy_s for r in runs))
+def median_run(runs: list[Run]) -> Run:
+    """The round of median throughput of the same (preset, policy, batch), the slower middle one of an even
+    count: the H200 host moved a configuration's figures by up to 2x between rounds (at 561a154 kubemoe's
+    Mixtral rows ran 0.75-0.87x on-demand in the round it ran first, 1.37-1.40x in the other), so a
+    mean of rounds is a mean with an outlier in it."""
+    ranked = sorted(runs, key=lambda run: run.tokens_per_s)
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def _since(before: OffloadStats, now: OffloadStats) -> OffloadStats:
@@ -463,9 +459,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny presets (a CPU smoke test)")
     parser.add_argument("--batches", default="4,16,64")
     parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--output", type=int, default=16, help="generated tokens per sequence and round (issue: 64; "
-                                                                   "2 rounds of 16 keep the H200 run within 8 minutes)")
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--output", type=int, default=12, help="generated tokens per sequence and round (issue: 64; "
+                                                                   "3 rounds of 12 keep the H200 run within 8 minutes)")
+    parser.add_argument("--rounds", type=int, default=3,
                         help="rounds over the configurations, round r starting r / rounds of the way along the list: a "
                              "configuration's place in the run moved its figures by up to 1.8x on the H200 host")
     parser.add_argument("--ablation-batch", type=int, default=16)
@@ -483,7 +479,7 @@ def main() -> None:
     started = time.perf_counter()
     peak = pinned_peak(device) if device.type == "cuda" else None
     raw, ablations, peers, models, setups, bounds = [], [], [], [], {}, []
-    rounds: list[dict] = []  # every round's row; raw and ablations merge a configuration's rounds
+    rounds: list[dict] = []  # every round's row; raw and ablations take each configuration's median round
     for key in args.presets.split(","):
         arch, name = presets[key]
         bench = Bench(arch, name, device, args.trace, args.resident_share)
@@ -525,7 +521,7 @@ def main() -> None:
                           f"{run.decode_step_s * 1e3:8.2f} ms, hit {run.stats.hit_rate:.2f}, cpu {run.stats.cpu_share:.2f}",
                           flush=True)
         for (label, batch), measured in runs.items():
-            (raw if label in policies else ablations).append(merged(measured).row())
+            (raw if label in policies else ablations).append(median_run(measured).row())
         models += modelled(bench, resident, batches, args.prompt, args.output)
         bounds += hardware_bounds(bench, resident, batches, args.prompt, args.output, peak)
         if not args.no_accelerate and device.type == "cuda":
@@ -568,8 +564,9 @@ def main() -> None:
         settings={"batches": batches, "prompt": args.prompt, "output": args.output, "rounds": args.rounds,
                   "output_note": f"the issue asks 64 output tokens; {args.rounds} rounds of {args.output} keep the run "
                                  "within 8 minutes" if args.output * args.rounds < 64 else "",
-                  "rounds_note": "raw and ablations rows merge the rounds (their tokens over their time, all decode "
-                                 "steps); each round ran the configurations in another order (rounds_raw)",
+                  "rounds_note": "raw and ablations rows are each configuration's round of median throughput (the "
+                                 "slower middle one of an even count); each round ran the configurations in another "
+                                 "order (rounds_raw: every round)",
                   "resident_share": args.resident_share},
         pinned_peak_bytes_per_s=peak, streaming_bytes_per_s=stream_bw,
         hardware_bound="H2D copies bounded by the measured pinned peak (PCIe 5.0 x16 on the H200 host); CPU experts "
