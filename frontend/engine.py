@@ -68,7 +68,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     text: TextStream
-    emit: Callable[[Delta], object]  # thread-safe; what it returns is not used
+    emit: Callable[[Delta], object]  # on the engine thread: into the outbox (Outbox.put); what it returns is not used
     generator: torch.Generator | None
     max_new: int
     generated: list[int] = field(default_factory=list)
@@ -96,6 +96,33 @@ class MicroBatch:
         self.tokens = [self.tokens[i] for i in keep]
 
 
+class Outbox:
+    """Deltas on their way from the engine thread to their callers' event loops, handed over once per
+    forward pass: one call_soon_threadsafe per loop, not one per sequence. Each such call writes to the
+    loop's wake-up socket, and the woken loop thread competes for the GIL with this one while it still
+    has the pass's other sequences to do: at batch 32 the per-sequence calls were about half of a
+    step's output handling (a CPU profile of Engine.step: 36 us a call, detokenising 44 us a token)."""
+
+    def __init__(self) -> None:
+        self._items: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
+
+    def put(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, delta: Delta) -> None:
+        self._items.setdefault(loop, []).append((queue, delta))
+
+    def flush(self) -> None:
+        items, self._items = self._items, {}
+        for loop, deliveries in items.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, deliveries)
+            except RuntimeError:  # the callers' loop has closed: nobody waits for these
+                log.debug("dropped %d deltas for a closed event loop", len(deliveries))
+
+
+def _deliver(deliveries: list[tuple[asyncio.Queue, Delta]]) -> None:
+    for queue, delta in deliveries:
+        queue.put_nowait(delta)
+
+
 class Engine:
     def __init__(self, model, tokenizer, eos_ids: set[int], max_context: int,
                  scheduler: SchedulerConfig = SchedulerConfig(), before_step=None, metrics=None, loads=None,
@@ -116,6 +143,7 @@ class Engine:
         self.micro = [MicroBatch() for _ in range(micro_batches)]
         self._pool = ThreadPoolExecutor(micro_batches, thread_name_prefix="kubemoe-micro") if micro_batches > 1 else None
         self._wake = threading.Condition()
+        self._outbox = Outbox()  # filled and flushed on the engine thread
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="kubemoe-engine", daemon=True)
         self._thread.start()
@@ -141,7 +169,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta] = asyncio.Queue()
         seq = Sequence(request_id, list(prompt_ids), params, TextStream(self.tokenizer, params.stop),
-                       lambda d: loop.call_soon_threadsafe(queue.put_nowait, d), params.generator(),
+                       lambda d: self._outbox.put(loop, queue, d), params.generator(),
                        min(params.max_tokens, self.max_context - len(prompt_ids)))
         self._cap_generation(seq)
         with self._wake:
@@ -364,6 +392,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - e.g. a row of NaN logits: only its request ends
                 log.exception("sampling for request %s failed", seq.request_id)
                 failed.append((seq, _message(e)))
+        self._outbox.flush()
         return done
 
     def _advance(self, seq: Sequence, token: int, mb: MicroBatch, index: int) -> bool:
@@ -419,6 +448,7 @@ class Engine:
         self._remove([seq for seq, _ in failed])
         for seq, message in failed:
             seq.emit(Delta([], "", "error", len(seq.prompt_ids), len(seq.generated), error=message))
+        self._outbox.flush()
 
 
 def _message(error: BaseException) -> str:
