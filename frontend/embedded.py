@@ -16,6 +16,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.bundles import Bundle, bundles_by_count
@@ -56,8 +57,11 @@ class ExpertProcesses:
 @contextmanager
 def expert_processes(checkpoint: Path, bundles: list[Bundle], model: str, replicas: int = 1,
                      ready_timeout: float = 120.0, shm_dir: Path | None = None,
-                     busy_poll_us: float = SHARED_CORES_BUSY_POLL_US):
-    """Start `replicas` expert-function processes per bundle; stop them all (SIGTERM) afterwards."""
+                     busy_poll_us: float = SHARED_CORES_BUSY_POLL_US, gpus: Sequence[int] = ()):
+    """Start `replicas` expert-function processes per bundle; stop them all (SIGTERM) afterwards.
+
+    `gpus`: the i-th process started sees only GPU gpus[i % len(gpus)] (CUDA_VISIBLE_DEVICES), as a
+    pod sees the GPU it was given; empty: every process sees what this one sees."""
     started = ExpertProcesses()
     # The processes share this machine's cores with each other and the frontend: without a split,
     # every OpenMP pool spins on all cores and a 1 ms expert call takes 100 ms under contention.
@@ -66,6 +70,7 @@ def expert_processes(checkpoint: Path, bundles: list[Bundle], model: str, replic
     try:
         for bundle in bundles:
             for _ in range(replicas):
+                gpu = {"CUDA_VISIBLE_DEVICES": str(gpus[len(started.procs) % len(gpus)])} if gpus else {}
                 address = f"127.0.0.1:{free_port()}"
                 started.addresses.setdefault(bundle.name, []).append(address)
                 started.procs[address] = subprocess.Popen(
@@ -73,7 +78,7 @@ def expert_processes(checkpoint: Path, bundles: list[Bundle], model: str, replic
                      "--model", model, "--bundle", bundle.spec(), "--host", "127.0.0.1",
                      "--port", address.rsplit(":", 1)[1], "--metrics-port", "-1", "--shm-dir", str(shm_dir or ""),
                      "--busy-poll-us", str(busy_poll_us)],
-                    stdin=subprocess.DEVNULL, start_new_session=True, env=env)  # Ctrl-C reaches only the frontend
+                    stdin=subprocess.DEVNULL, start_new_session=True, env={**env, **gpu})  # Ctrl-C reaches only the frontend
         for address, proc in started.procs.items():
             wait_serving(address, proc, ready_timeout)
         yield started
