@@ -259,8 +259,17 @@ def run_frontend(fe: Frontend, table, args, device, vocab, hw, profile: bool) ->
     for row in rows:
         b = row["batch"]
         row["engine"] = engine_decode(fe, b, args.prompt, args.steps, args.warmup, vocab, profile=b == profiled)
-        if hw["hbm_bytes_per_s"]:
-            row["engine"]["vs_roofline"] = row["engine"]["tokens_per_s"] / row["roofline_tokens_per_s"]
+        graphs = fe.engine.graphs
+        if graphs is not None:  # the same engine launching every kernel itself: what the graphs save
+            row["engine"]["graphs"] = {"enabled": graphs.enabled, "captures": graphs.captures}
+            fe.engine.graphs = None
+            try:
+                row["engine_eager"] = engine_decode(fe, b, args.prompt, args.steps, args.warmup, vocab)
+            finally:
+                fe.engine.graphs = graphs
+        for mode in ("engine", "engine_eager"):
+            if hw["hbm_bytes_per_s"] and mode in row:
+                row[mode]["vs_roofline"] = row[mode]["tokens_per_s"] / row["roofline_tokens_per_s"]
     if profile:
         rows[args.batch_list.index(profiled)]["profile"] = profile_summary(fe.model, profiled, args.prompt, device, vocab)
     return rows
@@ -322,8 +331,8 @@ def main() -> None:
 
     rows = []
     print("decode tokens/s; model = the forward pass alone in a loop, engine = served (scheduler, sampling, streaming)")
-    print(f"{'batch':>5} {'transformers':>12} {'model':>8} {'no-predictor':>12} {'engine':>8} {'engine-disagg':>13} "
-          f"{'roofline':>9} {'engine/roof':>11} {'disagg/in-proc':>14}")
+    print(f"{'batch':>5} {'transformers':>12} {'model':>8} {'no-predictor':>12} {'engine':>8} {'no-graphs':>9} "
+          f"{'engine-disagg':>13} {'roofline':>9} {'engine/roof':>11} {'disagg/in-proc':>14}")
     for m, l, n, h in zip(mono_rows, local_rows, bare_rows, shm_rows):
         row = {"batch": m["batch"], "prompt": args.prompt, "transformers": m, "inprocess": l,
                "inprocess_no_predictor": n, "disaggregated_shm": h,
@@ -334,7 +343,8 @@ def main() -> None:
         rows.append(row)
         roof = l.get("roofline_tokens_per_s", float("nan"))
         print(f"{m['batch']:>5} {m['tokens_per_s']:>12.1f} {l['tokens_per_s']:>8.1f} {n['tokens_per_s']:>12.1f} "
-              f"{l['engine']['tokens_per_s']:>8.1f} {h['engine']['tokens_per_s']:>13.1f} {roof:>9.1f} "
+              f"{l['engine']['tokens_per_s']:>8.1f} {l.get('engine_eager', {}).get('tokens_per_s', float('nan')):>9.1f} "
+              f"{h['engine']['tokens_per_s']:>13.1f} {roof:>9.1f} "
               f"{l['engine'].get('vs_roofline', float('nan')):>11.2f} {row['disaggregated_vs_inprocess']:>14.2f}")
     by_batch = {r["batch"]: r for r in rows}
     goals = {}
@@ -353,7 +363,9 @@ def main() -> None:
                   method=f"model: median decode step of {args.steps} after {args.warmup} warm-up steps after a "
                          f"batched {args.prompt}-token prefill, greedy, the forward pass alone; engine: the same "
                          "through the engine as served (requests sent at once, median gap between a request's tokens "
-                         f"once all decode; the goals read these); {args.experts} expert-function processes on the "
+                         "once all decode; decode passes replayed as CUDA graphs on a GPU; the goals read these); "
+                         "engine_eager: the same engine launching every kernel (no graphs); "
+                         f"{args.experts} expert-function processes on the "
                          "same device through shared memory; roofline = bytes per step / measured HBM read "
                          "bandwidth (uniform routing); prefill roofline = FLOPs / measured bf16 matmul rate")
 

@@ -16,6 +16,7 @@ from kubemoe.checkpoint import Checkpoint, default_model_id
 from kubemoe.devices import resolve_device, resolve_dtype
 from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher
 from kubemoe.frontend.engine import Engine
+from kubemoe.frontend.graphs import DecodeGraphs
 from kubemoe.frontend.kv_cache import KVCacheConfig
 from kubemoe.frontend.loads import LoadRecorder
 from kubemoe.errors import KubemoeError
@@ -49,6 +50,7 @@ class FrontendConfig:
     max_waiting: int = 256
     max_step_tokens: int | None = None  # tokens one engine step computes (decode + prompt chunks); None: by device
     micro_batches: int = 1  # 2: two-batch overlap of attention and remote expert calls
+    cuda_graphs: bool = True  # on a GPU, decode passes replayed as CUDA graphs (graphs.py; one micro-batch, not offload)
     kv_cache_bytes: int | None = None  # the KV cache's budget; None: a fraction of free GPU memory, unbounded on CPU
     kv_cache_fraction: float = 0.9  # see frontend/kv_cache.py
     load_window_seconds: float = 30.0
@@ -114,12 +116,21 @@ class Frontend:
                              before_step=self.dispatcher.before_step, metrics=self.metrics, loads=self.loads,
                              micro_batches=config.micro_batches,
                              kv_cache=KVCacheConfig(config.kv_cache_bytes, config.kv_cache_fraction),
-                             on_forward=self.recorder.start_forward if self.recorder else None)
+                             on_forward=self.recorder.start_forward if self.recorder else None,
+                             graphs=self._decode_graphs())
         self._watch: asyncio.Task | None = None
         if self.offload and not (config.routing_table or config.routing_configmap):
             # Offload mode alone: every expert runs here. (The operator renders that table in a ConfigMap.)
             bundles = bundles_by_count(self.adapter.moe_layers, self.adapter.num_experts, 1)
             self.set_routing_table(table_for_bundles(self.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs where they apply: on a GPU, one micro-batch, experts not offloaded (the offload
+        executor's streams and copies are decided on the host per layer)."""
+        config = self.config
+        if not config.cuda_graphs or self.device.type != "cuda" or config.micro_batches > 1 or self.offload:
+            return None
+        return DecodeGraphs(self.model, lambda: self.dispatcher.generation)
 
     def _start_offload(self, offload: OffloadConfig):
         """The offload executor; bad settings (budget, predictor of another model) stop the start with a message."""

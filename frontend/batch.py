@@ -1,25 +1,29 @@
-"""The running batch's KV cache: sequences of different lengths, left-padded into one cache.
+"""The running batch's KV cache: one row per sequence in tensors allocated ahead, a column per position.
 
-Sequences join after their own prefill (their cache is padded on the left to the batch's length,
-or the batch's to theirs) and leave by batch index; columns that only padding uses are trimmed.
-The attention mask marks padding, and each sequence keeps its own positions, so every sequence
-decodes exactly as it would alone. Shapes: B = sequences, L = cache length (with padding).
+Every attention layer has one key and one value tensor [S, heads, W, head_dim]. Sequence i owns
+row i and keeps its tokens at columns 0..length-1, so a column is a position. A decode step writes
+each row's new key and value at that row's own position (one scatter per tensor) and attends over
+all W columns with a mask built from the positions on the device (causal, and the sliding window or
+chunks the model's config asks for), so every sequence decodes exactly as it would alone. Nothing is
+padded, concatenated or trimmed per step: a sequence joins after its own prefill (its cache copied
+into the next free row) and leaves by batch index (the rows after it move up). The tensors grow
+geometrically when a sequence or a column more does not fit, within the KV budget where there is
+one, and only then do their addresses change: that is what lets a decode pass be replayed as a CUDA
+graph over fixed addresses (graphs.py), with `generation` telling it when to capture again.
+
+Freshly allocated columns are zeros and every column a pass writes is a real key, so a masked column
+never holds a NaN: attention multiplies masked values by zero weights, and zero times NaN is NaN.
+Shapes: B = sequences, S = rows allocated (>= B), W = columns allocated (>= the longest sequence + 1).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
-
-
-def _pad_left(cache, n: int) -> None:
-    if n:
-        for layer in cache.layers:
-            layer.keys = F.pad(layer.keys, (0, 0, n, 0))
-            layer.values = F.pad(layer.values, (0, 0, n, 0))
+from transformers.masking_utils import causal_mask_function, chunked_causal_mask_function, sliding_window_causal_mask_function
 
 
 def _filled(cache) -> list[tuple[int, Any]]:  # (index, a transformers cache layer)
@@ -37,80 +41,206 @@ def split_rows(cache, rows: int) -> list:
     return split
 
 
+@dataclass(frozen=True)
+class DecodeMasks:
+    """Which attention masks a model's decode pass takes, read once from its config: one mask for every
+    layer, or (a model whose layers attend in several ways, e.g. Llama-4's chunked and full layers) one
+    per layer type, as `transformers`' own models build them from a padding mask."""
+
+    kinds: tuple[str, ...]  # layer types, one entry: a single mask
+    sliding_window: int | None
+    chunk_size: int | None
+
+    @classmethod
+    def of(cls, config) -> "DecodeMasks":
+        sliding = getattr(config, "sliding_window", None)
+        default = "sliding_attention" if sliding is not None else "full_attention"
+        kinds = tuple(dict.fromkeys(getattr(config, "layer_types", None) or [default]))
+        return cls(kinds, sliding, getattr(config, "attention_chunk_size", None))
+
+    def _function(self, kind: str, rows: int, device: torch.device) -> Callable:
+        if kind == "sliding_attention":
+            return sliding_window_causal_mask_function(self.sliding_window)
+        if kind == "chunked_attention":
+            return chunked_causal_mask_function(self.chunk_size, torch.zeros(rows, dtype=torch.long, device=device))
+        return causal_mask_function
+
+    def build(self, positions: torch.Tensor, width: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """[B, 1, 1, W] boolean masks (True: attend) for one query per row at `positions` [B]."""
+        rows, device = positions.shape[0], positions.device
+        batch = torch.arange(rows, device=device).view(-1, 1, 1, 1)
+        q = positions.view(-1, 1, 1, 1)
+        kv = torch.arange(width, device=device).view(1, 1, 1, -1)
+        masks = {kind: self._function(kind, rows, device)(batch, None, q, kv).expand(rows, 1, 1, width)
+                 for kind in self.kinds}
+        return masks if len(masks) > 1 else masks[self.kinds[0]]
+
+
+class SlotPass:
+    """transformers' cache interface for one decode pass over rows [0, R) of a BatchState's tensors:
+    each layer's update writes the new token's key and value at its row's position, and attention
+    reads every column (the mask hides the ones a row does not use)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], positions: torch.Tensor,
+                 seen: torch.Tensor):
+        self.keys, self.values, self.positions, self.seen = keys, values, positions, seen
+        self.rows = torch.arange(positions.shape[0], device=positions.device)
+
+    def update(self, key_states, value_states, layer_idx: int, kwargs=None):  # [R, h, 1, d] each
+        r = self.rows.shape[0]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[self.rows, :, self.positions] = key_states[:, :, 0]
+        values[self.rows, :, self.positions] = value_states[:, :, 0]
+        return keys[:r], values[:r]
+
+    def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
+        """The batch's longest sequence before this token, as a left-padded cache would say (Llama-4's
+        temperature-tuned layers read it); a device tensor, so a replayed graph sees the current one."""
+        return self.seen
+
+
+def _grown(have: int, need: int, floor: int) -> int:
+    return have if need <= have else max(need, 2 * have, floor)
+
+
 class BatchState:
-    def __init__(self) -> None:
-        self._clear()
+    """The running micro-batch's cache rows; `budget` (token positions, set by the engine where the KV
+    cache is bounded) caps how far the tensors grow ahead of what the batch needs."""
 
-    def _clear(self) -> None:
-        self.cache: DynamicCache | None = None  # [B, heads, L, head_dim] per layer; None while empty
-        self.mask: torch.Tensor | None = None  # [B, L], 1 = real token; None while empty
+    MIN_ROWS, MIN_COLUMNS = 4, 64
+
+    def __init__(self, masks: DecodeMasks | None = None) -> None:
+        self.masks = masks or DecodeMasks(("full_attention",), None, None)
+        self.budget: int | None = None
+        self.generation = 0  # bumped whenever the tensors move (a captured graph must be captured again)
+        self.keys: list[torch.Tensor] = []  # per attention layer [S, h, W, d]
+        self.values: list[torch.Tensor] = []
         self.lengths: list[int] = []  # real tokens per sequence (its next position)
-        self._before_decode: tuple[torch.Tensor, list[int]] | None = None  # (mask, lengths) before the last decode
-
-    def _joined(self) -> tuple[DynamicCache, torch.Tensor]:
-        """The cache and mask of a batch that holds sequences; an empty batch here is the caller's bug."""
-        if self.cache is None or self.mask is None:
-            raise RuntimeError("the batch holds no sequences: join one before decoding or keeping rows")
-        return self.cache, self.mask
+        self._before_decode: list[int] | None = None  # lengths before the last decode
+        self._inputs: torch.Tensor | None = None  # [3, S] int64 on the device: token, position, longest length
+        self._staging: torch.Tensor | None = None  # the same on the host (pinned where there is a GPU)
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     @property
     def width(self) -> int:
-        return 0 if self.mask is None else self.mask.shape[1]
+        """Positions the longest sequence holds: rows x width is what the scheduler admits by."""
+        return max(self.lengths, default=0)
+
+    @property
+    def capacity(self) -> tuple[int, int]:  # (rows, columns) allocated
+        return (self.keys[0].shape[0], self.keys[0].shape[2]) if self.keys else (0, 0)
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def reserve(self, rows: int, columns: int) -> None:
+        """Make room for `rows` sequences of `columns` positions: grow geometrically (less where the
+        budget forbids), copying what the batch holds, or nothing if it fits already."""
+        have_rows, have_columns = self.capacity
+        if rows <= have_rows and columns <= have_columns:
+            return
+        new_rows, new_columns = _grown(have_rows, rows, self.MIN_ROWS), _grown(have_columns, columns, self.MIN_COLUMNS)
+        if self.budget is not None:  # ahead of need only as far as the budget allows
+            while new_columns > columns and new_rows * new_columns > self.budget:
+                new_columns = max(columns, new_columns // 2)
+            while new_rows > rows and new_rows * new_columns > self.budget:
+                new_rows = max(rows, new_rows // 2)
+        used, longest = len(self), self.width
+
+        def moved(old: torch.Tensor) -> torch.Tensor:
+            new = old.new_zeros(new_rows, old.shape[1], new_columns, old.shape[3])
+            new[:used, :, :longest] = old[:used, :, :longest]
+            return new
+
+        self._allocate([moved(k) for k in self.keys], [moved(v) for v in self.values])
+
+    def _allocate(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        self.keys, self.values = keys, values
+        rows, device = keys[0].shape[0], keys[0].device
+        self._inputs = torch.zeros(3, rows, dtype=torch.long, device=device)
+        self._staging = torch.zeros(3, rows, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.generation += 1
+
+    def _first(self, cache, length: int) -> None:
+        """The tensors, shaped after the first sequence's cache (every architecture caches its own way)."""
+        layers = [l for _, l in _filled(cache)]
+        if len(layers) != len(cache.layers):
+            raise ValueError("every attention layer must have cached the prompt")
+        rows, columns = self.MIN_ROWS, max(self.MIN_COLUMNS, length + 1)
+
+        def empty(t: torch.Tensor) -> torch.Tensor:
+            return t.new_zeros(rows, t.shape[1], columns, t.shape[3])
+
+        self._allocate([empty(l.keys) for l in layers], [empty(l.values) for l in layers])
+
+    # -- sequences ------------------------------------------------------------------------------
 
     def join(self, cache, length: int) -> None:
-        """Append one sequence whose unpadded cache holds `length` tokens."""
-        mask = torch.ones(1, length, dtype=torch.long)
-        if self.cache is None:
-            self.cache, self.mask, self.lengths = cache, mask, [length]
-            return
-        width = max(self.width, length)
-        _pad_left(self.cache, width - self.width)
-        _pad_left(cache, width - length)
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([mine.keys, theirs.keys])
-            mine.values = torch.cat([mine.values, theirs.values])
-        self.mask = torch.cat([F.pad(self.mask, (width - self.width, 0)), F.pad(mask, (width - length, 0))])
+        """Append one sequence whose unpadded cache holds `length` tokens (copied into its row)."""
+        if not self.keys:
+            self._first(cache, length)
+        self.reserve(len(self) + 1, length + 1)
+        row = len(self)
+        for (_, layer), keys, values in zip(_filled(cache), self.keys, self.values):
+            keys[row, :, :length] = layer.keys[0, :, :length]
+            values[row, :, :length] = layer.values[0, :, :length]
         self.lengths.append(length)
 
     def keep(self, indices: list[int]) -> None:
-        """Keep only these sequences (in this order); drop padding no one needs any more."""
-        if not indices:
-            self._clear()
-            return
-        cache, mask = self._joined()
-        index = torch.tensor(indices)
-        self.mask = mask[index]
+        """Keep only these sequences, in this order: the rows that change place are copied, as far as
+        the longest of them reaches (one copy per tensor)."""
+        moves = [(to, frm) for to, frm in enumerate(indices) if to != frm]
+        if moves:
+            to, frm = (torch.tensor(side, device=self.keys[0].device) for side in zip(*moves))
+            reach = max(self.lengths[f] for _, f in moves)
+            for tensor in self.keys + self.values:
+                tensor[to, :, :reach] = tensor[frm, :, :reach]  # the right side is gathered before the write
         self.lengths = [self.lengths[i] for i in indices]
-        start = int(self.mask.any(0).long().argmax())  # first column some sequence really uses
-        for layer in cache.layers:
-            layer.keys = layer.keys[index, :, start:]
-            layer.values = layer.values[index, :, start:]
-        self.mask = self.mask[:, start:]
+
+    def _joined(self) -> None:
+        if not self.lengths:
+            raise RuntimeError("the batch holds no sequences: join one before decoding or keeping rows")
 
     def decode_inputs(self, tokens: list[int]) -> dict:
         """Model inputs for one decode step feeding `tokens` (one per sequence, batch order)."""
-        cache, mask = self._joined()
-        self._before_decode = (mask, self.lengths)
-        self.mask = F.pad(mask, (0, 1), value=1)
-        inputs = {
-            "input_ids": torch.tensor(tokens).view(-1, 1),
-            "attention_mask": self.mask,
-            "position_ids": torch.tensor(self.lengths).view(-1, 1),
-            "cache": cache,
-        }
+        self.advance(tokens)
+        return self.pass_inputs(len(self))
+
+    def advance(self, tokens: list[int], rows: int | None = None) -> None:
+        """Put one decode step's inputs on the device, feeding `tokens` (one per sequence, batch order),
+        for a pass over `rows` rows (default: the sequences; more pads the pass with one-token
+        sequences at position 0 in the spare rows, whose outputs nobody reads), and count the step."""
+        self._joined()
+        rows = rows or len(self)
+        self.reserve(rows, self.width + 1)
+        assert self._inputs is not None and self._staging is not None
+        self._before_decode = self.lengths
+        staging = self._staging
+        staging[:, :rows].zero_()
+        staging[0, :len(tokens)] = torch.tensor(tokens)
+        staging[1, :len(self)] = torch.tensor(self.lengths)
+        staging[2, 0] = self.width
+        self._inputs[:, :rows].copy_(staging[:, :rows], non_blocking=True)
         self.lengths = [n + 1 for n in self.lengths]
-        return inputs
+
+    def pass_inputs(self, rows: int) -> dict:
+        """The inputs of a pass over the first `rows` rows, from the device buffers as `advance` left
+        them: every tensor is a view of those buffers or made from them on the device, so a graph
+        captured over a pass replays with each step's values."""
+        assert self._inputs is not None
+        ids, positions, seen = self._inputs[0, :rows], self._inputs[1, :rows], self._inputs[2, 0]
+        columns = self.capacity[1]
+        return {
+            "input_ids": ids.view(-1, 1),
+            "position_ids": positions.view(-1, 1),
+            "attention_mask": self.masks.build(positions, columns),
+            "cache": SlotPass(self.keys, self.values, positions, seen),
+        }
 
     def undo_decode(self) -> None:
-        """Forget the last decode step, which failed part-way: the layers it reached had grown by one
-        column, so every layer is cut back to the width before it (DynamicCache.crop cuts every layer)."""
+        """Forget the last decode step, which failed part-way: the positions it wrote are past every
+        sequence's length again, hidden by the mask and overwritten by the next step."""
         if self._before_decode is None:
             raise RuntimeError("no decode step to undo: undo_decode follows decode_inputs")
-        cache, _ = self._joined()
-        self.mask, self.lengths = self._before_decode
-        for layer in cache.layers:
-            layer.keys = layer.keys[:, :, :self.width]
-            layer.values = layer.values[:, :, :self.width]
+        self.lengths = self._before_decode

@@ -47,6 +47,9 @@ _SERVING_OPTIONS = (  # what both commands serve with, in --help order
     click.option("--micro-batches", type=click.IntRange(1, 2), default=1, show_default=True,
                  help="2 decodes two half-batches on two threads so one's attention overlaps the other's remote "
                       "expert calls (experimental: slower than 1 in benchmarks/results/frontend_*.json so far)."),
+    click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+                 help="On a GPU, replay each decode pass as a CUDA graph captured once per batch size (with "
+                      "--micro-batches 1, not in offload mode); off: every kernel launched one by one."),
     click.option("--kv-cache-bytes", type=ByteSize(), default=None,
                  help="Memory for the running batch's KV cache (20Gi, 512Mi or bytes): requests are admitted while "
                       "it has room and the latest are preempted (recomputed later) when it runs out. Default: "
@@ -135,15 +138,15 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's).")
 def frontend_command(checkpoint, routing_table, routing_configmap, host, port, grpc_port, max_batch, max_step_tokens,
-                     micro_batches, kv_cache_bytes, kv_cache_fraction, shm_dir, predictor, prediction_distance, split_min_tokens, record_routing, record_max_mb,
-                     busy_poll_us, offload, gpu_budget, offload_predictor, offload_policy, model, name, device, dtype):
+                     micro_batches, cuda_graphs, kv_cache_bytes, kv_cache_fraction, shm_dir, predictor, prediction_distance,
+                     split_min_tokens, record_routing, record_max_mb, busy_poll_us, offload, gpu_budget, offload_predictor, offload_policy, model, name, device, dtype):
     """Serve a model: attention and routing here, routed experts per the routing table (or, with --offload,
     every expert here from host memory through a GPU cache)."""
     from kubemoe.expert_fn.shm import shared_folder
 
     shm_dir = shared_folder(shm_dir)  # a pod's folder in the node's /dev/shm is made by whichever pod comes first
     config = frontend_config(checkpoint, routing_table, routing_configmap, max_batch, max_step_tokens, micro_batches,
-                             kv_cache_bytes,
+                             cuda_graphs, kv_cache_bytes,
                              kv_cache_fraction, shm_dir, predictor,
                              prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us,
                              offload, gpu_budget, offload_predictor, offload_policy, model, name, device, dtype)
@@ -151,7 +154,7 @@ def frontend_command(checkpoint, routing_table, routing_configmap, host, port, g
 
 
 def frontend_config(checkpoint, routing_table, routing_configmap, max_batch, max_step_tokens, micro_batches,
-                    kv_cache_bytes,
+                    cuda_graphs, kv_cache_bytes,
                     kv_cache_fraction, shm_dir, predictor,
                     prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us, offload,
                     gpu_budget, offload_predictor, offload_policy, model, name, device, dtype):
@@ -165,8 +168,8 @@ def frontend_config(checkpoint, routing_table, routing_configmap, max_batch, max
                                "neither is needed: every expert runs here)")
     return FrontendConfig(checkpoint=checkpoint, model=model, name=name, routing_table=routing_table,
                           routing_configmap=routing_configmap, dtype=dtype, device=device, max_batch=max_batch,
-                          max_step_tokens=max_step_tokens, micro_batches=micro_batches, shm_dir=shm_dir, busy_poll_us=busy_poll_us,
-                          split_min_tokens=split_min_tokens, kv_cache_bytes=kv_cache_bytes,
+                          max_step_tokens=max_step_tokens, micro_batches=micro_batches, cuda_graphs=cuda_graphs,
+                          shm_dir=shm_dir, busy_poll_us=busy_poll_us, split_min_tokens=split_min_tokens, kv_cache_bytes=kv_cache_bytes,
                           kv_cache_fraction=kv_cache_fraction,
                           offload=_offload_config(offload, gpu_budget, offload_predictor, offload_policy),
                           **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
@@ -184,7 +187,7 @@ def _prediction_fields(predictor, prediction_distance, record_routing, record_ma
 @click.option("--experts", default=2, show_default=True, help="Local expert-function processes.")
 @serving_options
 def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, max_step_tokens, micro_batches,
-                  kv_cache_bytes, kv_cache_fraction, shm_dir, predictor,
+                  cuda_graphs, kv_cache_bytes, kv_cache_fraction, shm_dir, predictor,
                   prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us, offload,
                   gpu_budget, offload_predictor, offload_policy):
     """Run everything locally: a frontend and expert functions over gRPC on loopback (with --offload: the
@@ -215,7 +218,8 @@ def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, m
         table = Path(tmp) / "routing.json"
         table.write_text(to_json(table_for_bundles(model, bundles, experts.addresses)))
         config = FrontendConfig(checkpoint=checkpoint, routing_table=table, max_batch=max_batch,
-                                max_step_tokens=max_step_tokens, micro_batches=micro_batches, kv_cache_bytes=kv_cache_bytes,
+                                max_step_tokens=max_step_tokens, micro_batches=micro_batches, cuda_graphs=cuda_graphs,
+                                kv_cache_bytes=kv_cache_bytes,
                                 kv_cache_fraction=kv_cache_fraction, shm_dir=shm_dir, busy_poll_us=busy_poll_us,
                                 split_min_tokens=split_min_tokens, **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
         _serve(config, host, port, grpc_port,

@@ -37,6 +37,7 @@ from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.expert_fn.errors import lacking_of
+from kubemoe.frontend.graphs import Recorder, recording
 from kubemoe.frontend.loads import LoadRecorder
 from kubemoe.frontend.loop_thread import LoopThread
 from kubemoe.frontend.tally import DeviceTally
@@ -174,6 +175,7 @@ class Dispatcher:
         self._local: dict[tuple[int, int], ExpertWeights] = {}
         # Layers with every expert in this process: their weights stacked for one grouped computation.
         self._stacked: dict[int, StackedExperts] = {}
+        self.generation = 0  # bumped when _stacked changes: a captured decode graph reads those weights
         self.tally = DeviceTally(adapter.num_experts, self._record_counts)
         loads.before_report.append(self.tally.flush)
         self._replicas: dict[str, Replica] = {}
@@ -235,6 +237,7 @@ class Dispatcher:
         whole = {layer for layer in self.adapter.moe_layers if all((layer, e) in wanted for e in experts)}
         for layer in self._stacked.keys() - whole:  # keep what stays wanted, in memory of its own
             del self._stacked[layer]
+            self.generation += 1
             for e in experts:
                 if (layer, e) in self._local:
                     w = self._local[(layer, e)]
@@ -251,6 +254,7 @@ class Dispatcher:
                 stack.down[e].copy_(held.down)
                 self._local[(layer, e)] = stack.expert(e)  # the separate copy, if any, is freed here
             self._stacked[layer] = stack
+            self.generation += 1
 
     def before_step(self) -> None:
         """Between engine steps: take a new routing table, flush the device tallies now and then."""
@@ -274,11 +278,12 @@ class Dispatcher:
             if self._routes is None:
                 raise DispatchError("no routing table yet: the frontend is not ready")
         weight_on_input = self.adapter.routing.weight_on_input
+        recorder = recording()
+        if recorder is not None:
+            return self._run_recorded(recorder, layer, hidden, top_k_index, top_k_weights)
         stack = self._stacked.get(layer)
         if stack is not None:  # every expert here: nothing in this branch waits for the device
-            counts = expert_counts(top_k_index, self.adapter.num_experts)  # [E]
-            self.tally.add(layer, counts)
-            self._observe(layer, hidden, top_k_index, top_k_weights)
+            counts = self._count_stacked(layer, hidden, top_k_index, top_k_weights)
             return grouped_ffn(hidden, top_k_index, top_k_weights, stack, self.adapter.act, weight_on_input, counts)
         groups = group_tokens(top_k_index)
         self._record_counts(layer, [(g.expert, g.count) for g in groups])
@@ -302,6 +307,33 @@ class Dispatcher:
                 combine(out, top_k_weights, g, y, weight_on_input)
         if calls is not None:
             self._gather(calls, out, top_k_weights, weight_on_input, every_pair=not local)
+        return out
+
+    def _count_stacked(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:  # -> [E] tokens per expert, on the device
+        counts = expert_counts(top_k_index, self.adapter.num_experts)
+        self.tally.add(layer, counts)
+        self._observe(layer, hidden, top_k_index, top_k_weights)
+        return counts
+
+    def _run_recorded(self, recorder: Recorder, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The layer in a pass run as a CUDA graph program (graphs.py): captured whole where every expert
+        is here (its counting and observers after the pass, on the real rows), else a cut whose host
+        work is this layer's ordinary path on the real rows, replying into a buffer the graph reads."""
+        stack = self._stacked.get(layer)
+        if stack is not None:
+            recorder.after(lambda rows: self._count_stacked(layer, hidden[:rows], top_k_index[:rows],
+                                                            top_k_weights[:rows]))
+            return grouped_ffn(hidden, top_k_index, top_k_weights, stack, self.adapter.act,
+                               self.adapter.routing.weight_on_input)
+        out = torch.empty_like(hidden)
+
+        def call(rows: int) -> None:
+            out[:rows] = self.run_layer(layer, hidden[:rows], top_k_index[:rows], top_k_weights[:rows])
+            out[rows:] = 0  # the spare rows' next layers read it: finite, whatever was here before
+
+        recorder.cut(call)
         return out
 
     def _gather(self, calls: concurrent.futures.Future, out: torch.Tensor, top_k_weights: torch.Tensor,

@@ -27,9 +27,10 @@ from typing import AsyncIterator, Callable
 import torch
 from transformers import DynamicCache
 
-from kubemoe.frontend.batch import BatchState, split_rows
+from kubemoe.frontend.batch import BatchState, DecodeMasks, split_rows
 from kubemoe.frontend.records import ForwardRows
 from kubemoe.frontend.sampling import SamplingParams, greedy_tokens, sample_next
+from kubemoe.frontend.graphs import DecodeGraphs
 from kubemoe.frontend.kv_cache import KVCacheConfig
 from kubemoe.frontend.scheduler import (Chunk, QueueFull, Scheduler, SchedulerConfig, StepPlan, cached_tokens,
                                         chunk_groups)
@@ -86,7 +87,7 @@ class Sequence:
 class MicroBatch:
     """A share of the running sequences with its own KV cache, decoded by its own forward pass."""
 
-    state: BatchState = field(default_factory=BatchState)
+    state: BatchState
     seqs: list[Sequence] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # each sequence's last token, batch order
 
@@ -126,7 +127,8 @@ def _deliver(deliveries: list[tuple[asyncio.Queue, Delta]]) -> None:
 class Engine:
     def __init__(self, model, tokenizer, eos_ids: set[int], max_context: int,
                  scheduler: SchedulerConfig = SchedulerConfig(), before_step=None, metrics=None, loads=None,
-                 micro_batches: int = 1, on_forward=None, kv_cache: KVCacheConfig = KVCacheConfig()):
+                 micro_batches: int = 1, on_forward=None, kv_cache: KVCacheConfig = KVCacheConfig(),
+                 graphs: DecodeGraphs | None = None):
         self.model, self.tokenizer, self.eos_ids, self.max_context = model, tokenizer, eos_ids, max_context
         self.scheduler: Scheduler[Sequence] = Scheduler(scheduler)
         self.before_step = before_step  # e.g. the dispatcher switching routing tables between steps
@@ -134,19 +136,28 @@ class Engine:
         self.on_forward = on_forward  # callable(ForwardRows) before each forward pass: whose rows it computes
         self.device = next(model.parameters()).device
         self.kv_cache = kv_cache
+        if graphs is not None and micro_batches > 1:
+            raise ValueError("CUDA graphs decode one micro-batch: give micro_batches=1 or no graphs")
+        self.graphs = graphs  # decode passes replayed as CUDA graphs (graphs.py); None: launched one by one
         self.kv_bytes_per_token: int | None = None  # measured on the first prefill (every architecture caches its own way)
         self.kv_budget: int | None = None  # bytes; None: unbounded
         self.scheduler.measuring = kv_cache.bounded(self.device)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         # Two micro-batches overlap: while one waits for its remote experts, the other runs its
         # attention (the two-batch overlap of DeepSeek-V3 and SGLang). One is plain batching.
-        self.micro = [MicroBatch() for _ in range(micro_batches)]
+        self.masks = DecodeMasks.of(model.config)
+        self.micro = [self._micro_batch() for _ in range(micro_batches)]
         self._pool = ThreadPoolExecutor(micro_batches, thread_name_prefix="kubemoe-micro") if micro_batches > 1 else None
         self._wake = threading.Condition()
         self._outbox = Outbox()  # filled and flushed on the engine thread
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="kubemoe-engine", daemon=True)
         self._thread.start()
+
+    def _micro_batch(self) -> MicroBatch:
+        state = BatchState(self.masks)
+        state.budget = self.scheduler.kv_capacity
+        return MicroBatch(state)
 
     # -- asyncio side ---------------------------------------------------------------------------
 
@@ -213,7 +224,7 @@ class Engine:
                 # step's requests loudly, with fresh micro-batches, and keep serving the queue
                 log.exception("engine step failed")
                 with self._wake:
-                    self.micro = [MicroBatch() for _ in self.micro]
+                    self.micro = [self._micro_batch() for _ in self.micro]
                 self._fail([(seq, _message(e)) for seq in plan.decode + plan.prefill])
 
     @torch.inference_mode()
@@ -306,6 +317,8 @@ class Engine:
             capacity = self.kv_budget // self.kv_bytes_per_token
             with self._wake:
                 self.scheduler.kv_capacity = capacity
+                for mb in self.micro:
+                    mb.state.budget = capacity
                 for seq in self.scheduler.running + self.scheduler.prefilling + list(self.scheduler.waiting):
                     self._cap_generation(seq)
             log.info("KV cache: %d bytes per token, budget %d bytes = %d token positions", self.kv_bytes_per_token,
@@ -329,6 +342,8 @@ class Engine:
             if self.kv_bytes_per_token is None or len(batch) < 2:
                 return False
             self.scheduler.kv_capacity = int(held * 0.9)
+            for mb in self.micro:
+                mb.state.budget = self.scheduler.kv_capacity
         log.warning("out of device memory with %d cached tokens (%s): the KV cache's capacity is now %d tokens",
                     held, error, self.scheduler.kv_capacity)
         if self.device.type == "cuda":
@@ -356,9 +371,12 @@ class Engine:
                                             tuple(len(s.prompt_ids) + len(s.generated) - 1 for s in mb.seqs),
                                             (1,) * len(mb.seqs)))
             try:
-                inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                          for k, v in mb.state.decode_inputs(mb.tokens).items()}
-                return self.model(**inputs, use_cache=True).logits[:, -1]
+                graphs = self.graphs
+                rows = graphs.rows(len(mb.seqs)) if graphs else None
+                if graphs is None or rows is None:
+                    return self.model(**mb.state.decode_inputs(mb.tokens), use_cache=True).logits[:, -1]
+                mb.state.advance(mb.tokens, rows)
+                return graphs.decode(mb.state, rows, len(mb.seqs))
             except Exception as e:  # noqa: BLE001 - handed back: the step decides whom it ends
                 return e
 

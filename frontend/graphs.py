@@ -1,0 +1,185 @@
+"""CUDA graphs for the decode pass: a step's kernels replayed in a few launches, not launched one by one.
+
+On the H200 a 2-layer Mixtral decode pass took 3.4-4.6 ms at every batch size while its kernels
+needed 0.5-1.5 ms (frontend_decode.py): the host launching hundreds of small kernels through
+`transformers`' modules was the step. A captured graph launches them at once.
+
+A pass over a given number of rows is captured into a *program*: segments of captured kernels,
+with *cuts* between them where the host must act when it is replayed.
+- A layer whose experts all run in this process is captured whole (the grouped GEMM); the host work
+  beside it (tokens per expert, the load predictor, routing records) runs after the last segment,
+  on the real rows only (`Recorder.after`).
+- A layer whose experts run elsewhere is a cut (`Recorder.cut`): at replay the real rows go out
+  through the dispatcher's usual path, and the reply lands in the buffer the next segment reads.
+A batch of 5 replays the program of 8 rows (ROW_BUCKETS); the 3 spare rows are one-token sequences
+in spare cache rows (batch.py) that nothing but the graph sees. Programs hold for one cache
+allocation and one set of in-process expert weights (`generation`): when either moves, they are
+captured again.
+
+The first step at a new size runs the program eagerly (the same code, each cut at once) on the
+capture stream: that is the step itself and the warm-up a capture needs. The capture follows, and
+the next step of that size replays it. A capture that fails switches graphs off for the frontend,
+logged once, and decoding goes on eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+import torch
+
+from kubemoe.frontend.batch import BatchState
+
+log = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+
+Cut = Callable[[int], None]  # host work in a program, given the number of real rows
+
+_current = threading.local()
+
+
+def recording() -> "Recorder | None":
+    """The recorder of the pass that this thread runs as a program, else None (an ordinary pass)."""
+    return getattr(_current, "recorder", None)
+
+
+class Recorder:
+    """What a pass run as a program gives its layers. Eager (the first run): a cut runs at once, an
+    `after` at the end of the pass. Capturing: a cut ends the segment being captured and starts the
+    next; both are kept for the replays."""
+
+    def __init__(self, rows: int, pool=None, capturing: bool = False):
+        self.rows, self.pool, self.capturing = rows, pool, capturing
+        self.segments: list[torch.cuda.CUDAGraph] = []
+        self.cuts: list[Cut] = []
+        self.afters: list[Cut] = []
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def cut(self, fn: Cut) -> None:
+        if not self.capturing:
+            _outside(fn, self.rows)
+            return
+        self._end()
+        self.cuts.append(fn)
+        self._begin()
+
+    def after(self, fn: Cut) -> None:
+        self.afters.append(fn)
+
+    def _begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def _end(self) -> None:
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            graph.capture_end()
+            self.segments.append(graph)
+
+    def run_afters(self) -> None:
+        for fn in self.afters:
+            _outside(fn, self.rows)
+
+
+def _outside(fn: Cut, rows: int) -> None:
+    """Host work runs as an ordinary pass would run it, not recorded again."""
+    recorder, _current.recorder = recording(), None
+    try:
+        fn(rows)
+    finally:
+        _current.recorder = recorder
+
+
+@dataclass
+class Program:
+    segments: list[torch.cuda.CUDAGraph]
+    cuts: list[Cut]  # cuts[i] runs between segments[i] and segments[i + 1]
+    afters: list[Cut]
+    logits: torch.Tensor  # [rows, V], written by the last segment
+
+    def replay(self, rows: int) -> torch.Tensor:  # -> logits of the real rows [rows, V]
+        for i, graph in enumerate(self.segments):
+            if i:
+                self.cuts[i - 1](rows)
+            graph.replay()
+        for fn in self.afters:
+            fn(rows)
+        return self.logits[:rows]
+
+
+def padded_rows(rows: int, max_rows: int = ROW_BUCKETS[-1]) -> int | None:
+    """The program size a pass of `rows` runs at; None beyond the largest (decoded eagerly)."""
+    i = bisect.bisect_left(ROW_BUCKETS, rows)
+    return ROW_BUCKETS[i] if i < len(ROW_BUCKETS) and ROW_BUCKETS[i] <= max_rows else None
+
+
+class DecodeGraphs:
+    """Decode passes as replayed programs, one per row bucket, for one BatchState at a time."""
+
+    def __init__(self, model: torch.nn.Module, generation: Callable[[], Hashable], max_rows: int = ROW_BUCKETS[-1]):
+        self.model = model
+        self.generation = generation  # the in-process expert weights' (the dispatcher's): programs read them
+        self.max_rows = max_rows
+        self.enabled = True
+        self.captures = 0
+        self._programs: dict[int, Program] = {}
+        self._key: Hashable = None
+        self._pool = None
+        self._stream = torch.cuda.Stream()
+
+    def rows(self, rows: int) -> int | None:
+        """The rows to prepare a pass of `rows` sequences for; None: decode it as an ordinary pass."""
+        return padded_rows(rows, self.max_rows) if self.enabled else None
+
+    def decode(self, state: BatchState, padded: int, rows: int) -> torch.Tensor:  # -> logits [rows, V]
+        """One decode pass over `state`'s inputs, prepared for `padded` rows (state.advance)."""
+        key = (id(state), state.generation, self.generation())
+        if key != self._key:  # the cache or the weights moved: every program reads old addresses
+            self._programs.clear()
+            self._key, self._pool = key, torch.cuda.graph_pool_handle()
+        program = self._programs.get(padded)
+        if program is not None:
+            return program.replay(rows)
+        logits = self._eager(state, padded, rows)
+        try:
+            self._programs[padded] = self._capture(state, padded, rows)
+            self.captures += 1
+        except Exception:  # noqa: BLE001 - graphs are a speed-up: without them the engine decodes as before
+            log.exception("capturing the decode pass of %d rows failed: CUDA graphs are off for this frontend", padded)
+            self.enabled = False
+            self._programs.clear()
+        return logits
+
+    def _pass(self, state: BatchState, padded: int, recorder: Recorder) -> torch.Tensor:
+        _current.recorder = recorder
+        try:
+            return self.model(**state.pass_inputs(padded), use_cache=True, logits_to_keep=1).logits[:, -1]
+        finally:
+            _current.recorder = None
+
+    def _eager(self, state: BatchState, padded: int, rows: int) -> torch.Tensor:
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            recorder = Recorder(rows)
+            logits = self._pass(state, padded, recorder)[:rows]
+            recorder.run_afters()
+        torch.cuda.current_stream().wait_stream(stream)
+        return logits
+
+    def _capture(self, state: BatchState, padded: int, rows: int) -> Program:
+        torch.cuda.synchronize()
+        recorder = Recorder(rows, self._pool, capturing=True)
+        with torch.cuda.stream(self._stream):
+            recorder._begin()
+            try:
+                logits = self._pass(state, padded, recorder)
+            finally:
+                recorder._end()  # a failed capture raises here too; the graph is dropped
+        torch.cuda.synchronize()
+        return Program(recorder.segments, recorder.cuts, recorder.afters, logits)
