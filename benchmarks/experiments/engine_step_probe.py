@@ -4,8 +4,8 @@
 On the H200 at 561a154, batch 32: the forward pass alone in a loop took 4.2 ms a step, the engine as served
 9.0 ms. This splits the difference, per batch size, in-process experts:
 - `forward`: frontend_decode's `model` column (the forward pass alone, synchronised each step);
-- `forward_engine_inputs`: the same forward fed what the engine feeds it (a batch joined row by row, its
-  padding mask and positions, moved to the device each step), and once more without the mask;
+- `forward_engine_inputs`: the same forward fed what the engine feeds it (a batch joined row by row into
+  its cache rows, the positions and the mask made from them each step), launched op by op;
 - `engine`: served as frontend_decode serves it; the engine thread's step split into the decode pass
   (`_decode`), the output handling (`_advance_all`: the tokens read back, detokenised, streamed) and
   the rest, each a median over the measured steps;
@@ -38,14 +38,15 @@ from kubemoe.synth import make_checkpoint  # noqa: E402
 
 
 @torch.inference_mode()
-def forward_engine_inputs(model, batch: int, prompt: int, steps: int, device, vocab: int, mask: bool) -> float:
+def forward_engine_inputs(fe: Frontend, batch: int, prompt: int, steps: int, device, vocab: int) -> float:
     """Median ms of a decode step fed as Engine._decode feeds it (rows joined into a BatchState)."""
     from transformers import DynamicCache
 
+    model = fe.model
     ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(0)).to(device)
     cache = DynamicCache()
     logits = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
-    state = BatchState()
+    state = BatchState(fe.engine.masks)
     for row in split_rows(cache, batch):
         state.join(row, prompt)
     times = []
@@ -53,10 +54,7 @@ def forward_engine_inputs(model, batch: int, prompt: int, steps: int, device, vo
         sync(device)
         start = time.perf_counter()
         tokens = logits.argmax(-1).tolist()
-        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.decode_inputs(tokens).items()}
-        if not mask:
-            inputs.pop("attention_mask")
-        logits = model(**inputs, use_cache=True).logits[:, -1]
+        logits = model(**state.decode_inputs(tokens), use_cache=True).logits[:, -1]
         sync(device)
         if step >= 3:
             times.append((time.perf_counter() - start) * 1e3)
@@ -142,9 +140,7 @@ def main() -> None:
         try:
             for b in batches:
                 row = {"batch": b, "forward_ms": decode_rate(fe.model, b, args.prompt, args.steps, 5, device, vocab)["step_ms"],
-                       "forward_engine_inputs_ms": forward_engine_inputs(fe.model, b, args.prompt, args.steps, device, vocab, True),
-                       "forward_engine_inputs_no_mask_ms": forward_engine_inputs(fe.model, b, args.prompt, args.steps,
-                                                                                 device, vocab, False),
+                       "forward_engine_inputs_ms": forward_engine_inputs(fe, b, args.prompt, args.steps, device, vocab),
                        "engine": engine_split(fe, b, args.prompt, args.steps, 5, vocab),
                        "engine_device_busy_ms_per_step": engine_device_busy(fe, b, args.prompt, 5, vocab, device)}
                 print(json.dumps(row), flush=True)

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Where a graphed decode pass's device time goes (issue 17), in-process experts, per batch size.
+
+With CUDA graphs (frontend/graphs.py) the engine's step at batch 32 stayed near the forward pass's
+device time, far above the roofline: this measures that time and splits it.
+- `graph_ms`: one replayed decode pass (the program of its row bucket), device events around it;
+- `eager_ms`: the same pass launched op by op (host-bound where the graph is not);
+- `ops`: torch.profiler's device time per op over eager passes (what the graph replays), top by time;
+- `moe_ms`: one MoE layer's routed experts at this batch's tokens: the grouped GEMM (`grouped_ffn`)
+  against every expert computed densely for every token (`torch.bmm` over the stacked weights,
+  weighted by a dense [T, E] routing matrix), beside the bytes the layer's active experts must read
+  at the measured HBM bandwidth.
+
+  python benchmarks/experiments/decode_step_probe.py --device cuda --preset mixtral-4l --layers 2  # $OUT/decode_step_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from frontend_decode import add_model_arguments, cut_preset, hardware  # noqa: E402
+
+from kubemoe.bundles import bundles_by_count  # noqa: E402
+from kubemoe.frontend.app import Frontend, FrontendConfig  # noqa: E402
+from kubemoe.frontend.batch import BatchState, split_rows  # noqa: E402
+from kubemoe.frontend.graphs import DecodeGraphs, padded_rows  # noqa: E402
+from kubemoe.moe import grouped_ffn  # noqa: E402
+from kubemoe.routing_table import LOCAL, table_for_bundles  # noqa: E402
+from kubemoe.synth import make_checkpoint  # noqa: E402
+
+
+def device_ms(fn, repeats: int = 20) -> float:
+    """Median ms between CUDA events around `fn` (after two warm-up calls)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def joined(fe: Frontend, batch: int, prompt: int, vocab: int) -> BatchState:
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(0)).to("cuda")
+    cache = DynamicCache()
+    fe.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    state = BatchState(fe.engine.masks)
+    for row in split_rows(cache, batch):
+        state.join(row, prompt)
+    return state
+
+
+@torch.inference_mode()
+def moe_times(fe: Frontend, tokens: int, hbm: float) -> dict:
+    a, d = fe.adapter, fe.dispatcher
+    stack = d._stacked[a.moe_layers[0]]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(tokens, a.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
+    weights, index = torch.randn(tokens, a.num_experts, device="cuda", generator=g).softmax(-1).topk(a.top_k, dim=-1)
+    dense_w = torch.zeros(tokens, a.num_experts, device="cuda").scatter_(1, index, weights)  # [T, E]
+    gate_up_t, down_t = stack.gate_up.transpose(1, 2), stack.down.transpose(1, 2)  # [E, H, 2I], [E, I, H]
+
+    def dense():
+        x = hidden.expand(a.num_experts, -1, -1)  # [E, T, H]
+        gate, up = torch.bmm(x, gate_up_t).chunk(2, dim=-1)
+        y = torch.bmm(a.act(gate) * up, down_t)  # [E, T, H]
+        return torch.einsum("eth,te->th", y.float(), dense_w).to(hidden.dtype)
+
+    grouped = grouped_ffn(hidden, index, weights, stack, a.act, a.routing.weight_on_input)
+    err = ((dense().float() - grouped.float()).norm() / grouped.float().norm()).item()
+    active = torch.unique(index).numel()
+    bound = active * a.expert_bytes(fe.dtype) / hbm * 1e3
+    return {"tokens": tokens, "active_experts": active, "bound_ms": bound,
+            "grouped_ms": device_ms(lambda: grouped_ffn(hidden, index, weights, stack, a.act, a.routing.weight_on_input)),
+            "dense_ms": device_ms(dense), "dense_vs_grouped_rel_err": err}
+
+
+@torch.inference_mode()
+def probe(fe: Frontend, batch: int, prompt: int, vocab: int) -> dict:
+    graphs = DecodeGraphs(fe.model, lambda: fe.dispatcher.generation)
+    state = joined(fe, batch, prompt, vocab)
+    padded = padded_rows(batch)
+    tokens = [1] * batch
+
+    def graphed():
+        state.advance(tokens, padded)
+        graphs.decode(state, padded, batch)
+
+    graph_ms = device_ms(graphed)
+    eager_state = joined(fe, batch, prompt, vocab)
+    eager_ms = device_ms(lambda: fe.model(**eager_state.decode_inputs(tokens), use_cache=True).logits)
+    from torch.profiler import ProfilerActivity, profile
+
+    passes = 3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(passes):
+            fe.model(**eager_state.decode_inputs(tokens), use_cache=True)
+        torch.cuda.synchronize()
+
+    def own(e) -> float:
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    events = [e for e in prof.key_averages() if own(e) > 0 and e.key.startswith("aten::")]
+    ops = sorted(events, key=own, reverse=True)[:14]
+    return {"batch": batch, "rows": padded, "graph_ms": graph_ms, "eager_ms": eager_ms,
+            "graph_device_ms_by_ops": sum(own(e) for e in events) / 1e3 / passes,
+            "ops": [{"op": e.key, "calls_per_pass": e.count / passes, "device_ms_per_pass": own(e) / 1e3 / passes}
+                    for e in ops]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    preset = cut_preset(args.arch, args.preset, args.layers)
+    hw = hardware(torch.device("cuda"))
+    result = {"preset": preset.name, "hardware": hw, "rows": [], "moe": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_checkpoint(preset, Path(tmp) / preset.name, progress=False)
+        fe = Frontend(FrontendConfig(checkpoint=ckpt, device="cuda", predictor="none", cuda_graphs=False))
+        bundles = bundles_by_count(fe.adapter.moe_layers, fe.adapter.num_experts, 1)
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
+        fe.dispatcher.apply_pending()
+        vocab = fe.model.config.vocab_size
+        for b in [int(x) for x in args.batches.split(",")]:
+            row = probe(fe, b, args.prompt, vocab)
+            moe = moe_times(fe, b, hw["hbm_bytes_per_s"])
+            result["rows"].append(row)
+            result["moe"].append(moe)
+            print(f"batch {b:>3} (rows {row['rows']}): graph {row['graph_ms']:.2f} ms, eager {row['eager_ms']:.2f} ms, "
+                  f"device by ops {row['graph_device_ms_by_ops']:.2f} ms | MoE layer at {b} tokens: grouped "
+                  f"{moe['grouped_ms']:.3f} ms, dense {moe['dense_ms']:.3f} ms, bound {moe['bound_ms']:.3f} ms "
+                  f"({moe['active_experts']} experts; rel err {moe['dense_vs_grouped_rel_err']:.1e})")
+            for op in row["ops"][:8]:
+                print(f"      {op['op']:<40} {op['calls_per_pass']:>5.0f} calls {op['device_ms_per_pass']:>7.3f} ms")
+        fe.close()
+    Path(args.out, "decode_step_probe.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
