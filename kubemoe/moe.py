@@ -11,12 +11,14 @@ E = experts, I = expert intermediate size.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from kubemoe import moe_kernels
 from kubemoe.expert import ExpertWeights, expert_ffn
 
 
@@ -120,6 +122,19 @@ def can_group(dtype: torch.dtype, device: torch.device, hidden: int, intermediat
     return all(n * dtype.itemsize % 16 == 0 for n in (hidden, 2 * intermediate, intermediate))
 
 
+@functools.lru_cache(maxsize=None)
+def _small_kernel(device: torch.device) -> bool:
+    return moe_kernels.available(device)
+
+
+def _grouped_mm(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """x [S, K] sorted by expert, weights [E, N, K], ends [E] -> [S, N]: a decode-sized S on a GPU by
+    kubemoe's kernel (moe_kernels.py), else torch's grouped GEMM."""
+    if x.shape[0] <= moe_kernels.GROUPED_SMALL_ROWS and _small_kernel(x.device):
+        return moe_kernels.grouped_mm_small(x, weights, ends)
+    return F.grouped_mm(x, weights.transpose(-2, -1), offs=ends)
+
+
 def grouped_ffn(
     hidden: torch.Tensor,  # [T, H]
     top_k_index: torch.Tensor,  # [T, K]
@@ -145,8 +160,8 @@ def grouped_ffn(
     if counts is None:
         counts = expert_counts(experts_sorted, experts.num_experts)
     offsets = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert's group
-    gate, up = F.grouped_mm(x, experts.gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)  # [S, I] each
-    y = F.grouped_mm(act(gate) * up, experts.down.transpose(-2, -1), offs=offsets)  # [S, H]
+    gate, up = _grouped_mm(x, experts.gate_up, offsets).chunk(2, dim=-1)  # [S, I] each
+    y = _grouped_mm(act(gate) * up, experts.down, offsets)  # [S, H]
     if not weight_on_input:
         y = y * weights  # float32, as `combine` weighs
     unsorted = torch.empty_like(y)

@@ -6,6 +6,9 @@ device time, far above the roofline: this measures that time and splits it.
 - `graph_ms`: one replayed decode pass (the program of its row bucket), device events around it;
 - `eager_ms`: the same pass launched op by op (host-bound where the graph is not);
 - `ops`: torch.profiler's device time per op over eager passes (what the graph replays), top by time;
+- `kernels`: kubemoe's small grouped GEMM (kubemoe/moe_kernels.py) at several block shapes against
+  torch's grouped GEMM, per number of rows, on a layer's gate_up and down weights, beside the bound
+  (the active experts' weight bytes at the measured HBM bandwidth);
 - `moe_ms`: one MoE layer's routed experts at this batch's tokens: the grouped GEMM (`grouped_ffn`)
   against every expert computed densely for every token (`torch.bmm` over the stacked weights,
   weighted by a dense [T, E] routing matrix), beside the bytes the layer's active experts must read
@@ -17,6 +20,7 @@ device time, far above the roofline: this measures that time and splits it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -34,6 +38,7 @@ from kubemoe.frontend.app import Frontend, FrontendConfig  # noqa: E402
 from kubemoe.frontend.batch import BatchState, split_rows  # noqa: E402
 from kubemoe.frontend.graphs import DecodeGraphs, padded_rows  # noqa: E402
 from kubemoe.moe import grouped_ffn  # noqa: E402
+from kubemoe.moe_kernels import grouped_mm_small  # noqa: E402
 from kubemoe.routing_table import LOCAL, table_for_bundles  # noqa: E402
 from kubemoe.synth import make_checkpoint  # noqa: E402
 
@@ -91,6 +96,43 @@ def moe_times(fe: Frontend, tokens: int, hbm: float) -> dict:
             "dense_ms": device_ms(dense), "dense_vs_grouped_rel_err": err}
 
 
+CONFIGS = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3), (64, 256, 8, 3), (32, 256, 4, 3)]
+
+
+@torch.inference_mode()
+def kernel_sweep(fe: Frontend, hbm: float) -> list[dict]:
+    a = fe.adapter
+    stack = fe.dispatcher._stacked[a.moe_layers[0]]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    out = []
+    for rows in (2, 16, 64, 128, 256):
+        tokens = max(1, rows // a.top_k)
+        index = torch.randn(tokens, a.num_experts, device="cuda", generator=g).topk(a.top_k, dim=-1).indices
+        experts = index.reshape(-1).sort().values
+        ends = torch.zeros(a.num_experts, dtype=torch.int64, device="cuda").index_add_(
+            0, experts, torch.ones_like(experts)).cumsum(0, dtype=torch.int32)
+        active = torch.unique(experts).numel()
+        for name, w in (("gate_up", stack.gate_up), ("down", stack.down)):
+            x = torch.randn(experts.numel(), w.shape[2], device="cuda", dtype=w.dtype, generator=g)
+            ref = torch.nn.functional.grouped_mm(x, w.transpose(-2, -1), offs=ends)
+            row = {"rows": experts.numel(), "weights": name, "active_experts": active,
+                   "bound_ms": active * w[0].nbytes / hbm * 1e3,
+                   "torch_ms": device_ms(functools.partial(torch.nn.functional.grouped_mm, x, w.transpose(-2, -1),
+                                                            offs=ends))}
+            for bn, bk, warps, stages in CONFIGS:
+                got = grouped_mm_small(x, w, ends, bn, bk, warps, stages)
+                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+                row[f"small_{bn}x{bk}_w{warps}s{stages}_ms"] = device_ms(
+                    functools.partial(grouped_mm_small, x, w, ends, bn, bk, warps, stages))
+                row[f"small_{bn}x{bk}_w{warps}s{stages}_rel_err"] = err
+            best = min((k for k in row if k.startswith("small_") and k.endswith("_ms")), key=row.__getitem__)
+            print(f"  {name:>7} rows {row['rows']:>3} ({active} experts): torch {row['torch_ms']:.3f} ms, best small "
+                  f"{best} {row[best]:.3f} ms (err {row[best.replace('_ms', '_rel_err')]:.1e}), "
+                  f"bound {row['bound_ms']:.3f} ms")
+            out.append(row)
+    return out
+
+
 @torch.inference_mode()
 def probe(fe: Frontend, batch: int, prompt: int, vocab: int) -> dict:
     graphs = DecodeGraphs(fe.model, lambda: fe.dispatcher.generation)
@@ -141,6 +183,7 @@ def main() -> None:
         fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
         fe.dispatcher.apply_pending()
         vocab = fe.model.config.vocab_size
+        result["kernels"] = kernel_sweep(fe, hw["hbm_bytes_per_s"])
         for b in [int(x) for x in args.batches.split(",")]:
             row = probe(fe, b, args.prompt, vocab)
             moe = moe_times(fe, b, hw["hbm_bytes_per_s"])

@@ -1,0 +1,83 @@
+"""Grouped GEMM for decode-sized batches on a GPU: one Triton kernel, the semantics of `F.grouped_mm`.
+
+torch's grouped GEMM tiles each expert's rows by 64 or 128 whatever their number: with the few
+tokens per expert of a decode step it streamed the weights at 0.3-0.45 of the H200's HBM bandwidth
+(`benchmarks/experiments/decode_step_probe.py`: 1.5 ms for a Mixtral layer whose 8 experts need
+0.67 ms). Here each program takes one expert and a block of its output features, runs over that
+expert's rows (BLOCK_M at a time, usually one block) while streaming the weight block once, and does
+nothing at all for an expert no row chose, so a step reads only the weights of the experts it uses.
+`GROUPED_SMALL_ROWS` is where torch's kernel, which reuses each weight tile across many rows, wins.
+
+Shapes: S = rows sorted by expert (token, choice pairs), K = input features, N = output features,
+E = experts. Weights stay in their stored layout [E, N, K] (row n of expert e is a contiguous K).
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUPED_SMALL_ROWS = 256  # at most this many rows: this kernel; more: torch's grouped GEMM
+
+
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def grouped_mm_small(x_ptr, w_ptr, ends_ptr, out_ptr, N, K, stride_xs, stride_we, stride_wn, stride_os,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        e = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        end = tl.load(ends_ptr + e)
+        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        w_base = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        for m0 in range(start, end, BLOCK_M):  # no iteration, no weight read, for an expert without rows
+            rows = m0 + tl.arange(0, BLOCK_M)
+            rmask = rows < end
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                kmask = ks < K
+                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xs + ks[None, :],
+                            mask=rmask[:, None] & kmask[None, :], other=0.0)
+                w = tl.load(w_base + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)  # [BN, BK]
+                acc += tl.dot(x, tl.trans(w))
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_os + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+    return grouped_mm_small
+
+
+_compiled = None
+
+
+def grouped_mm_small(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor,
+                     block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """x [S, K] (rows sorted by expert), weights [E, N, K], ends [E] int32 (each expert's end row,
+    cumulative, as `F.grouped_mm`'s offs) -> [S, N] in x's dtype: row s times its expert's weights."""
+    global _compiled
+    if _compiled is None:
+        _compiled = _kernel()
+    import triton
+
+    rows, k = x.shape
+    experts, n, _ = weights.shape
+    x, weights = x.contiguous(), weights.contiguous()
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    _compiled[(experts, triton.cdiv(n, block_n))](x, weights, ends, out, n, k, x.stride(0), weights.stride(0),
+                                                  weights.stride(1), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                                                  BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel can run for tensors on `device` (a CUDA device and Triton installed)."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
