@@ -120,10 +120,10 @@ def kernel_sweep(fe: Frontend, hbm: float) -> list[dict]:
                    "torch_ms": device_ms(functools.partial(torch.nn.functional.grouped_mm, x, w.transpose(-2, -1),
                                                             offs=ends))}
             for bn, bk, warps, stages in CONFIGS:
-                got = grouped_mm_small(x, w, ends, bn, bk, warps, stages)
+                got = grouped_mm_small(x, w, ends, (bn, bk, warps, stages))
                 err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
                 row[f"small_{bn}x{bk}_w{warps}s{stages}_ms"] = device_ms(
-                    functools.partial(grouped_mm_small, x, w, ends, bn, bk, warps, stages))
+                    functools.partial(grouped_mm_small, x, w, ends, (bn, bk, warps, stages)))
                 row[f"small_{bn}x{bk}_w{warps}s{stages}_rel_err"] = err
             best = min((k for k in row if k.startswith("small_") and k.endswith("_ms")), key=row.__getitem__)
             print(f"  {name:>7} rows {row['rows']:>3} ({active} experts): torch {row['torch_ms']:.3f} ms, best small "
