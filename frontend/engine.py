@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 import torch
 from transformers import DynamicCache
@@ -32,6 +32,7 @@ from kubemoe.frontend.records import ForwardRows
 from kubemoe.frontend.sampling import SamplingParams, greedy_tokens, sample_next
 from kubemoe.frontend.graphs import DecodeGraphs
 from kubemoe.frontend.kv_cache import KVCacheConfig
+from kubemoe.frontend.output import Delta, Output
 from kubemoe.frontend.scheduler import (Chunk, QueueFull, Scheduler, SchedulerConfig, StepPlan, cached_tokens,
                                         chunk_groups)
 from kubemoe.frontend.text import TextStream
@@ -53,27 +54,20 @@ class EngineError(RuntimeError):
     """A step failed (e.g. no expert replica could serve a layer); the affected requests get this."""
 
 
-@dataclass(frozen=True)
-class Delta:
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None  # "stop", "length", "error" on the last delta
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-
-
 @dataclass(eq=False)
 class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     text: TextStream
-    emit: Callable[[Delta], object]  # on the engine thread: into the outbox (Outbox.put); what it returns is not used
+    loop: asyncio.AbstractEventLoop  # the caller's, and its queue of deltas
+    replies: asyncio.Queue
     generator: torch.Generator | None
     max_new: int
     generated: list[int] = field(default_factory=list)
-    aborted: bool = False
+    aborted: bool = False  # the caller went away
+    stopped: bool = False  # its text reached a stop string (set by the output thread)
+    sent_last: bool = False  # its final delta is out (the output thread's)
     partial: DynamicCache | None = None  # the cache of a prefill that continues in a later step
     started: float = field(default_factory=time.monotonic)
 
@@ -95,33 +89,6 @@ class MicroBatch:
         self.state.keep(keep)
         self.seqs = [self.seqs[i] for i in keep]
         self.tokens = [self.tokens[i] for i in keep]
-
-
-class Outbox:
-    """Deltas on their way from the engine thread to their callers' event loops, handed over once per
-    forward pass: one call_soon_threadsafe per loop, not one per sequence. Each such call writes to the
-    loop's wake-up socket, and the woken loop thread competes for the GIL with this one while it still
-    has the pass's other sequences to do: at batch 32 the per-sequence calls were about half of a
-    step's output handling (a CPU profile of Engine.step: 36 us a call, detokenising 44 us a token)."""
-
-    def __init__(self) -> None:
-        self._items: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
-
-    def put(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, delta: Delta) -> None:
-        self._items.setdefault(loop, []).append((queue, delta))
-
-    def flush(self) -> None:
-        items, self._items = self._items, {}
-        for loop, deliveries in items.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, deliveries)
-            except RuntimeError:  # the callers' loop has closed: nobody waits for these
-                log.debug("dropped %d deltas for a closed event loop", len(deliveries))
-
-
-def _deliver(deliveries: list[tuple[asyncio.Queue, Delta]]) -> None:
-    for queue, delta in deliveries:
-        queue.put_nowait(delta)
 
 
 class Engine:
@@ -149,7 +116,7 @@ class Engine:
         self.micro = [self._micro_batch() for _ in range(micro_batches)]
         self._pool = ThreadPoolExecutor(micro_batches, thread_name_prefix="kubemoe-micro") if micro_batches > 1 else None
         self._wake = threading.Condition()
-        self._outbox = Outbox()  # filled and flushed on the engine thread
+        self._output = Output(metrics)  # sampled tokens -> text deltas, on a thread of its own
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="kubemoe-engine", daemon=True)
         self._thread.start()
@@ -179,8 +146,8 @@ class Engine:
                                 "a larger --kv-cache-bytes")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta] = asyncio.Queue()
-        seq = Sequence(request_id, list(prompt_ids), params, TextStream(self.tokenizer, params.stop),
-                       lambda d: self._outbox.put(loop, queue, d), params.generator(),
+        seq = Sequence(request_id, list(prompt_ids), params, TextStream(self.tokenizer, params.stop), loop, queue,
+                       params.generator(),
                        min(params.max_tokens, self.max_context - len(prompt_ids)))
         self._cap_generation(seq)
         with self._wake:
@@ -202,6 +169,7 @@ class Engine:
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=10)
+        self._output.close()
         if self._pool:
             self._pool.shutdown(wait=False)
 
@@ -400,41 +368,27 @@ class Engine:
 
     def _advance_all(self, seqs: list[Sequence], logits: torch.Tensor, mb: MicroBatch, indices,
                      failed: list) -> list[Sequence]:  # logits [len(seqs), V] -> the sequences that finished
-        done = []
+        done, sampled = [], []
         greedy = greedy_tokens(logits, [seq.params for seq in seqs])
         for i, (seq, row, index) in enumerate(zip(seqs, logits, indices)):
             try:
                 token = greedy[i] if i in greedy else sample_next(row, seq.params, seq.generator)
-                if self._advance(seq, token, mb, index):
-                    done.append(seq)
             except Exception as e:  # noqa: BLE001 - e.g. a row of NaN logits: only its request ends
                 log.exception("sampling for request %s failed", seq.request_id)
                 failed.append((seq, _message(e)))
-        self._outbox.flush()
+                continue
+            mb.tokens[index] = token
+            if token in self.eos_ids:
+                sampled.append((seq, None, "stop"))
+                done.append(seq)
+                continue
+            seq.generated.append(token)
+            end = len(seq.generated) >= seq.max_new
+            sampled.append((seq, token, "length" if end else None))
+            if end:
+                done.append(seq)
+        self._output.tokens(sampled)  # detokenised and streamed on the output thread
         return done
-
-    def _advance(self, seq: Sequence, token: int, mb: MicroBatch, index: int) -> bool:
-        """Take `seq`'s next token, stream it, and say whether the sequence is done."""
-        mb.tokens[index] = token
-        if token in self.eos_ids:
-            seq.emit(self._delta(seq, [], seq.text.flush(), "stop"))
-            return True
-        seq.generated.append(token)
-        text = seq.text.push(token)
-        if seq.text.stopped:
-            seq.emit(self._delta(seq, [token], text, "stop"))
-            return True
-        if len(seq.generated) >= seq.max_new:
-            seq.emit(self._delta(seq, [token], text + seq.text.flush(), "length"))
-            return True
-        seq.emit(self._delta(seq, [token], text))
-        return False
-
-    def _delta(self, seq, ids, text, finish=None) -> Delta:
-        if self.metrics and finish:
-            self.metrics.completion_tokens.inc(len(seq.generated))
-            self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
-        return Delta(ids, text, finish, len(seq.prompt_ids), len(seq.generated))
 
     def _remove(self, gone: list[Sequence]) -> None:
         """Finished or aborted sequences leave their micro-batch and the scheduler."""
@@ -457,16 +411,14 @@ class Engine:
 
     def _drop_aborted(self) -> None:
         aborted = [s for s in list(self.scheduler.waiting) + self.scheduler.running + self.scheduler.prefilling
-                   if s.aborted]
+                   if s.aborted or s.stopped]
         if aborted:
             self._remove(aborted)
 
     def _fail(self, failed: list[tuple[Sequence, str]]) -> None:
         """These requests end with their error; every other sequence goes on."""
         self._remove([seq for seq, _ in failed])
-        for seq, message in failed:
-            seq.emit(Delta([], "", "error", len(seq.prompt_ids), len(seq.generated), error=message))
-        self._outbox.flush()
+        self._output.errors(failed)
 
 
 def _message(error: BaseException) -> str:

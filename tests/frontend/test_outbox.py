@@ -2,7 +2,7 @@
 
 import asyncio
 
-from kubemoe.frontend.engine import Delta, Outbox
+from kubemoe.frontend.output import Delta, Outbox
 
 
 def test_one_hand_over_per_loop_and_pass_in_order():
@@ -35,3 +35,36 @@ def test_a_closed_loop_drops_its_deltas_and_the_others_still_arrive():
     open_.run_until_complete(asyncio.sleep(0))
     assert queue.get_nowait().text == "y"
     open_.close()
+
+
+def test_the_output_thread_streams_a_sequence_in_order_and_ends_it_at_its_stop_string(tiny_checkpoint):
+    """Tokens sampled after the stop string's (the engine has not dropped the sequence yet) are never
+    sent; the sequence is marked for the engine to drop; an error for it afterwards sends nothing more."""
+    import types
+
+    from transformers import AutoTokenizer
+
+    from kubemoe.frontend.output import Output
+    from kubemoe.frontend.text import TextStream
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("mixtral"))
+    ids = tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
+    loop = asyncio.new_event_loop()
+    queue = asyncio.Queue()
+    seq = types.SimpleNamespace(request_id="r1", prompt_ids=[1, 2], text=TextStream(tokenizer, ("fox j",)), loop=loop,
+                                replies=queue, stopped=False, sent_last=False)
+    output = Output()
+    for token in ids[:3]:  # one pass at a time, as the engine hands them over
+        output.tokens([(seq, token, None)])
+    output.tokens([(seq, token, None) for token in ids[3:]])
+    output.errors([(seq, "too late")])
+    output.close()
+    loop.run_until_complete(asyncio.sleep(0))
+    deltas = []
+    while not queue.empty():
+        deltas.append(queue.get_nowait())
+    loop.close()
+    assert "".join(d.text for d in deltas) == "The quick brown "
+    assert [d.finish_reason for d in deltas].count("stop") == 1 and deltas[-1].finish_reason == "stop"
+    assert seq.stopped and seq.sent_last
+    assert deltas[-1].completion_tokens == len(seq.text.ids) < len(ids)  # the stop string's token, none after
