@@ -368,7 +368,8 @@ class Engine:
 
     def _advance_all(self, seqs: list[Sequence], logits: torch.Tensor, mb: MicroBatch, indices,
                      failed: list) -> list[Sequence]:  # logits [len(seqs), V] -> the sequences that finished
-        done, sampled = [], []
+        done: list[Sequence] = []
+        sampled: list[tuple[Sequence, int | None, str | None]] = []  # to the output thread
         greedy = greedy_tokens(logits, [seq.params for seq in seqs])
         for i, (seq, row, index) in enumerate(zip(seqs, logits, indices)):
             try:
