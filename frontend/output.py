@@ -20,6 +20,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kubemoe.frontend.text import decode_many
+
 if TYPE_CHECKING:  # the engine's Sequence, for its type only (engine.py imports this module)
     from kubemoe.frontend.engine import Sequence
 
@@ -64,8 +66,8 @@ def _deliver(deliveries: list[tuple[asyncio.Queue, Delta]]) -> None:
 
 
 # One sampled token of a sequence: (sequence, token id or None for end of sequence, "length" where its
-# limit is reached); or an error that ends it: (sequence, None, "error", message).
-Item = tuple
+# limit is reached, None); or an error that ends it: (sequence, None, "error", message).
+Item = tuple["Sequence", "int | None", "str | None", "str | None"]
 
 
 class Output:
@@ -79,7 +81,7 @@ class Output:
     def tokens(self, items: list[tuple["Sequence", int | None, str | None]]) -> None:
         """A pass's sampled tokens (from the engine thread)."""
         if items:
-            self._queue.put(list(items))
+            self._queue.put([(seq, token, finish, None) for seq, token, finish in items])
 
     def errors(self, failed: list[tuple["Sequence", str]]) -> None:
         """These sequences end with their error, after whatever they sampled before."""
@@ -92,15 +94,37 @@ class Output:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
-            for item in job:
+            try:
+                decoded = self._decode(job)
+            except Exception:  # noqa: BLE001 - each stream decodes on its own below, and fails on its own
+                log.exception("decoding a pass's text failed; decoding each request's alone")
+                decoded = {}
+            for i, item in enumerate(job):
                 try:
-                    self._one(*item)
+                    self._one(*item, decoded.get(i))
                 except Exception:  # noqa: BLE001 - one request's text must not stop everyone's
                     log.exception("output of request %s failed", item[0].request_id)
                     self._finish(item[0], [], "", "error", "the server could not decode this request's text")
             self._outbox.flush()
 
-    def _one(self, seq: "Sequence", token: int | None, finish: str | None, error: str | None = None) -> None:
+    @staticmethod
+    def _decode(job: list[Item]) -> dict[int, tuple[str, str]]:
+        """The windows of the tokens a job streams, decoded in one call: {item's index: its texts}.
+        A sequence's second token in one job (not something the engine sends) decodes on its own."""
+        wanted, windows, seen = [], [], set()
+        for i, (seq, token, *_) in enumerate(job):
+            if token is None or seq.sent_last or id(seq) in seen:
+                continue
+            seen.add(id(seq))
+            wanted.append(i)
+            windows += seq.text.pending(token)
+        if not wanted:
+            return {}
+        texts = decode_many(job[wanted[0]][0].text.tokenizer, windows)
+        return {i: (texts[2 * n], texts[2 * n + 1]) for n, i in enumerate(wanted)}
+
+    def _one(self, seq: "Sequence", token: int | None, finish: str | None, error: str | None,
+             decoded: tuple[str, str] | None) -> None:
         if seq.sent_last:  # ended by a stop string or an error: what it sampled after that is not sent
             return
         if finish == "error":
@@ -110,7 +134,7 @@ class Output:
         if token is None:  # end of sequence
             self._finish(seq, [], text.flush(), "stop")
             return
-        delta = text.push(token)
+        delta = text.take(*decoded) if decoded is not None else text.push(token)
         if text.stopped:
             seq.stopped = True  # the engine drops it at its next step
             self._finish(seq, [token], delta, "stop")

@@ -67,25 +67,35 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
-def test_deltas_equal_decoding_the_whole_generation(tokenizer):
+def test_deltas_equal_decoding_the_whole_generation(tokenizer, monkeypatch):
     """Decoding a window per token gives the text of decoding everything at once, for any ids
     (split characters, special tokens and spaces included), and each token decodes a bounded window."""
+    from kubemoe.frontend import text
+
     gen = torch.Generator().manual_seed(3)
     vocab = len(tokenizer)
     calls = []
-    original = tokenizer.decode
+    original = text.decode_many
 
-    def counting(ids, **kwargs):
-        calls.append(len(ids))
-        return original(ids, **kwargs)
+    def counting(tok, windows):
+        calls.extend(len(ids) for ids in windows)
+        return original(tok, windows)
 
-    tokenizer.decode = counting
-    try:
-        for _ in range(30):
-            ids = torch.randint(0, vocab, (int(torch.randint(1, 60, (1,), generator=gen)),), generator=gen).tolist()
-            stream = TextStream(tokenizer)
-            out = "".join(stream.push(i) for i in ids) + stream.flush()
-            assert out == original(ids, skip_special_tokens=True), ids
-    finally:
-        tokenizer.decode = original
+    monkeypatch.setattr(text, "decode_many", counting)
+    for _ in range(30):
+        ids = torch.randint(0, vocab, (int(torch.randint(1, 60, (1,), generator=gen)),), generator=gen).tolist()
+        stream = TextStream(tokenizer)
+        out = "".join(stream.push(i) for i in ids) + stream.flush()
+        assert out == tokenizer.decode(ids, skip_special_tokens=True), ids
     assert max(calls) < 20  # a window, never the whole generation
+
+
+def test_many_windows_decode_in_one_call_as_each_alone(tokenizer):
+    """decode_many's batch (the Rust tokenizer's, one call) gives what transformers' decode gives per window."""
+    from kubemoe.frontend.text import _backend, decode_many
+
+    assert _backend(tokenizer) is not None  # the fast path is what this compares
+    gen = torch.Generator().manual_seed(4)
+    windows = [torch.randint(0, len(tokenizer), (int(n),), generator=gen).tolist()
+               for n in torch.randint(0, 12, (64,), generator=gen)]
+    assert decode_many(tokenizer, windows) == [tokenizer.decode(w, skip_special_tokens=True) for w in windows]
