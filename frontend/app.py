@@ -81,9 +81,10 @@ class Frontend:
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             # cuDNN's attention builds a plan for every new key length the first time it sees it (56 ms
-            # per call on the H200, benchmarks/experiments/sdpa_probe.py), and a left-padded decode batch
-            # (a mask: the case SDPA hands to cuDNN) has a new key length at every step: 33 ms per layer
-            # in the engine. The memory-efficient kernel takes it at 0.07 ms from the first call.
+            # per call on the H200, benchmarks/experiments/sdpa_probe.py); a decode pass has a mask (the
+            # case SDPA hands to cuDNN) and, whenever its cache rows grow, a new key length: 33 ms per layer
+            # in the engine when the padded cache grew every step. The memory-efficient kernel takes it at
+            # 0.07 ms from the first call.
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.dtype = resolve_dtype(config.dtype, self.checkpoint.config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint.path)

@@ -18,6 +18,7 @@ Shapes: B = sequences, S = rows allocated (>= B), W = columns allocated (>= the 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -99,6 +100,9 @@ class SlotPass:
         return self.seen
 
 
+_allocations = itertools.count(1)  # one number per allocation of any BatchState's tensors, never reused
+
+
 def _grown(have: int, need: int, floor: int) -> int:
     return have if need <= have else max(need, 2 * have, floor)
 
@@ -112,7 +116,7 @@ class BatchState:
     def __init__(self, masks: DecodeMasks | None = None) -> None:
         self.masks = masks or DecodeMasks(("full_attention",), None, None)
         self.budget: int | None = None
-        self.generation = 0  # bumped whenever the tensors move (a captured graph must be captured again)
+        self.generation = 0  # a new number whenever the tensors move (a captured graph must be captured again)
         self.keys: list[torch.Tensor] = []  # per attention layer [S, h, W, d]
         self.values: list[torch.Tensor] = []
         self.lengths: list[int] = []  # real tokens per sequence (its next position)
@@ -160,7 +164,7 @@ class BatchState:
         rows, device = keys[0].shape[0], keys[0].device
         self._inputs = torch.zeros(3, rows, dtype=torch.long, device=device)
         self._staging = torch.zeros(3, rows, dtype=torch.long, pin_memory=device.type == "cuda")
-        self.generation += 1
+        self.generation = next(_allocations)  # unique across states: a new state may reuse a dropped one's id()
 
     def _first(self, cache, length: int) -> None:
         """The tensors, shaped after the first sequence's cache (every architecture caches its own way)."""

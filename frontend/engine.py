@@ -5,10 +5,9 @@ for the running batch, then this step's prompt chunks), and the results update s
 text to their callers. The asyncio side only submits requests and reads their output queues.
 
 Chunked prefill runs as forward passes of its own, interleaved with the decode pass under the step's
-token budget, not as rows of the decode pass: the running batch's cache is transformers' left-padded
-DynamicCache ([B, heads, L, head_dim], one query length for every row), so a chunk of C tokens in the
-decode pass would make every decode row C tokens wide (C - 1 of them padding, run through attention
-and the experts for nothing). Chunks of the same start and length (e.g. prompts of one length that
+token budget, not as rows of the decode pass: the decode pass takes one query per row over the
+running batch's cache rows (batch.py), so a chunk of C tokens in it would make every decode row C
+tokens wide (C - 1 of them padding, run through attention and the experts for nothing). Chunks of the same start and length (e.g. prompts of one length that
 arrived together) share one pass with no padding at all (`scheduler.chunk_groups`); a prefill
 continued in a later step keeps its own cache (`Sequence.partial`) until its last chunk, after which
 it joins a micro-batch and samples its first token.

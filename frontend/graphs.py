@@ -119,7 +119,7 @@ def padded_rows(rows: int, max_rows: int = ROW_BUCKETS[-1]) -> int | None:
 
 
 class DecodeGraphs:
-    """Decode passes as replayed programs, one per row bucket, for one BatchState at a time."""
+    """Decode passes as replayed programs, one per row bucket, for one BatchState allocation at a time."""
 
     def __init__(self, model: torch.nn.Module, generation: Callable[[], Hashable], max_rows: int = ROW_BUCKETS[-1]):
         self.model = model
@@ -138,7 +138,7 @@ class DecodeGraphs:
 
     def decode(self, state: BatchState, padded: int, rows: int) -> torch.Tensor:  # -> logits [rows, V]
         """One decode pass over `state`'s inputs, prepared for `padded` rows (state.advance)."""
-        key = (id(state), state.generation, self.generation())
+        key = (state.generation, self.generation())
         if key != self._key:  # the cache or the weights moved: every program reads old addresses
             self._programs.clear()
             self._key, self._pool = key, torch.cuda.graph_pool_handle()

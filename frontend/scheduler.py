@@ -96,8 +96,9 @@ class StepPlan(Generic[S]):
 
 
 def cached_tokens(seqs: list[S]) -> int:
-    """Cache positions `seqs` take in one left-padded batch once this step has run: each needs
-    its prompt and everything generated (`context_length`), and the batch pads to the longest."""
+    """Cache positions `seqs` take in the running batch's rows once this step has run: each needs
+    its prompt and everything generated (`context_length`), and every row spans as many columns as
+    the longest (batch.py)."""
     return len(seqs) * max((s.context_length for s in seqs), default=0)
 
 

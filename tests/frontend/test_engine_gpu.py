@@ -36,7 +36,8 @@ def test_an_in_process_layer_never_waits_for_the_gpu_and_equals_the_per_expert_p
 
 
 def test_a_cuda_frontend_keeps_padded_attention_off_cudnn(make_frontend):
-    """cuDNN's attention plans each new key length on first sight (tens of ms): a left-padded decode batch
-    meets a new one every step, so the frontend leaves SDPA's masked case to the memory-efficient kernel."""
+    """cuDNN's attention plans each new key length on first sight (tens of ms): a decode batch meets a
+    new one whenever its cache rows grow, so the frontend leaves SDPA's masked case to the
+    memory-efficient kernel."""
     make_frontend(device="cuda", dtype="bfloat16")
     assert not torch.backends.cuda.cudnn_sdp_enabled()

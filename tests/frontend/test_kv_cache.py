@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+import torch
 
 from kubemoe.frontend.batch import BatchState
 from kubemoe.frontend.engine import PromptTooLong
@@ -59,3 +60,42 @@ def test_an_empty_batch_says_so_instead_of_decoding_nothing():
         state.undo_decode()
     state.keep([])  # emptying an empty batch is fine
     assert len(state) == 0 and state.width == 0
+
+
+def test_every_allocation_of_cache_rows_gets_a_generation_of_its_own():
+    """CUDA graphs are keyed by it (graphs.py): a state made after another was dropped, which may reuse
+    its id(), must never look like the same allocation."""
+    from transformers import DynamicCache
+
+    def joined(length: int) -> BatchState:
+        cache = DynamicCache()
+        cache.update(torch.ones(1, 2, length, 4), torch.ones(1, 2, length, 4), 0)
+        state = BatchState()
+        state.join(cache, length)
+        return state
+
+    seen = set()
+    for _ in range(3):
+        state = joined(3)
+        seen.add(state.generation)
+        state.reserve(state.capacity[0] + 1, 8)  # grows: new tensors, a new generation
+        seen.add(state.generation)
+        del state
+    assert len(seen) == 6
+
+
+def test_cache_rows_grow_ahead_only_as_far_as_the_budget_allows_and_keep_moves_rows_whole():
+    from transformers import DynamicCache
+
+    state = BatchState()
+    for row in range(3):  # rows whose keys say which sequence they are
+        cache = DynamicCache()
+        cache.update(torch.full((1, 2, 5, 4), float(row)), torch.full((1, 2, 5, 4), -float(row)), 0)
+        state.join(cache, 5)
+    state.budget = 100  # token positions
+    state.reserve(5, 20)  # 4 rows allocated: doubling to 8 x 20 would take 160
+    assert state.capacity == (5, 20)
+    state.keep([2, 0])
+    assert state.lengths == [5, 5]
+    assert (state.keys[0][0, :, :5] == 2).all() and (state.keys[0][1, :, :5] == 0).all()
+    assert (state.values[0][0, :, :5] == -2).all()
