@@ -83,8 +83,10 @@ def test_recorded_traces_load_from_json_and_safetensors(sim, tmp_path):
 def test_a_small_run_plans_every_window_without_losing_tokens(sim):
     layout = replace(sim.MIXTRAL_8, layers=2)
     trace = sim.generate_trace(layout, "prefill", 30, sim.TraceShape(), seed=2)
-    row, results = sim.run_regime(layout, "prefill", trace, sim.SimConfig(window=10), seed=0)
+    config = sim.SimConfig(window=10, history=10, eplb_every=20)
+    row, results = sim.run_regime(layout, "prefill", trace, config, seed=0)
     assert results["kubemoe"]["latency"].shape == (20, 2) and row["kubemoe_lost_tokens"] == 0
-    assert row["oracle_mean_ms"] <= min(row["kubemoe_mean_ms"], row["static_mean_ms"], row["eplb_mean_ms"])
+    assert row["oracle_mean_ms"] <= min(row[f"{p}_mean_ms"] for p in ("kubemoe", "static", "eplb", "eplb_window"))
+    assert (row["eplb_rebalances"], row["eplb_window_rebalances"]) == (1, 2)  # every 20 iterations, every window
     assert row["kubemoe_unplaced"] == 0 and row["kubemoe_replicas_per_layer"] > layout.experts
     assert sum(b["iterations"] for b in row["by_tokens"]) == 20
