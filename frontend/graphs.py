@@ -112,6 +112,24 @@ class Program:
         return self.logits[:rows]
 
 
+def _pass(model: torch.nn.Module, state: BatchState, padded: int, recorder: Recorder) -> torch.Tensor:
+    _current.recorder = recorder
+    try:
+        return model(**state.pass_inputs(padded), use_cache=True, logits_to_keep=1).logits[:, -1]
+    finally:
+        _current.recorder = None
+
+
+def run_eagerly(model: torch.nn.Module, state: BatchState, padded: int, rows: int) -> torch.Tensor:
+    """A program's pass over `padded` rows of `state` (prepared by state.advance) run as the layers record
+    it, each cut at once and the afters at the end, launched op by op: the step itself the first time a
+    size runs (and, on a CPU, what a replay would compute) -> logits of the `rows` real rows."""
+    recorder = Recorder(rows)
+    logits = _pass(model, state, padded, recorder)[:rows]
+    recorder.run_afters()
+    return logits
+
+
 def padded_rows(rows: int, max_rows: int = ROW_BUCKETS[-1]) -> int | None:
     """The program size a pass of `rows` runs at; None beyond the largest (decoded eagerly)."""
     i = bisect.bisect_left(ROW_BUCKETS, rows)
@@ -155,20 +173,11 @@ class DecodeGraphs:
             self._programs.clear()
         return logits
 
-    def _pass(self, state: BatchState, padded: int, recorder: Recorder) -> torch.Tensor:
-        _current.recorder = recorder
-        try:
-            return self.model(**state.pass_inputs(padded), use_cache=True, logits_to_keep=1).logits[:, -1]
-        finally:
-            _current.recorder = None
-
     def _eager(self, state: BatchState, padded: int, rows: int) -> torch.Tensor:
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            recorder = Recorder(rows)
-            logits = self._pass(state, padded, recorder)[:rows]
-            recorder.run_afters()
+            logits = run_eagerly(self.model, state, padded, rows)
         torch.cuda.current_stream().wait_stream(stream)
         return logits
 
@@ -178,7 +187,7 @@ class DecodeGraphs:
         with torch.cuda.stream(self._stream):
             recorder._begin()
             try:
-                logits = self._pass(state, padded, recorder)
+                logits = _pass(self.model, state, padded, recorder)
             finally:
                 recorder._end()  # a failed capture raises here too; the graph is dropped
         torch.cuda.synchronize()

@@ -1,0 +1,52 @@
+"""A decode pass run as a CUDA-graph program computes what an ordinary pass does, with its spare rows
+unseen: checked on the CPU by running the program's code eagerly (graphs.run_eagerly: the same layers'
+recorded path, each cut at once, the afters at the end); the capture and replays are -m gpu."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kubemoe.frontend.batch import BatchState
+from kubemoe.frontend.graphs import padded_rows, run_eagerly
+
+from .test_correctness import PROMPTS, local_frontend
+
+
+def _joined(fe, prompts) -> BatchState:
+    state = BatchState(fe.engine.masks)
+    for prompt in prompts:
+        cache = DynamicCache()
+        fe.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+        state.join(cache, len(prompt))
+    return state
+
+
+def _tokens_counted(fe) -> int:
+    fe.dispatcher.tally.flush()
+    return sum(load.tokens for load in fe.loads.report().loads)
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["captured-experts", "experts-at-a-cut"])
+def test_a_program_pass_equals_an_ordinary_pass_and_counts_only_real_rows(stacked, tiny_checkpoint):
+    fe = local_frontend(tiny_checkpoint("mixtral"), predictor="router")
+    try:
+        fe.dispatcher.apply_pending()
+        if not stacked:  # every layer through the per-expert path: what a layer of remote experts takes
+            fe.dispatcher._stacked.clear()
+        plain, program = _joined(fe, PROMPTS), _joined(fe, PROMPTS)
+        rows, padded = len(PROMPTS), padded_rows(len(PROMPTS))
+        assert padded > rows  # spare rows in the pass
+        tokens = [5, 6, 7]
+        with torch.inference_mode():
+            for _ in range(2):
+                before = _tokens_counted(fe)
+                expected = fe.model(**plain.decode_inputs(tokens), use_cache=True).logits[:, -1]
+                ordinary = _tokens_counted(fe) - before
+                program.advance(tokens, padded)
+                got = run_eagerly(fe.model, program, padded, rows)
+                assert _tokens_counted(fe) - before - ordinary == ordinary == rows * fe.adapter.top_k * len(fe.adapter.moe_layers)
+                torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+                tokens = expected.argmax(-1).tolist()
+        assert program.lengths == plain.lengths
+    finally:
+        fe.close()
