@@ -139,7 +139,8 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's).")
 def frontend_command(checkpoint, routing_table, routing_configmap, host, port, grpc_port, max_batch, max_step_tokens,
                      micro_batches, cuda_graphs, kv_cache_bytes, kv_cache_fraction, shm_dir, predictor, prediction_distance,
-                     split_min_tokens, record_routing, record_max_mb, busy_poll_us, offload, gpu_budget, offload_predictor, offload_policy, model, name, device, dtype):
+                     split_min_tokens, record_routing, record_max_mb, busy_poll_us, offload, gpu_budget, offload_predictor,
+                     offload_policy, model, name, device, dtype):
     """Serve a model: attention and routing here, routed experts per the routing table (or, with --offload,
     every expert here from host memory through a GPU cache)."""
     from kubemoe.expert_fn.shm import shared_folder
@@ -169,8 +170,8 @@ def frontend_config(checkpoint, routing_table, routing_configmap, max_batch, max
     return FrontendConfig(checkpoint=checkpoint, model=model, name=name, routing_table=routing_table,
                           routing_configmap=routing_configmap, dtype=dtype, device=device, max_batch=max_batch,
                           max_step_tokens=max_step_tokens, micro_batches=micro_batches, cuda_graphs=cuda_graphs,
-                          shm_dir=shm_dir, busy_poll_us=busy_poll_us, split_min_tokens=split_min_tokens, kv_cache_bytes=kv_cache_bytes,
-                          kv_cache_fraction=kv_cache_fraction,
+                          shm_dir=shm_dir, busy_poll_us=busy_poll_us, split_min_tokens=split_min_tokens,
+                          kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction,
                           offload=_offload_config(offload, gpu_budget, offload_predictor, offload_policy),
                           **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
 
