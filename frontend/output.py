@@ -110,14 +110,15 @@ class Output:
     @staticmethod
     def _decode(job: list[Item]) -> dict[int, tuple[str, str]]:
         """The windows of the tokens a job streams, decoded in one call: {item's index: its texts}.
-        A sequence's second token in one job (not something the engine sends) decodes on its own."""
+        Nothing is added to a stream here, so a failed call leaves each to decode on its own. A
+        sequence's second token in one job (not something the engine sends) decodes on its own."""
         wanted, windows, seen = [], [], set()
         for i, (seq, token, *_) in enumerate(job):
             if token is None or seq.sent_last or id(seq) in seen:
                 continue
             seen.add(id(seq))
             wanted.append(i)
-            windows += seq.text.pending(token)
+            windows += seq.text.windows(token)
         if not wanted:
             return {}
         texts = decode_many(job[wanted[0]][0].text.tokenizer, windows)
@@ -134,7 +135,7 @@ class Output:
         if token is None:  # end of sequence
             self._finish(seq, [], text.flush(), "stop")
             return
-        delta = text.take(*decoded) if decoded is not None else text.push(token)
+        delta = text.take(token, *decoded) if decoded is not None else text.push(token)
         if text.stopped:
             seq.stopped = True  # the engine drops it at its next step
             self._finish(seq, [token], delta, "stop")

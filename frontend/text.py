@@ -41,16 +41,17 @@ class TextStream:
 
     def push(self, token_id: int) -> str:
         """Add a token; return the text that can be sent now (may be empty)."""
-        return self.take(*decode_many(self.tokenizer, self.pending(token_id)))
+        return self.take(token_id, *decode_many(self.tokenizer, self.windows(token_id)))
 
-    def pending(self, token_id: int) -> list[list[int]]:
-        """Add a token; the two windows of ids whose text `take` needs (decode_many decodes the
-        windows of many streams in one call)."""
+    def windows(self, token_id: int | None = None) -> list[list[int]]:
+        """The two windows of ids whose text `take` needs once `token_id` is added (nothing is added
+        here: decode_many decodes the windows of many streams in one call, and may fail)."""
+        window = self.ids[self._prefix:]
+        return [self.ids[self._prefix:self._read], window + [token_id] if token_id is not None else window]
+
+    def take(self, token_id: int, before: str, window: str) -> str:
+        """Add a token, given the text of its `windows`; return the text that can be sent now (may be empty)."""
         self.ids.append(token_id)
-        return [self.ids[self._prefix:self._read], self.ids[self._prefix:]]
-
-    def take(self, before: str, window: str) -> str:
-        """The text of `pending`'s windows -> the text that can be sent now (may be empty)."""
         if not self._take_new(before, window, final=False):
             return ""
         text = self.text
@@ -65,7 +66,7 @@ class TextStream:
         """At the end without a stop string: whatever was held back."""
         if self.stopped:
             return ""
-        before, window = decode_many(self.tokenizer, [self.ids[self._prefix:self._read], self.ids[self._prefix:]])
+        before, window = decode_many(self.tokenizer, self.windows())
         self._take_new(before, window, final=True)
         return self._emit(len(self.text))
 

@@ -68,3 +68,38 @@ def test_the_output_thread_streams_a_sequence_in_order_and_ends_it_at_its_stop_s
     assert [d.finish_reason for d in deltas].count("stop") == 1 and deltas[-1].finish_reason == "stop"
     assert seq.stopped and seq.sent_last
     assert deltas[-1].completion_tokens == len(seq.text.ids) < len(ids)  # the stop string's token, none after
+
+
+def test_a_failed_batch_decode_leaves_each_stream_to_decode_alone(tiny_checkpoint, monkeypatch):
+    import types
+
+    from transformers import AutoTokenizer
+
+    from kubemoe.frontend import output as output_module
+    from kubemoe.frontend.output import Output
+    from kubemoe.frontend.text import TextStream
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("mixtral"))
+    text = "Experts scale one by one"
+    ids = tokenizer(text)["input_ids"]
+
+    def broken(tok, windows):
+        raise RuntimeError("the batch decode failed")
+
+    monkeypatch.setattr(output_module, "decode_many", broken)
+    loop = asyncio.new_event_loop()
+    queue = asyncio.Queue()
+    seq = types.SimpleNamespace(request_id="r1", prompt_ids=[1], text=TextStream(tokenizer), loop=loop,
+                                replies=queue, stopped=False, sent_last=False)
+    output = Output()
+    for token in ids[:-1]:
+        output.tokens([(seq, token, None)])
+    output.tokens([(seq, ids[-1], "length")])
+    output.close()
+    loop.run_until_complete(asyncio.sleep(0))
+    deltas = []
+    while not queue.empty():
+        deltas.append(queue.get_nowait())
+    loop.close()
+    assert "".join(d.text for d in deltas) == text and seq.text.ids == ids  # no token added twice
+    assert deltas[-1].finish_reason == "length"
