@@ -17,6 +17,7 @@ On the H200 at 561a154, batch 32: the forward pass alone in a loop took 4.2 ms a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -61,11 +63,12 @@ def forward_engine_inputs(fe: Frontend, batch: int, prompt: int, steps: int, dev
     return statistics.median(times)
 
 
-def engine_split(fe: Frontend, batch: int, prompt: int, steps: int, warmup: int, vocab: int) -> dict:
-    """engine_decode with the engine thread's step, decode pass and output handling timed."""
-    engine, spans = fe.engine, {"step": [], "_decode": [], "_advance_all": []}
-    for name in spans:
-        method = getattr(engine, name)
+@contextlib.contextmanager
+def timed_calls(obj, names) -> Iterator[dict[str, list[float]]]:
+    """While the block runs, each call of obj's methods `names` is timed: yields {name: [ms per call]}."""
+    spans: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:
+        method = getattr(obj, name)
 
         @functools.wraps(method)
         def timed(*args, _method=method, _name=name, **kwargs):
@@ -75,12 +78,18 @@ def engine_split(fe: Frontend, batch: int, prompt: int, steps: int, warmup: int,
             finally:
                 spans[_name].append((time.perf_counter() - start) * 1e3)
 
-        setattr(engine, name, timed)
+        setattr(obj, name, timed)
     try:
-        row = engine_decode(fe, batch, prompt, steps, warmup, vocab)
+        yield spans
     finally:
-        for name in spans:
-            delattr(engine, name)  # the class's methods again
+        for name in names:
+            delattr(obj, name)  # the class's methods again
+
+
+def engine_split(fe: Frontend, batch: int, prompt: int, steps: int, warmup: int, vocab: int) -> dict:
+    """engine_decode with the engine thread's step, decode pass and output handling timed."""
+    with timed_calls(fe.engine, ("step", "_decode", "_advance_all")) as spans:
+        row = engine_decode(fe, batch, prompt, steps, warmup, vocab)
     # The last `steps` steps are decode-only (every request decodes through the window).
     last = {name: values[-steps:] for name, values in spans.items()}
     row.update({f"in_thread_{name.strip('_')}_ms": statistics.median(values) for name, values in last.items()})
