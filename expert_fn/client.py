@@ -76,10 +76,10 @@ class _Stream:
         return self.segment, self.allocator
 
     def end(self) -> None:
-        """The stream is over: a TCP lane's arena is this process's own memory, registered with CUDA if
-        a call pinned it; unregister it before the mapping can go (CUDA would keep the range, and a
-        later mapping at the same address could not be pinned). Replies still held stay readable."""
-        if self.transport == "tcp" and self.segment is not None:
+        """The stream is over: its segment (or TCP lane arena) is registered with CUDA if a call pinned
+        it; unregister it before the mapping can go (CUDA would keep the range, and a later mapping at
+        the same address could not be pinned). Replies still held stay readable."""
+        if self.segment is not None:
             self.segment.unpin()
 
     def region_of_reply(self, response: pb.ForwardResponse) -> tuple[int, int]:
@@ -102,8 +102,10 @@ class _Stream:
         """Copy `hidden` into a free region and name it in `msg`; False when none is large enough."""
         if self.segment is None or self.allocator is None or hidden.dtype not in wire.TO_WIRE:
             return False
-        if self.transport == "tcp" and hidden.device.type == "cuda" and not self.segment.tried_pinning:
-            self.segment.pin()  # replies land in it, then go to the GPU by DMA
+        if hidden.device.type == "cuda" and not self.segment.tried_pinning:
+            # Requests leave the GPU into it and replies go back from it by DMA, not through CUDA's
+            # staging buffer (the expert function pins its own mapping of a shared segment too).
+            self.segment.pin()
         while self.freed_elsewhere:
             self.allocator.free(self.freed_elsewhere.popleft())
         offset = self.allocator.alloc(hidden.nbytes)

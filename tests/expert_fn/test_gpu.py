@@ -59,10 +59,10 @@ async def test_a_cuda_expert_function_matches_the_cpu_one(dtype, tolerance, fold
             client = gpu.client(**options)
             got = await client.forward(LAYER, EXPERTS, COUNTS, x)
             assert rel_err(got.float(), want.float()) < tolerance, transport
-            from_cuda = await client.forward(LAYER, EXPERTS, COUNTS, x.cuda())  # a TCP lane's arena pins here
+            from_cuda = await client.forward(LAYER, EXPERTS, COUNTS, x.cuda())  # the segment or arena pins here
             assert from_cuda.device.type == "cuda" and torch.equal(from_cuda.cpu(), got), transport
             assert client.transport == (transport if transport != "unary" else None)
-            arena = client._stream.segment if transport == "tcp" else None
+            arena = client._stream.segment if transport in ("shm", "tcp") else None
             await client.close()
             assert arena is None or (arena.tried_pinning and not arena.pinned)  # unregistered with the stream
 
