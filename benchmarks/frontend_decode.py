@@ -262,14 +262,20 @@ def run_frontend(fe: Frontend, table, args, device, vocab, hw, profile: bool) ->
         if profile and b == profiled:  # cProfile slows the thread it watches: a run of its own, not the goal's
             row["engine_profiled"] = engine_decode(fe, b, args.prompt, args.steps, args.warmup, vocab, profile=True)
         graphs = fe.engine.graphs
-        if graphs is not None:  # the same engine launching every kernel itself: what the graphs save
+        if graphs is not None:
             row["engine"]["graphs"] = {"enabled": graphs.enabled, "captures": graphs.captures}
-            fe.engine.graphs = None
+        # The same engine without one of its parts: launching every kernel itself (what the graphs save),
+        # reading each step's tokens before the next pass starts (what the look-ahead saves).
+        for mode, part in (("engine_eager", "graphs"), ("engine_no_lookahead", "lookahead")):
+            held = getattr(fe.engine, part)
+            if held is None:
+                continue
+            setattr(fe.engine, part, None)
             try:
-                row["engine_eager"] = engine_decode(fe, b, args.prompt, args.steps, args.warmup, vocab)
+                row[mode] = engine_decode(fe, b, args.prompt, args.steps, args.warmup, vocab)
             finally:
-                fe.engine.graphs = graphs
-        for mode in ("engine", "engine_eager"):
+                setattr(fe.engine, part, held)
+        for mode in ("engine", "engine_eager", "engine_no_lookahead"):
             if hw["hbm_bytes_per_s"] and mode in row:
                 row[mode]["vs_roofline"] = row[mode]["tokens_per_s"] / row["roofline_tokens_per_s"]
     if profile:
@@ -334,7 +340,7 @@ def main() -> None:
     rows = []
     print("decode tokens/s; model = the forward pass alone in a loop, engine = served (scheduler, sampling, streaming)")
     print(f"{'batch':>5} {'transformers':>12} {'model':>8} {'no-predictor':>12} {'engine':>8} {'no-graphs':>9} "
-          f"{'engine-disagg':>13} {'roofline':>9} {'engine/roof':>11} {'disagg/in-proc':>14}")
+          f"{'no-lookahead':>12} {'engine-disagg':>13} {'roofline':>9} {'engine/roof':>11} {'disagg/in-proc':>14}")
     for m, l, n, h in zip(mono_rows, local_rows, bare_rows, shm_rows):
         row = {"batch": m["batch"], "prompt": args.prompt, "transformers": m, "inprocess": l,
                "inprocess_no_predictor": n, "disaggregated_shm": h,
@@ -346,6 +352,7 @@ def main() -> None:
         roof = l.get("roofline_tokens_per_s", float("nan"))
         print(f"{m['batch']:>5} {m['tokens_per_s']:>12.1f} {l['tokens_per_s']:>8.1f} {n['tokens_per_s']:>12.1f} "
               f"{l['engine']['tokens_per_s']:>8.1f} {l.get('engine_eager', {}).get('tokens_per_s', float('nan')):>9.1f} "
+              f"{l.get('engine_no_lookahead', {}).get('tokens_per_s', float('nan')):>12.1f} "
               f"{h['engine']['tokens_per_s']:>13.1f} {roof:>9.1f} "
               f"{l['engine'].get('vs_roofline', float('nan')):>11.2f} {row['disaggregated_vs_inprocess']:>14.2f}")
     by_batch = {r["batch"]: r for r in rows}
@@ -366,7 +373,8 @@ def main() -> None:
                          f"batched {args.prompt}-token prefill, greedy, the forward pass alone; engine: the same "
                          "through the engine as served (requests sent at once, median gap between a request's tokens "
                          "once all decode; decode passes replayed as CUDA graphs on a GPU; the goals read these); "
-                         "engine_eager: the same engine launching every kernel (no graphs); "
+                         "engine_eager: the same engine launching every kernel (no graphs); engine_no_lookahead: "
+                         "the same engine reading each step's tokens before launching the next pass; "
                          f"{args.experts} expert-function processes on the "
                          "same device through shared memory; roofline = bytes per step / measured HBM read "
                          "bandwidth (uniform routing); prefill roofline = FLOPs / measured bf16 matmul rate")

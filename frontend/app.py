@@ -51,6 +51,7 @@ class FrontendConfig:
     max_step_tokens: int | None = None  # tokens one engine step computes (decode + prompt chunks); None: by device
     micro_batches: int = 1  # 2: two-batch overlap of attention and remote expert calls
     cuda_graphs: bool = True  # on a GPU, decode passes replayed as CUDA graphs (graphs.py; one micro-batch, not offload)
+    lookahead: bool = True  # on a GPU with every expert here, a greedy batch's next pass launched ahead (engine.py)
     kv_cache_bytes: int | None = None  # the KV cache's budget; None: a fraction of free GPU memory, unbounded on CPU
     kv_cache_fraction: float = 0.9  # see frontend/kv_cache.py
     load_window_seconds: float = 30.0
@@ -118,7 +119,9 @@ class Frontend:
                              micro_batches=config.micro_batches,
                              kv_cache=KVCacheConfig(config.kv_cache_bytes, config.kv_cache_fraction),
                              on_forward=self.recorder.start_forward if self.recorder else None,
-                             graphs=self._decode_graphs())
+                             graphs=self._decode_graphs(),
+                             lookahead=(lambda: self.dispatcher.in_process)
+                             if config.lookahead and self.device.type == "cuda" else None)
         self._watch: asyncio.Task | None = None
         if self.offload and not (config.routing_table or config.routing_configmap):
             # Offload mode alone: every expert runs here. (The operator renders that table in a ConfigMap.)

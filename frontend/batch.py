@@ -122,7 +122,11 @@ class BatchState:
         self.lengths: list[int] = []  # real tokens per sequence (its next position)
         self._before_decode: list[int] | None = None  # lengths before the last decode
         self._inputs: torch.Tensor | None = None  # [3, S] int64 on the device: token, position, longest length
-        self._staging: torch.Tensor | None = None  # the same on the host (pinned where there is a GPU)
+        # The same on the host (pinned where there is a GPU), twice: a step's upload may still be queued
+        # behind the pass before it when the engine prepares the next (Engine's look-ahead), so
+        # consecutive steps write alternate halves.
+        self._staging: torch.Tensor | None = None  # [2, 3, S]
+        self._steps = 0
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -163,7 +167,7 @@ class BatchState:
         self.keys, self.values = keys, values
         rows, device = keys[0].shape[0], keys[0].device
         self._inputs = torch.zeros(3, rows, dtype=torch.long, device=device)
-        self._staging = torch.zeros(3, rows, dtype=torch.long, pin_memory=device.type == "cuda")
+        self._staging = torch.zeros(2, 3, rows, dtype=torch.long, pin_memory=device.type == "cuda")
         self.generation = next(_allocations)  # unique across states: a new state may reuse a dropped one's id()
 
     def _first(self, cache, length: int) -> None:
@@ -211,21 +215,32 @@ class BatchState:
         self.advance(tokens)
         return self.pass_inputs(len(self))
 
-    def advance(self, tokens: list[int], rows: int | None = None) -> None:
-        """Put one decode step's inputs on the device, feeding `tokens` (one per sequence, batch order),
-        for a pass over `rows` rows (default: the sequences; more pads the pass with one-token
-        sequences at position 0 in the spare rows, whose outputs nobody reads), and count the step."""
+    def fits_step(self, rows: int) -> bool:
+        """Whether a decode step over `rows` rows fits the tensors as they are (advance moves nothing)."""
+        have_rows, have_columns = self.capacity
+        return rows <= have_rows and self.width + 1 <= have_columns
+
+    def advance(self, tokens: list[int] | torch.Tensor, rows: int | None = None) -> None:
+        """Put one decode step's inputs on the device, feeding `tokens` (one per sequence, batch order:
+        host ids, or a tensor of them on the device, e.g. the last pass's argmax), for a pass over
+        `rows` rows (default: the sequences; more pads the pass with one-token sequences at position
+        0 in the spare rows, whose outputs nobody reads), and count the step."""
         self._joined()
         rows = rows or len(self)
         self.reserve(rows, self.width + 1)
         assert self._inputs is not None and self._staging is not None
         self._before_decode = self.lengths
-        staging = self._staging
+        staging = self._staging[self._steps % 2]
+        self._steps += 1
         staging[:, :rows].zero_()
-        staging[0, :len(tokens)] = torch.tensor(tokens)
+        on_device = isinstance(tokens, torch.Tensor)
+        if not on_device:
+            staging[0, :len(tokens)] = torch.tensor(tokens)
         staging[1, :len(self)] = torch.tensor(self.lengths)
         staging[2, 0] = self.width
         self._inputs[:, :rows].copy_(staging[:, :rows], non_blocking=True)
+        if on_device:  # queued after the upload, on the same stream: these ids win
+            self._inputs[0, :len(tokens)].copy_(tokens)
         self.lengths = [n + 1 for n in self.lengths]
 
     def pass_inputs(self, rows: int) -> dict:

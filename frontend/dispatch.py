@@ -207,6 +207,12 @@ class Dispatcher:
     def ready(self) -> bool:
         return self._routes is not None or self._pending is not None
 
+    @property
+    def in_process(self) -> bool:
+        """Whether every MoE layer's experts run here as one stack: a pass then never waits for the
+        host (no remote calls, no offload decisions), so the engine may launch the next one ahead."""
+        return self.offload is None and len(self._stacked) == len(self.adapter.moe_layers)
+
     def apply_pending(self) -> None:
         routes = self._pending
         if routes is None:

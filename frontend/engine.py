@@ -11,6 +11,14 @@ tokens wide (C - 1 of them padding, run through attention and the experts for no
 arrived together) share one pass with no padding at all (`scheduler.chunk_groups`); a prefill
 continued in a later step keeps its own cache (`Sequence.partial`) until its last chunk, after which
 it joins a micro-batch and samples its first token.
+
+Look-ahead (`lookahead`, on a GPU where a decode pass never waits for the host: every expert in
+process): a greedy batch's next decode pass is launched from this pass's argmax on the device
+before the host reads this pass's tokens, so the host's work between steps (sampling, streaming,
+scheduling) runs while the GPU computes instead of the GPU waiting for it. A sequence that ends at
+this step (its end-of-sequence token, a stop string, its caller gone) had a row in the pass already
+launched: that row's output is dropped and its cache row goes with the sequence. Steps whose
+sequences sample, reach their last token or record their routing launch nothing ahead.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 from transformers import DynamicCache
@@ -90,11 +98,27 @@ class MicroBatch:
         self.tokens = [self.tokens[i] for i in keep]
 
 
+@dataclass(eq=False)
+class Ahead:
+    """A micro-batch's decode pass launched before the host read the previous pass's tokens."""
+
+    mb: MicroBatch
+    seqs: list[Sequence]  # the micro-batch's sequences when it was launched, in row order
+    logits: torch.Tensor  # [len(seqs), V] on the device, being computed
+
+    def logits_of(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The rows of `seqs` (those still in the micro-batch, in its order now)."""
+        if seqs == self.seqs:
+            return self.logits
+        row = {id(seq): i for i, seq in enumerate(self.seqs)}
+        return self.logits[torch.tensor([row[id(seq)] for seq in seqs], device=self.logits.device)]
+
+
 class Engine:
     def __init__(self, model, tokenizer, eos_ids: set[int], max_context: int,
                  scheduler: SchedulerConfig = SchedulerConfig(), before_step=None, metrics=None, loads=None,
                  micro_batches: int = 1, on_forward=None, kv_cache: KVCacheConfig = KVCacheConfig(),
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, lookahead: Callable[[], bool] | None = None):
         self.model, self.tokenizer, self.eos_ids, self.max_context = model, tokenizer, eos_ids, max_context
         self.scheduler: Scheduler[Sequence] = Scheduler(scheduler)
         self.before_step = before_step  # e.g. the dispatcher switching routing tables between steps
@@ -105,6 +129,9 @@ class Engine:
         if graphs is not None and micro_batches > 1:
             raise ValueError("CUDA graphs decode one micro-batch: give micro_batches=1 or no graphs")
         self.graphs = graphs  # decode passes replayed as CUDA graphs (graphs.py); None: launched one by one
+        # Whether a decode pass runs without waiting for the host now (see the module's docstring); None: never.
+        self.lookahead = lookahead
+        self._ahead: Ahead | None = None
         self.kv_bytes_per_token: int | None = None  # measured on the first prefill (every architecture caches its own way)
         self.kv_budget: int | None = None  # bytes; None: unbounded
         self.scheduler.measuring = kv_cache.bounded(self.device)
@@ -192,6 +219,7 @@ class Engine:
                 log.exception("engine step failed")
                 with self._wake:
                     self.micro = [self._micro_batch() for _ in self.micro]
+                    self._ahead = None
                 self._fail([(seq, _message(e)) for seq in plan.decode + plan.prefill])
 
     @torch.inference_mode()
@@ -204,6 +232,8 @@ class Engine:
         finished, failed = [], [(seq, self._too_long(seq)) for seq in plan.rejected]
         if plan.preempted:
             self._leave_batch(plan.preempted)  # back in the queue; prefilled again (recompute) when there is room
+        if self._ahead is not None and not self._ahead.mb.seqs:
+            self._ahead = None  # its sequences all ended: nothing reads it
         busy = [mb for mb in self.micro if mb.seqs]
         if busy:
             run = self._pool.map if self._pool and len(busy) > 1 else map
@@ -213,7 +243,9 @@ class Engine:
                     continue
                 if self.loads:
                     self.loads.record_tokens(len(mb.seqs))
-                finished += self._advance_all(mb.seqs, result, mb, range(len(mb.seqs)), failed)
+                # A step with prompt chunks joins sequences to the batch after this: nothing ahead of it.
+                greedy = None if plan.chunks else self._look_ahead(mb, result)
+                finished += self._advance_all(mb.seqs, result, mb, range(len(mb.seqs)), failed, greedy)
         for group in chunk_groups(plan.chunks):
             finished += self._prefill_chunks(group, failed)
         if failed:
@@ -332,6 +364,9 @@ class Engine:
                 f"{self.scheduler.kv_capacity}: give the frontend a larger --kv-cache-bytes")
 
     def _decode(self, mb: MicroBatch) -> torch.Tensor | Exception:  # -> logits [B, V] of the micro-batch
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.mb is mb:  # launched by the last step (_look_ahead); only joins come after
+            return ahead.logits_of(mb.seqs)
         with torch.inference_mode():  # inference mode is per thread: micro-batches run on pool threads
             if self.on_forward:  # each sequence feeds its last token, at position prompt + generated - 1
                 self.on_forward(ForwardRows(tuple(s.request_id for s in mb.seqs),
@@ -346,6 +381,37 @@ class Engine:
                 return graphs.decode(mb.state, rows, len(mb.seqs))
             except Exception as e:  # noqa: BLE001 - handed back: the step decides whom it ends
                 return e
+
+    def _look_ahead(self, mb: MicroBatch, logits: torch.Tensor) -> dict[int, int] | None:
+        """Launch the micro-batch's next decode pass from `logits`' argmax on the device, then read
+        that argmax -> {row: token} of every row (None: nothing launched, the caller samples)."""
+        seqs, state, graphs = mb.seqs, mb.state, self.graphs
+        if (self.lookahead is None or self.on_forward is not None or len(self.micro) > 1
+                or any(seq.params.temperature != 0.0 or len(seq.generated) + 1 >= seq.max_new for seq in seqs)
+                or not self.lookahead()):
+            return None
+        rows = graphs.rows(len(seqs)) if graphs else None
+        if not state.fits_step(rows or len(seqs)):  # the cache would grow (and graphs be captured again)
+            return None
+        tokens = logits.argmax(-1)
+        host = torch.empty(len(seqs), dtype=torch.long, pin_memory=tokens.is_cuda)
+        host.copy_(tokens, non_blocking=True)  # queued before the next pass: ready when this one is
+        read = torch.cuda.Event() if tokens.is_cuda else None
+        if read is not None:
+            read.record()
+        try:
+            state.advance(tokens, rows)
+            if graphs is None or rows is None:
+                next_logits = self.model(**state.pass_inputs(len(seqs)), use_cache=True).logits[:, -1]
+            else:
+                next_logits = graphs.decode(state, rows, len(seqs))
+            self._ahead = Ahead(mb, list(seqs), next_logits)
+        except Exception:  # noqa: BLE001 - the next step decodes as usual
+            log.exception("a decode pass launched ahead failed; the next step runs it again")
+            state.undo_decode()
+        if read is not None:
+            read.synchronize()
+        return dict(enumerate(host.tolist()))
 
     def _decode_failed(self, mb: MicroBatch, error: Exception) -> list[tuple[Sequence, str]]:
         """Roll the micro-batch back to before the failed step; its named rows' requests fail (none
@@ -366,10 +432,13 @@ class Engine:
         return [(mb.seqs[i], _message(error)) for i in sorted(set(rows))]
 
     def _advance_all(self, seqs: list[Sequence], logits: torch.Tensor, mb: MicroBatch, indices,
-                     failed: list) -> list[Sequence]:  # logits [len(seqs), V] -> the sequences that finished
+                     failed: list, greedy: dict[int, int] | None = None) -> list[Sequence]:
+        """Each sequence's next token from logits [len(seqs), V] (`greedy`: those already read, by row)
+        -> the sequences that finished."""
         done: list[Sequence] = []
         sampled: list[tuple[Sequence, int | None, str | None]] = []  # to the output thread
-        greedy = greedy_tokens(logits, [seq.params for seq in seqs])
+        if greedy is None:
+            greedy = greedy_tokens(logits, [seq.params for seq in seqs])
         for i, (seq, row, index) in enumerate(zip(seqs, logits, indices)):
             try:
                 token = greedy[i] if i in greedy else sample_next(row, seq.params, seq.generator)
