@@ -12,7 +12,8 @@ compute. This splits a step's remote layers (each a cut in the decode program):
   `hop` (from the hand-over to the call's start);
 - `direct_call_ms`: the same call shapes made from this thread through the dispatcher's client, one
   at a time: the call alone, no engine, no graph;
-- each again with a 0.2 ms GIL switch interval, and without CUDA graphs;
+- each again with the frontend's mapping of the segments left pageable (`unpinned`), with a 0.2 ms GIL
+  switch interval, and without CUDA graphs;
 - `profile`: torch.profiler's top host and device ops over a few engine steps at the largest batch.
 
   python benchmarks/experiments/disagg_step_probe.py --device cuda --preset mixtral-4l --layers 2  # $OUT/disagg_step_probe.json
@@ -38,6 +39,7 @@ from frontend_decode import cut_preset, engine_decode  # noqa: E402
 
 from kubemoe.bundles import bundles_by_count  # noqa: E402
 from kubemoe.expert_fn.client import ExpertClient  # noqa: E402
+from kubemoe.expert_fn.shm import Segment  # noqa: E402
 from kubemoe.frontend import dispatch  # noqa: E402
 from kubemoe.frontend.app import Frontend, FrontendConfig  # noqa: E402
 from kubemoe.frontend.embedded import expert_processes  # noqa: E402
@@ -163,6 +165,7 @@ def main() -> None:
     args = parser.parse_args()
     preset = cut_preset(args.arch, args.preset, args.layers)
     batches = [int(b) for b in args.batches.split(",")]
+    pin_segment = Segment.pin
     result: dict = {"device": args.device, "preset": preset.name, "prompt": args.prompt, "functions": args.functions}
     with tempfile.TemporaryDirectory() as tmp, \
             tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm:
@@ -173,8 +176,10 @@ def main() -> None:
         fe.close()
         with expert_processes(ckpt, bundles, model_id, ready_timeout=600, shm_dir=Path(shm)) as experts:
             table = table_for_bundles(model_id, bundles, experts.addresses, version=2)
-            for variant, graphs, switch in (("default", True, None), ("switch_0.2ms", True, 2e-4),
-                                            ("no_graphs", False, None)):
+            for variant, graphs, switch, pin in (("default", True, None, True), ("unpinned", True, None, False),
+                                                 ("switch_0.2ms", True, 2e-4, True), ("no_graphs", False, None, True)):
+                if not pin:  # this process's mapping of the segments stays pageable (the functions pin theirs)
+                    Segment.pin = lambda self: bool(setattr(self, "_pinned", False))
                 fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, shm_dir=Path(shm),
                                              max_batch=max(batches), cuda_graphs=graphs))
                 fe.set_routing_table(table)
@@ -197,6 +202,7 @@ def main() -> None:
                 finally:
                     sys.setswitchinterval(before)
                     fe.close()
+                    Segment.pin = pin_segment
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "disagg_step_probe.json").write_text(json.dumps(result, indent=1))
 
