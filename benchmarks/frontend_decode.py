@@ -283,6 +283,26 @@ def run_frontend(fe: Frontend, table, args, device, vocab, hw, profile: bool) ->
     return rows
 
 
+def run_disaggregated(ckpt: Path, bundles, model_id: str, tmp: str, args, device, vocab, hw) -> list[dict]:
+    """The frontend with its experts in expert-function processes on the same device, through shared memory."""
+    # The folder frontend and expert functions share: tmpfs where there is one, as /dev/shm is in production.
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else tmp) as shm_folder, \
+            expert_processes(ckpt, bundles, model_id, ready_timeout=600, shm_dir=Path(shm_folder)) as experts:
+        fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, shm_dir=Path(shm_folder),
+                                     predictor=args.predictor, max_batch=max(args.batch_list)))
+        try:
+            remote_table = table_for_bundles(model_id, bundles, experts.addresses, version=2)
+            rows = run_frontend(fe, remote_table, args, device, vocab, hw, profile=True)
+            if not all(client.shared_memory for client in fe.dispatcher._clients.values()):
+                raise RuntimeError(f"the expert functions did not attach segments in {shm_folder}")
+        finally:
+            fe.close()  # ends its streams, so the expert functions stop at once
+    return rows
+
+
+MODES = ("transformers", "no_predictor", "disaggregated")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
@@ -292,10 +312,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--experts", type=int, default=2, help="expert-function processes for the disaggregated mode")
     parser.add_argument("--predictor", default="router", help="the frontends' --predictor (router, none, a file)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"which of {', '.join(MODES)} run besides kubemoe in process (full-depth models: "
+                             "fewer, to fit one run)")
+    parser.add_argument("--name", default="frontend", help="the results file's name before the machine's")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args()
     device = torch.device(args.device)
     args.batch_list = [int(b) for b in args.batches.split(",")]
+    modes = set(args.modes.split(",")) - {""}
+    if modes - set(MODES):
+        parser.error(f"--modes: unknown {sorted(modes - set(MODES))}; choose from {', '.join(MODES)}")
+    none = [None] * len(args.batch_list)
 
     preset = cut_preset(args.arch, args.preset, args.layers)
     args.prompt = min(args.prompt, preset.config.get("max_position_embeddings", 4096) - args.warmup - args.steps - 2)
@@ -303,14 +331,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint(preset, Path(tmp) / preset.name, progress=False)
         checkpoint = {"arch": preset.arch, "preset": preset.name, "dtype": preset.dtype, "config": dict(preset.config)}
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        mono = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, preset.dtype)).to(device).eval()
-        vocab = mono.config.vocab_size
-        mono_rows = [decode_rate(mono, b, args.prompt, args.steps, args.warmup, device, vocab) for b in args.batch_list]
-        del mono
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        vocab = AutoConfig.from_pretrained(ckpt).vocab_size
+        mono_rows: list = none
+        if "transformers" in modes:
+            mono = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, preset.dtype)).to(device).eval()
+            mono_rows = [decode_rate(mono, b, args.prompt, args.steps, args.warmup, device, vocab)
+                         for b in args.batch_list]
+            del mono
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
         fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, predictor=args.predictor,
                                      max_batch=max(args.batch_list)))
@@ -320,54 +351,56 @@ def main() -> None:
         ttft_batch = 32 if 32 in args.batch_list else args.batch_list[-1]
         ttft = engine_ttft(fe, ttft_batch, args.prompt, vocab)
         fe.close()
-        fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, predictor="none",
-                                     max_batch=max(args.batch_list)))
-        bare_rows = run_frontend(fe, local_table, args, device, vocab, hw, profile=False)  # the predictor's cost
-        fe.close()
+        bare_rows: list = none
+        if "no_predictor" in modes:
+            fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, predictor="none",
+                                         max_batch=max(args.batch_list)))
+            bare_rows = run_frontend(fe, local_table, args, device, vocab, hw, profile=False)  # the predictor's cost
+            fe.close()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        # The folder frontend and expert functions share: tmpfs where there is one, as /dev/shm is in production.
-        with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else tmp) as shm_folder, \
-                expert_processes(ckpt, bundles, fe.model_id, ready_timeout=600, shm_dir=Path(shm_folder)) as experts:
-            fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, shm_dir=Path(shm_folder),
-                                         predictor=args.predictor, max_batch=max(args.batch_list)))
-            remote_table = table_for_bundles(fe.model_id, bundles, experts.addresses, version=2)
-            shm_rows = run_frontend(fe, remote_table, args, device, vocab, hw, profile=True)
-            if not all(client.shared_memory for client in fe.dispatcher._clients.values()):
-                raise RuntimeError(f"the expert functions did not attach segments in {shm_folder}")
-            fe.close()  # ends its streams, so the expert functions stop at once
+        shm_rows: list = none
+        if "disaggregated" in modes:
+            shm_rows = run_disaggregated(ckpt, bundles, fe.model_id, tmp, args, device, vocab, hw)
 
     rows = []
     print("decode tokens/s; model = the forward pass alone in a loop, engine = served (scheduler, sampling, streaming)")
     print(f"{'batch':>5} {'transformers':>12} {'model':>8} {'no-predictor':>12} {'engine':>8} {'no-graphs':>9} "
           f"{'no-lookahead':>12} {'engine-disagg':>13} {'roofline':>9} {'engine/roof':>11} {'disagg/in-proc':>14}")
+    nan = {"tokens_per_s": float("nan")}
     for m, l, n, h in zip(mono_rows, local_rows, bare_rows, shm_rows):
-        row = {"batch": m["batch"], "prompt": args.prompt, "transformers": m, "inprocess": l,
-               "inprocess_no_predictor": n, "disaggregated_shm": h,
-               "inprocess_vs_transformers": l["engine"]["tokens_per_s"] / m["tokens_per_s"],
-               "disaggregated_vs_inprocess": h["engine"]["tokens_per_s"] / l["engine"]["tokens_per_s"],
-               "engine_vs_model": l["engine"]["tokens_per_s"] / l["tokens_per_s"],
-               "predictor_cost": 1 - l["tokens_per_s"] / n["tokens_per_s"]}
+        row = {"batch": l["batch"], "prompt": args.prompt, "inprocess": l,
+               "engine_vs_model": l["engine"]["tokens_per_s"] / l["tokens_per_s"]}
+        if m:
+            row.update(transformers=m, inprocess_vs_transformers=l["engine"]["tokens_per_s"] / m["tokens_per_s"])
+        if n:
+            row.update(inprocess_no_predictor=n, predictor_cost=1 - l["tokens_per_s"] / n["tokens_per_s"])
+        if h:
+            row.update(disaggregated_shm=h,
+                       disaggregated_vs_inprocess=h["engine"]["tokens_per_s"] / l["engine"]["tokens_per_s"])
         rows.append(row)
         roof = l.get("roofline_tokens_per_s", float("nan"))
-        print(f"{m['batch']:>5} {m['tokens_per_s']:>12.1f} {l['tokens_per_s']:>8.1f} {n['tokens_per_s']:>12.1f} "
-              f"{l['engine']['tokens_per_s']:>8.1f} {l.get('engine_eager', {}).get('tokens_per_s', float('nan')):>9.1f} "
-              f"{l.get('engine_no_lookahead', {}).get('tokens_per_s', float('nan')):>12.1f} "
-              f"{h['engine']['tokens_per_s']:>13.1f} {roof:>9.1f} "
-              f"{l['engine'].get('vs_roofline', float('nan')):>11.2f} {row['disaggregated_vs_inprocess']:>14.2f}")
+        print(f"{l['batch']:>5} {(m or nan)['tokens_per_s']:>12.1f} {l['tokens_per_s']:>8.1f} "
+              f"{(n or nan)['tokens_per_s']:>12.1f} "
+              f"{l['engine']['tokens_per_s']:>8.1f} {l.get('engine_eager', nan)['tokens_per_s']:>9.1f} "
+              f"{l.get('engine_no_lookahead', nan)['tokens_per_s']:>12.1f} "
+              f"{(h['engine'] if h else nan)['tokens_per_s']:>13.1f} {roof:>9.1f} "
+              f"{l['engine'].get('vs_roofline', float('nan')):>11.2f} "
+              f"{row.get('disaggregated_vs_inprocess', float('nan')):>14.2f}")
     by_batch = {r["batch"]: r for r in rows}
     goals = {}
     if device.type == "cuda":
         if 32 in by_batch:
             b32 = by_batch[32]
             goals["decode_vs_roofline_b32_h200"] = Goal(b32["inprocess"]["engine"]["vs_roofline"], ">= 0.6")
-            goals["grpc_vs_inprocess_b32_h200"] = Goal(b32["disaggregated_vs_inprocess"], ">= 0.85")
+            if "disaggregated_vs_inprocess" in b32:
+                goals["grpc_vs_inprocess_b32_h200"] = Goal(b32["disaggregated_vs_inprocess"], ">= 0.85")
             goals["ttft_ms_512_b32_h200"] = Goal(ttft["median_ms"], "> 0")  # reported beside its roofline
-        if 1 in by_batch:
+        if "disaggregated_vs_inprocess" in by_batch.get(1, {}):
             goals["grpc_vs_inprocess_b1_h200"] = Goal(by_batch[1]["disaggregated_vs_inprocess"], ">= 0.6")
     print(f"engine time to first token, {ttft_batch} x {args.prompt}-token prompts: "
           f"median {ttft['median_ms']:.1f} ms, max {ttft['max_ms']:.1f} ms")
-    write_results("frontend", device, rows, goals, out=Path(args.out), checkpoint=checkpoint,
+    write_results(args.name, device, rows, goals, out=Path(args.out), checkpoint=checkpoint, modes=sorted(modes),
                   predictor=args.predictor, hardware=hw, ttft={"batch": ttft_batch, **ttft},
                   method=f"model: median decode step of {args.steps} after {args.warmup} warm-up steps after a "
                          f"batched {args.prompt}-token prefill, greedy, the forward pass alone; engine: the same "

@@ -4,7 +4,7 @@
 # for the tests, .whl-test (pytest and the test suite's imports; `pip download --python-version 3.12
 # --only-binary=:all: -d .whl-test pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf
 # prometheus-client aiohttp click pyyaml tqdm openai`). Results go into $OUT.
-# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|decode-step|engine-step|disagg-step|gpu-tests|probe|profile|goal-ab [ARGS]
+# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|frontend-full|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|decode-step|engine-step|disagg-step|gpu-tests|probe|profile|goal-ab [ARGS]
 # (gpu-tests [PATHS]: the GPU tests under PATHS, default all of tests/)
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
 set -euo pipefail
@@ -75,6 +75,11 @@ case "${1:-all}" in
   frontend)  # issue 17: decode and TTFT against the roofline, transformers / in process / expert functions (shm),
     # batch 1-64, 512-token prompts, torch.profiler summaries; Mixtral sizes cut to 2 layers to fit one run
     python3 benchmarks/frontend_decode.py --device cuda --preset mixtral-4l --layers 2 --steps 20 --warmup 5 --out "$OUT" "${@:2}" ;;
+  frontend-full)  # issue 17 item 5: Qwen3-30B-A3B at all 48 layers (~61 GB in bf16, generated here into /dev/shm, not
+    # carried), kubemoe in process only (transformers and expert functions at this depth do not fit one run)
+    df -h /dev/shm /tmp | tail -2
+    TMPDIR=/dev/shm python3 benchmarks/frontend_decode.py --device cuda --preset qwen3-30b-a3b-8l --layers 48 \
+      --steps 20 --warmup 5 --modes "" --name frontend_full --out "$OUT" "${@:2}" ;;
   decode-step)  # issue 17: a graphed decode pass's device time per op, and one MoE layer grouped vs dense (experiments/decode_step_probe.py)
     python3 benchmarks/experiments/decode_step_probe.py --device cuda --preset mixtral-4l --layers 2 --out "$OUT" "${@:2}" ;;
   engine-step)  # issue 17: where an engine decode step's time goes beyond the forward pass (experiments/engine_step_probe.py)
@@ -84,5 +89,5 @@ case "${1:-all}" in
   chunked-prefill)  # issue 17 item 3: how long a 4000-token prompt stalls 8 decoding requests, chunked (budget
     # 2048, 512) against one-shot prefill; Mixtral sizes cut to 2 layers, in-process experts (~3 min)
     python3 benchmarks/chunked_prefill.py --device cuda --preset mixtral-4l --layers 2 --batch 8 --long 4000 --out "$OUT" "${@:2}" ;;
-  *) echo "usage: $0 expert_fn|frontend|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|decode-step|engine-step|disagg-step|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
+  *) echo "usage: $0 expert_fn|frontend|frontend-full|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|decode-step|engine-step|disagg-step|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
 esac
