@@ -78,7 +78,7 @@ case "${1:-all}" in
   frontend-full)  # issue 17 item 5: Qwen3-30B-A3B at all 48 layers (~61 GB in bf16, generated here into /dev/shm, not
     # carried), kubemoe in process only (transformers and expert functions at this depth do not fit one run)
     df -h /dev/shm /tmp | tail -2
-    TMPDIR=/dev/shm python3 benchmarks/frontend_decode.py --device cuda --preset qwen3-30b-a3b-8l --layers 48 \
+    TMPDIR=/dev/shm python3 benchmarks/frontend_decode.py --device cuda --arch qwen3_moe --preset qwen3-30b-a3b-8l --layers 48 \
       --steps 20 --warmup 5 --modes "" --name frontend_full --out "$OUT" "${@:2}" ;;
   decode-step)  # issue 17: a graphed decode pass's device time per op, and one MoE layer grouped vs dense (experiments/decode_step_probe.py)
     python3 benchmarks/experiments/decode_step_probe.py --device cuda --preset mixtral-4l --layers 2 --out "$OUT" "${@:2}" ;;
