@@ -50,6 +50,10 @@ _SERVING_OPTIONS = (  # what both commands serve with, in --help order
     click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                  help="On a GPU, replay each decode pass as a CUDA graph captured once per batch size (with "
                       "--micro-batches 1, not in offload mode); off: every kernel launched one by one."),
+    click.option("--lookahead/--no-lookahead", default=True, show_default=True,
+                 help="On a GPU with every expert in this process, launch a greedy batch's next decode pass from "
+                      "this pass's argmax before reading its tokens, so the host's work overlaps the GPU's; off: "
+                      "each step's tokens are read before the next pass starts."),
     click.option("--kv-cache-bytes", type=ByteSize(), default=None,
                  help="Memory for the running batch's KV cache (20Gi, 512Mi or bytes): requests are admitted while "
                       "it has room and the latest are preempted (recomputed later) when it runs out. Default: "
@@ -137,48 +141,36 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
               help="This frontend's name in load reports (default: the host name).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's).")
-def frontend_command(checkpoint, routing_table, routing_configmap, host, port, grpc_port, max_batch, max_step_tokens,
-                     micro_batches, cuda_graphs, kv_cache_bytes, kv_cache_fraction, shm_dir, predictor, prediction_distance,
-                     split_min_tokens, record_routing, record_max_mb, busy_poll_us, offload, gpu_budget, offload_predictor,
-                     offload_policy, model, name, device, dtype):
+def frontend_command(host, port, grpc_port, **options):
     """Serve a model: attention and routing here, routed experts per the routing table (or, with --offload,
     every expert here from host memory through a GPU cache)."""
     from kubemoe.expert_fn.shm import shared_folder
 
-    shm_dir = shared_folder(shm_dir)  # a pod's folder in the node's /dev/shm is made by whichever pod comes first
-    config = frontend_config(checkpoint, routing_table, routing_configmap, max_batch, max_step_tokens, micro_batches,
-                             cuda_graphs, kv_cache_bytes,
-                             kv_cache_fraction, shm_dir, predictor,
-                             prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us,
-                             offload, gpu_budget, offload_predictor, offload_policy, model, name, device, dtype)
-    _serve(config, host, port, grpc_port, _banner)
+    # A pod's folder in the node's /dev/shm is made by whichever pod comes first.
+    options["shm_dir"] = shared_folder(options["shm_dir"])
+    _serve(frontend_config(**options), host, port, grpc_port, _banner)
 
 
-def frontend_config(checkpoint, routing_table, routing_configmap, max_batch, max_step_tokens, micro_batches,
-                    cuda_graphs, kv_cache_bytes,
-                    kv_cache_fraction, shm_dir, predictor,
-                    prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us, offload,
-                    gpu_budget, offload_predictor, offload_policy, model, name, device, dtype):
-    """`kubemoe frontend`'s arguments -> its FrontendConfig (raises click.UsageError)."""
+def frontend_config(*, checkpoint, routing_table, routing_configmap, **options):
+    """`kubemoe frontend`'s options but the listening ones -> its FrontendConfig (raises click.UsageError)."""
     from kubemoe.frontend.app import FrontendConfig
 
     if checkpoint is None:
         raise click.UsageError("--checkpoint is required")
-    if bool(routing_table) and bool(routing_configmap) or not (routing_table or routing_configmap or offload):
+    if bool(routing_table) and bool(routing_configmap) or not (routing_table or routing_configmap or options["offload"]):
         raise click.UsageError("give exactly one of --routing-table and --routing-configmap (in offload mode "
                                "neither is needed: every expert runs here)")
-    return FrontendConfig(checkpoint=checkpoint, model=model, name=name, routing_table=routing_table,
-                          routing_configmap=routing_configmap, dtype=dtype, device=device, max_batch=max_batch,
-                          max_step_tokens=max_step_tokens, micro_batches=micro_batches, cuda_graphs=cuda_graphs,
-                          shm_dir=shm_dir, busy_poll_us=busy_poll_us, split_min_tokens=split_min_tokens,
-                          kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction,
-                          offload=_offload_config(offload, gpu_budget, offload_predictor, offload_policy),
-                          **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
+    return FrontendConfig(checkpoint=checkpoint, routing_table=routing_table, routing_configmap=routing_configmap,
+                          **config_fields(options))
 
 
-def _prediction_fields(predictor, prediction_distance, record_routing, record_max_mb) -> dict:
-    return dict(predictor=predictor, prediction_distance=prediction_distance, record_routing=record_routing,
-                record_max_mb=record_max_mb)
+def config_fields(options: dict) -> dict:
+    """Options as click parsed them -> FrontendConfig fields: each under its own name, the offload options
+    as one OffloadConfig (None: not offloading)."""
+    fields = dict(options)
+    fields["offload"] = _offload_config(fields.pop("offload"), fields.pop("gpu_budget"), fields.pop("offload_predictor"),
+                                        fields.pop("offload_policy"))
+    return fields
 
 
 @click.command("serve")
@@ -187,10 +179,7 @@ def _prediction_fields(predictor, prediction_distance, record_routing, record_ma
               help="Architecture of the generated tiny checkpoint used when --checkpoint is not given.")
 @click.option("--experts", default=2, show_default=True, help="Local expert-function processes.")
 @serving_options
-def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, max_step_tokens, micro_batches,
-                  cuda_graphs, kv_cache_bytes, kv_cache_fraction, shm_dir, predictor,
-                  prediction_distance, split_min_tokens, record_routing, record_max_mb, busy_poll_us, offload,
-                  gpu_budget, offload_predictor, offload_policy):
+def serve_command(checkpoint, arch, experts, host, port, grpc_port, **options):
     """Run everything locally: a frontend and expert functions over gRPC on loopback (with --offload: the
     frontend alone, every expert in its host memory and GPU cache).
 
@@ -200,30 +189,21 @@ def serve_command(checkpoint, arch, experts, host, port, grpc_port, max_batch, m
     from kubemoe.frontend.embedded import default_checkpoint, embedded_bundles, expert_processes
     from kubemoe.routing_table import table_for_bundles, to_json
 
-    offload_config = _offload_config(offload, gpu_budget, offload_predictor, offload_policy)
+    fields = config_fields(options)
     checkpoint = checkpoint or default_checkpoint(arch)
-    if offload_config:
-        config = FrontendConfig(checkpoint=checkpoint, max_batch=max_batch, max_step_tokens=max_step_tokens,
-                                micro_batches=micro_batches,
-                                kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction,
-                                offload=offload_config,
-                                **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
-        _serve(config, host, port, grpc_port, lambda fe, h, g: _banner(fe, h, g, ", experts offloaded in this process"))
+    if fields["offload"]:
+        _serve(FrontendConfig(checkpoint=checkpoint, **fields), host, port, grpc_port,
+               lambda fe, h, g: _banner(fe, h, g, ", experts offloaded in this process"))
         click.echo("stopped", err=True)
         return
     bundles = embedded_bundles(checkpoint, experts)
     model = default_model_id(checkpoint)
     click.echo(f"starting {len(bundles)} expert functions for {model} ...", err=True)
-    with expert_processes(checkpoint, bundles, model, shm_dir=shm_dir, busy_poll_us=busy_poll_us) as experts, \
-            tempfile.TemporaryDirectory() as tmp:
+    with expert_processes(checkpoint, bundles, model, shm_dir=fields["shm_dir"],
+                          busy_poll_us=fields["busy_poll_us"]) as experts, tempfile.TemporaryDirectory() as tmp:
         table = Path(tmp) / "routing.json"
         table.write_text(to_json(table_for_bundles(model, bundles, experts.addresses)))
-        config = FrontendConfig(checkpoint=checkpoint, routing_table=table, max_batch=max_batch,
-                                max_step_tokens=max_step_tokens, micro_batches=micro_batches, cuda_graphs=cuda_graphs,
-                                kv_cache_bytes=kv_cache_bytes,
-                                kv_cache_fraction=kv_cache_fraction, shm_dir=shm_dir, busy_poll_us=busy_poll_us,
-                                split_min_tokens=split_min_tokens, **_prediction_fields(predictor, prediction_distance, record_routing, record_max_mb))
-        _serve(config, host, port, grpc_port,
+        _serve(FrontendConfig(checkpoint=checkpoint, routing_table=table, **fields), host, port, grpc_port,
                lambda fe, h, g: _banner(fe, h, g, f", experts in {len(bundles)} local processes"))
     click.echo("stopped", err=True)
 

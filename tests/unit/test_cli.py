@@ -34,3 +34,21 @@ def test_errors_are_one_line_not_a_traceback(tmp_path):
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "kubemoe checkpoint make" in kubemoe("checkpoint", "inspect", str(tmp_path)).stderr
     assert "mixtral-4l" in kubemoe("checkpoint", "make", "--arch", "mixtral", "--preset", "huge", "--out", str(tmp_path)).stderr
+
+
+def test_every_frontend_option_reaches_the_config_under_its_own_name(tmp_path):
+    """The options are handed over by name (frontend/cli.config_fields): a flag that changed nothing
+    would show here."""
+    from kubemoe.frontend.cli import frontend_command, frontend_config
+
+    (tmp_path / "routing.json").write_text("{}")
+    args = ["--checkpoint", str(tmp_path), "--routing-table", str(tmp_path / "routing.json"), "--no-lookahead",
+            "--no-cuda-graphs", "--max-batch", "7", "--kv-cache-bytes", "1Mi", "--split-min-tokens", "5",
+            "--busy-poll-us", "3", "--device", "cpu"]
+    params = frontend_command.make_context("frontend", list(args)).params  # click empties the list it parses
+    config = frontend_config(**{k: v for k, v in params.items() if k not in ("host", "port", "grpc_port")})
+    assert (config.lookahead, config.cuda_graphs, config.max_batch, config.kv_cache_bytes) == (False, False, 7, 1 << 20)
+    assert (config.split_min_tokens, config.busy_poll_us, config.device, config.offload) == (5, 3.0, "cpu", None)
+    defaults = frontend_config(**{k: v for k, v in frontend_command.make_context(
+        "frontend", args[:4]).params.items() if k not in ("host", "port", "grpc_port")})
+    assert defaults.lookahead and defaults.cuda_graphs
