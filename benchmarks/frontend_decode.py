@@ -18,6 +18,8 @@ torch.profiler summaries of a few batch-32 decode steps say where a step's time 
 
 The layer count is cut to fit the lent machine and one run of a few minutes: the figures per step
 scale with layers, and the ratios (to the roofline, between configurations) are what the goals read.
+A full-depth model fits one run in process alone (`--modes ""`, e.g. `run_h200.sh frontend-full`:
+Qwen3-30B-A3B at 48 layers, written to frontend_full_<machine>.json).
 """
 
 from __future__ import annotations
