@@ -1,6 +1,7 @@
 """The engine's outbox: a forward pass's deltas reach their callers' loops in one hand-over per loop."""
 
 import asyncio
+import types
 
 from kubemoe.frontend.output import Delta, Outbox
 
@@ -37,33 +38,43 @@ def test_a_closed_loop_drops_its_deltas_and_the_others_still_arrive():
     open_.close()
 
 
-def test_the_output_thread_streams_a_sequence_in_order_and_ends_it_at_its_stop_string(tiny_checkpoint):
-    """Tokens sampled after the stop string's (the engine has not dropped the sequence yet) are never
-    sent; the sequence is marked for the engine to drop; an error for it afterwards sends nothing more."""
-    import types
-
-    from transformers import AutoTokenizer
-
+def _through_output(text, prompt_ids, hand_over) -> tuple[types.SimpleNamespace, list[Delta]]:
+    """A sequence streaming `text` (a TextStream) on a loop of its own; hand_over(output, seq) feeds the
+    output thread as the engine does, which is then closed -> (the sequence, every delta it received)."""
     from kubemoe.frontend.output import Output
-    from kubemoe.frontend.text import TextStream
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("mixtral"))
-    ids = tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
     loop = asyncio.new_event_loop()
     queue = asyncio.Queue()
-    seq = types.SimpleNamespace(request_id="r1", prompt_ids=[1, 2], text=TextStream(tokenizer, ("fox j",)), loop=loop,
-                                replies=queue, stopped=False, sent_last=False)
+    seq = types.SimpleNamespace(request_id="r1", prompt_ids=prompt_ids, text=text, loop=loop, replies=queue,
+                                stopped=False, sent_last=False)
     output = Output()
-    for token in ids[:3]:  # one pass at a time, as the engine hands them over
-        output.tokens([(seq, token, None)])
-    output.tokens([(seq, token, None) for token in ids[3:]])
-    output.errors([(seq, "too late")])
+    hand_over(output, seq)
     output.close()
     loop.run_until_complete(asyncio.sleep(0))
     deltas = []
     while not queue.empty():
         deltas.append(queue.get_nowait())
     loop.close()
+    return seq, deltas
+
+
+def test_the_output_thread_streams_a_sequence_in_order_and_ends_it_at_its_stop_string(tiny_checkpoint):
+    """Tokens sampled after the stop string's (the engine has not dropped the sequence yet) are never
+    sent; the sequence is marked for the engine to drop; an error for it afterwards sends nothing more."""
+    from transformers import AutoTokenizer
+
+    from kubemoe.frontend.text import TextStream
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("mixtral"))
+    ids = tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
+
+    def hand_over(output, seq):
+        for token in ids[:3]:  # one pass at a time, as the engine hands them over
+            output.tokens([(seq, token, None)])
+        output.tokens([(seq, token, None) for token in ids[3:]])
+        output.errors([(seq, "too late")])
+
+    seq, deltas = _through_output(TextStream(tokenizer, ("fox j",)), [1, 2], hand_over)
     assert "".join(d.text for d in deltas) == "The quick brown "
     assert [d.finish_reason for d in deltas].count("stop") == 1 and deltas[-1].finish_reason == "stop"
     assert seq.stopped and seq.sent_last
@@ -71,12 +82,9 @@ def test_the_output_thread_streams_a_sequence_in_order_and_ends_it_at_its_stop_s
 
 
 def test_a_failed_batch_decode_leaves_each_stream_to_decode_alone(tiny_checkpoint, monkeypatch):
-    import types
-
     from transformers import AutoTokenizer
 
     from kubemoe.frontend import output as output_module
-    from kubemoe.frontend.output import Output
     from kubemoe.frontend.text import TextStream
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("mixtral"))
@@ -87,19 +95,12 @@ def test_a_failed_batch_decode_leaves_each_stream_to_decode_alone(tiny_checkpoin
         raise RuntimeError("the batch decode failed")
 
     monkeypatch.setattr(output_module, "decode_many", broken)
-    loop = asyncio.new_event_loop()
-    queue = asyncio.Queue()
-    seq = types.SimpleNamespace(request_id="r1", prompt_ids=[1], text=TextStream(tokenizer), loop=loop,
-                                replies=queue, stopped=False, sent_last=False)
-    output = Output()
-    for token in ids[:-1]:
-        output.tokens([(seq, token, None)])
-    output.tokens([(seq, ids[-1], "length")])
-    output.close()
-    loop.run_until_complete(asyncio.sleep(0))
-    deltas = []
-    while not queue.empty():
-        deltas.append(queue.get_nowait())
-    loop.close()
+
+    def hand_over(output, seq):
+        for token in ids[:-1]:
+            output.tokens([(seq, token, None)])
+        output.tokens([(seq, ids[-1], "length")])
+
+    seq, deltas = _through_output(TextStream(tokenizer), [1], hand_over)
     assert "".join(d.text for d in deltas) == text and seq.text.ids == ids  # no token added twice
     assert deltas[-1].finish_reason == "length"
