@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_step_probe import engine_split  # noqa: E402
-from frontend_decode import cut_preset, engine_decode  # noqa: E402
+from frontend_decode import add_model_arguments, cut_preset, engine_decode  # noqa: E402
 
 from kubemoe.bundles import bundles_by_count  # noqa: E402
 from kubemoe.expert_fn.client import ExpertClient  # noqa: E402
@@ -100,10 +100,10 @@ def dispatcher_spans(fe: Frontend):
 def engine_row(fe: Frontend, batch: int, args, vocab: int) -> dict:
     with dispatcher_spans(fe) as spans:
         row = engine_split(fe, batch, args.prompt, args.steps, 5, vocab)
-    # The last steps are decode only: each has a span per remote layer (calls: one per function).
-    layers = args.layers * args.steps
+    # The last steps are decode only: each has a span per remote layer, and a call per function in it.
+    layers = len(fe.adapter.moe_layers) * args.steps
     for name, values in spans.items():
-        tail = values[-layers * (2 if name in ("forward", "hop") else 1):]
+        tail = values[-layers * (args.functions if name in ("forward", "hop") else 1):]
         row[f"layer_{name.strip('_')}_ms"] = statistics.median(tail) if tail else None
     return row
 
@@ -153,10 +153,7 @@ def profile_top(fe: Frontend, batch: int, prompt: int, vocab: int, top: int = 15
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--arch", default="mixtral")
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--layers", type=int, default=2)
+    add_model_arguments(parser)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)

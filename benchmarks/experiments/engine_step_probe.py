@@ -30,7 +30,7 @@ from typing import Iterator
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from frontend_decode import cut_preset, decode_rate, engine_decode, sync  # noqa: E402
+from frontend_decode import add_model_arguments, cut_preset, decode_rate, engine_decode, sync  # noqa: E402
 
 from kubemoe.bundles import bundles_by_count  # noqa: E402
 from kubemoe.frontend.app import Frontend, FrontendConfig  # noqa: E402
@@ -121,10 +121,7 @@ def engine_device_busy(fe: Frontend, batch: int, prompt: int, steps: int, vocab:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--arch", default="mixtral")
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--layers", type=int, default=0)
+    add_model_arguments(parser)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
