@@ -373,24 +373,31 @@ class Engine:
                                             tuple(len(s.prompt_ids) + len(s.generated) - 1 for s in mb.seqs),
                                             (1,) * len(mb.seqs)))
             try:
-                graphs = self.graphs
-                rows = graphs.rows(len(mb.seqs)) if graphs else None
-                if graphs is None or rows is None:
-                    return self.model(**mb.state.decode_inputs(mb.tokens), use_cache=True).logits[:, -1]
-                mb.state.advance(mb.tokens, rows)
-                return graphs.decode(mb.state, rows, len(mb.seqs))
+                return self._pass(mb.state, mb.tokens, self._rows(len(mb.seqs)))
             except Exception as e:  # noqa: BLE001 - handed back: the step decides whom it ends
                 return e
+
+    def _rows(self, sequences: int) -> int | None:
+        """The rows a decode pass of `sequences` is prepared for: its graph program's; None: launched op by op."""
+        return self.graphs.rows(sequences) if self.graphs else None
+
+    def _pass(self, state: BatchState, tokens: list[int] | torch.Tensor, rows: int | None) -> torch.Tensor:
+        """One decode pass over `state` feeding `tokens` (host ids, or on the device), replayed as the program
+        of `rows` rows, or launched op by op where `rows` is None -> logits [len(state), V]."""
+        state.advance(tokens, rows)
+        if self.graphs is None or rows is None:
+            return self.model(**state.pass_inputs(len(state)), use_cache=True).logits[:, -1]
+        return self.graphs.decode(state, rows, len(state))
 
     def _look_ahead(self, mb: MicroBatch, logits: torch.Tensor) -> dict[int, int] | None:
         """Launch the micro-batch's next decode pass from `logits`' argmax on the device, then read
         that argmax -> {row: token} of every row (None: nothing launched, the caller samples)."""
-        seqs, state, graphs = mb.seqs, mb.state, self.graphs
+        seqs, state = mb.seqs, mb.state
         if (self.lookahead is None or self.on_forward is not None or len(self.micro) > 1
                 or any(seq.params.temperature != 0.0 or len(seq.generated) + 1 >= seq.max_new for seq in seqs)
                 or not self.lookahead()):
             return None
-        rows = graphs.rows(len(seqs)) if graphs else None
+        rows = self._rows(len(seqs))
         if not state.fits_step(rows or len(seqs)):  # the cache would grow (and graphs be captured again)
             return None
         tokens = logits.argmax(-1)
@@ -400,12 +407,7 @@ class Engine:
         if read is not None:
             read.record()
         try:
-            state.advance(tokens, rows)
-            if graphs is None or rows is None:
-                next_logits = self.model(**state.pass_inputs(len(seqs)), use_cache=True).logits[:, -1]
-            else:
-                next_logits = graphs.decode(state, rows, len(seqs))
-            self._ahead = Ahead(mb, list(seqs), next_logits)
+            self._ahead = Ahead(mb, list(seqs), self._pass(state, tokens, rows))
         except Exception:  # noqa: BLE001 - the next step decodes as usual
             log.exception("a decode pass launched ahead failed; the next step runs it again")
             state.undo_decode()
