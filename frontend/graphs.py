@@ -6,9 +6,11 @@ needed 0.5-1.5 ms (frontend_decode.py): the host launching hundreds of small ker
 
 A pass over a given number of rows is captured into a *program*: segments of captured kernels,
 with *cuts* between them where the host must act when it is replayed.
-- A layer whose experts all run in this process is captured whole (the grouped GEMM); the host work
-  beside it (tokens per expert, the load predictor, routing records) runs after the last segment,
-  on the real rows only (`Recorder.after`).
+- A layer whose experts all run in this process is captured whole (the grouped GEMM). When every
+  layer is, so is the counting beside it (tokens per expert, the load predictor's device work), over
+  the real rows only: their number is a device scalar the program sets before each replay
+  (`Recorder.real_rows`). Host work (routing records, the host's side of the counting) runs after
+  the last segment, given the number of real rows (`Recorder.after`).
 - A layer whose experts run elsewhere is a cut (`Recorder.cut`): at replay the real rows go out
   through the dispatcher's usual path, and the reply lands in the buffer the next segment reads.
 A batch of 5 replays the program of 8 rows (ROW_BUCKETS); the 3 spare rows are one-token sequences
@@ -58,7 +60,18 @@ class Recorder:
         self.segments: list[torch.cuda.CUDAGraph] = []
         self.cuts: list[Cut] = []
         self.afters: list[Cut] = []
+        self.rows_on_device: torch.Tensor | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
+
+    def real_rows(self, device: torch.device) -> torch.Tensor:
+        """The number of real rows as an int32 device scalar, for work captured over all the rows that
+        must count only those: a replay sets it first (Program.replay); an eager run holds `rows`."""
+        if self.rows_on_device is None:
+            if self.capturing:  # set outside the graph: a fill captured here would replay the capture's count
+                self.rows_on_device = torch.empty((), dtype=torch.int32, device=device)
+            else:
+                self.rows_on_device = torch.full((), self.rows, dtype=torch.int32, device=device)
+        return self.rows_on_device
 
     def cut(self, fn: Cut) -> None:
         if not self.capturing:
@@ -101,8 +114,11 @@ class Program:
     cuts: list[Cut]  # cuts[i] runs between segments[i] and segments[i + 1]
     afters: list[Cut]
     logits: torch.Tensor  # [rows, V], written by the last segment
+    rows_on_device: torch.Tensor | None  # what the captured work reads as the number of real rows
 
     def replay(self, rows: int) -> torch.Tensor:  # -> logits of the real rows [rows, V]
+        if self.rows_on_device is not None:
+            self.rows_on_device.fill_(rows)
         for i, graph in enumerate(self.segments):
             if i:
                 self.cuts[i - 1](rows)
@@ -191,4 +207,4 @@ class DecodeGraphs:
             finally:
                 recorder._end()  # a failed capture raises here too; the graph is dropped
         torch.cuda.synchronize()
-        return Program(recorder.segments, recorder.cuts, recorder.afters, logits)
+        return Program(recorder.segments, recorder.cuts, recorder.afters, logits, recorder.rows_on_device)

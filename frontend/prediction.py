@@ -6,7 +6,9 @@ the same forward pass, the prediction is scored against what it chose. Nothing o
 the GPU: per-expert counts and hits add up in device tensors, and every `flush_every` forward
 passes (and whenever `/loads` is read) one flush brings them to the host, into the load report and
 the metrics. Measured on an H200 (frontend_decode.py), reading them back at every layer cost 10-30%
-of decode throughput.
+of decode throughput. A decode pass replayed as a CUDA graph captures this device work with the
+pass (`observe_rows`: counted over the program's real rows only); what needs the host runs after
+the replay, given the number of real rows.
 
 A bounded online refresh keeps a fine-tunable predictor current: each layer keeps its last
 `buffer_rows` (hidden, true experts) pairs in a ring on the predictor's device, and when a layer's
@@ -22,11 +24,13 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from kubemoe.frontend.predictor import LoadPredictor
-from kubemoe.frontend.predictor_train import hits, topk_accuracy
+from kubemoe.frontend.predictor_train import topk_accuracy
+from kubemoe.frontend.tally import count_rows, drain
 
 log = logging.getLogger(__name__)
 
@@ -36,19 +40,18 @@ class RefreshConfig:
     threshold: float = 0.8  # a layer below this accuracy over `window_tokens` is refreshed
     window_tokens: int = 2048
     buffer_rows: int = 1024  # per layer, newest kept, on the predictor's device in the hidden state's dtype
+    keep_every: int = 8  # passes: rows are kept from one pass in this many (each keep is ~4 copies per layer)
     steps: int = 50  # gradient steps per refresh
     lr: float = 5e-4
     max_refreshes: int = 100  # per layer over the frontend's life
 
 
 class _Layer:
-    """One predicted layer's serving state: its tallies since the last flush (on the device), its
-    window's score, and a ring of recent (hidden, experts) rows for refreshes."""
+    """One predicted layer's serving state: its row of the device tallies, its window's score, and a
+    ring of recent (hidden, experts) rows for refreshes."""
 
-    def __init__(self, source: int, num_experts: int, device: torch.device):
-        self.source = source
-        self.counts = torch.zeros(num_experts, dtype=torch.int64, device=device)  # [E] predicted tokens
-        self.hits = torch.zeros((), dtype=torch.int64, device=device)
+    def __init__(self, source: int, row: int):
+        self.source, self.row = source, row  # row: of OnlinePredictor's device tallies
         self.tokens = self.choices = 0  # known on the host without reading the device
         self.window_hits = self.window_choices = 0
         # ring of rows ([R, H] hidden, [R, K] experts), made at the first row kept (its width and dtype come with it)
@@ -95,37 +98,59 @@ class OnlinePredictor:
         loads.predictor, loads.prediction_distance = predictor.kind, predictor.distance
         loads.before_report.append(self.flush)  # /loads is always current
         self._pending = threading.local()  # per forward pass: {target: (predicted [T, K], hidden [T, H])}
-        self._layers = {t: _Layer(s, predictor.shape.num_experts, torch.device(device))
-                        for t, s in predictor.targets.items()}
-        self._lock = threading.Lock()  # tallies (micro-batches run passes on two threads) and head swaps
+        self._layers = {t: _Layer(s, row) for row, (t, s) in enumerate(sorted(predictor.targets.items()))}
+        # [Lt, E + 1] int64: predicted tokens per expert of each target layer, then its hits. Made once, on
+        # the predictor's device: a decode pass captured as a CUDA graph adds into it by address.
+        self._tallies = torch.zeros(len(self._layers), predictor.shape.num_experts + 1, dtype=torch.int64,
+                                    device=device)
+        self._lock = threading.Lock()  # tallies (micro-batches run passes on two threads) and head updates
         self._passes = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kubemoe-predictor") if refresh else None
 
     def on_layer(self, layer: int, hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> None:
+        self.observe_rows(layer, hidden, experts, None)(len(hidden))
+
+    def observe_rows(self, layer: int, hidden: torch.Tensor, experts: torch.Tensor,
+                     rows: torch.Tensor | None) -> Callable[[int], None]:
+        """Layer `layer`'s device work over the first `rows` rows (an int32 device scalar; None: every
+        row) without waiting for the device, so that a CUDA graph can capture it: predict the target
+        layer and count the prediction, score the prediction made for this layer. Returns the host's
+        part, to run with the number of real rows once the pass is done (after each replay)."""
         # {target: (predicted [T, K], hidden [T, H])} of this thread's forward pass
         pending: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = getattr(self._pending, "by_target", None)
         if pending is None or layer == self.predictor.shape.moe_layers[0]:
             pending = self._pending.by_target = {}
             self._pending.predicted = {}
+        scored = predicted_for = None
         if layer in pending:
-            self._score(layer, *pending.pop(layer), experts)
+            predicted, source_hidden = pending.pop(layer)
+            scored = self._layers[layer]
+            count_rows(predicted, rows, against=experts, hits=self._tallies[scored.row, -1])
         if layer in self.predictor.pairs:
-            with self._lock:  # a refresh may be swapping this layer's head
+            with self._lock:  # a refresh may be updating this layer's head
                 target, predicted = self.predictor.predict(layer, hidden)
-                flat = predicted.reshape(-1)
-                state = self._layers[target]
-                # index_add_, not bincount: bincount sizes its output from the largest id, which a CUDA
-                # tensor can only tell the host by waiting for the GPU
-                state.counts.index_add_(0, flat, torch.ones_like(flat))
-                state.tokens += predicted.shape[0]
+                predicted_for = self._layers[target]
+                count_rows(predicted, rows, self._tallies[predicted_for.row, :-1])
             self._pending.predicted[target] = predicted
             pending[target] = (predicted, hidden)
-        if layer == self.predictor.shape.moe_layers[-1]:
+        last = layer == self.predictor.shape.moe_layers[-1]
+
+        def host(real: int) -> None:
             with self._lock:
+                if scored is not None:
+                    scored.choices += real * experts.shape[1]
+                    if self.refresh and self._passes % self.refresh.keep_every == 0:
+                        scored.keep(source_hidden[:real], experts[:real], self.refresh.buffer_rows)
+                if predicted_for is not None:
+                    predicted_for.tokens += real
+                if not last:
+                    return
                 self._passes += 1
                 due = self._passes % self.flush_every == 0
             if due:
                 self.flush()
+
+        return host
 
     def predicted_counts(self, layer: int) -> list[int] | None:
         """This forward pass's predicted tokens per expert of `layer`, made d layers earlier on this
@@ -136,23 +161,15 @@ class OnlinePredictor:
             return None
         return torch.bincount(predicted.reshape(-1), minlength=self.predictor.shape.num_experts).tolist()
 
-    def _score(self, target: int, predicted: torch.Tensor, hidden: torch.Tensor, true: torch.Tensor) -> None:
-        state = self._layers[target]
-        with self._lock:
-            state.hits += hits(predicted, true)
-            state.choices += true.numel()
-            if self.refresh:
-                state.keep(hidden, true, self.refresh.buffer_rows)
-
     def flush(self) -> None:
         """Bring the tallies since the last flush to the host: load report, metrics, window scores, refreshes."""
         with self._lock:
+            drained = drain(self._tallies)  # [Lt, E + 1]
             tallies = []
             for target, state in self._layers.items():
                 if state.tokens or state.choices:
-                    tallies.append((target, state, state.counts.tolist(), int(state.hits), state.tokens, state.choices))
-                    state.counts.zero_()
-                    state.hits.zero_()
+                    row = drained[state.row]
+                    tallies.append((target, state, row[:-1], row[-1], state.tokens, state.choices))
                     state.tokens = state.choices = 0
         window = (self.refresh or RefreshConfig()).window_tokens * self.predictor.shape.top_k
         for target, state, counts, got, tokens, choices in tallies:
@@ -205,8 +222,11 @@ class OnlinePredictor:
                 old = topk_accuracy(self.predictor.experts_from_logits(target, serving(hidden[cut:])), true[cut:])
                 new = topk_accuracy(self.predictor.experts_from_logits(target, head(hidden[cut:])), true[cut:])
             if new > old:
-                with self._lock:
-                    self.predictor.heads[target] = head
+                # copied into the serving head, not swapped for it: a decode pass captured as a CUDA
+                # graph reads the serving head's weights by address
+                with self._lock, torch.no_grad():
+                    for mine, better in zip(serving.parameters(), head.parameters()):
+                        mine.copy_(better)
                 if self.metrics:
                     self.metrics.record_predictor_refresh(target)
             log.info("predictor layer %d refreshed online: accuracy %.3f over the window; %.3f -> %.3f on the "

@@ -21,9 +21,11 @@ def _joined(fe, prompts) -> BatchState:
     return state
 
 
-def _tokens_counted(fe) -> int:
-    fe.dispatcher.tally.flush()
-    return sum(load.tokens for load in fe.loads.report().loads)
+def _counted(fe) -> tuple[int, int, int]:
+    """Routed tokens, predicted tokens and tokens predicted for, so far (a report flushes the tallies)."""
+    report = fe.loads.report()
+    return (sum(load.tokens for load in report.loads), sum(load.predicted_tokens for load in report.loads),
+            sum(p.tokens for p in report.predictions))
 
 
 @pytest.mark.parametrize("stacked", [True, False], ids=["captured-experts", "experts-at-a-cut"])
@@ -33,18 +35,31 @@ def test_a_program_pass_equals_an_ordinary_pass_and_counts_only_real_rows(stacke
         fe.dispatcher.apply_pending()
         if not stacked:  # every layer through the per-expert path: what a layer of remote experts takes
             fe.dispatcher._stacked.clear()
+        seen: list[tuple[int, int]] = []
+
+        class HostOnly:  # an observer with nothing to capture (as the routing recorder): the real rows, after
+            def on_layer(self, layer, hidden, experts, weights):
+                seen.append((layer, len(hidden)))
+
+        fe.dispatcher.observers.append(HostOnly())
         plain, program = _joined(fe, PROMPTS), _joined(fe, PROMPTS)
         rows, padded = len(PROMPTS), padded_rows(len(PROMPTS))
         assert padded > rows  # spare rows in the pass
         tokens = [5, 6, 7]
         with torch.inference_mode():
             for _ in range(2):
-                before = _tokens_counted(fe)
+                before = _counted(fe)
                 expected = fe.model(**plain.decode_inputs(tokens), use_cache=True).logits[:, -1]
-                ordinary = _tokens_counted(fe) - before
+                between = _counted(fe)
                 program.advance(tokens, padded)
+                seen.clear()
                 got = run_eagerly(fe.model, program, padded, rows)
-                assert _tokens_counted(fe) - before - ordinary == ordinary == rows * fe.adapter.top_k * len(fe.adapter.moe_layers)
+                assert seen == [(layer, rows) for layer in fe.adapter.moe_layers]
+                after = _counted(fe)
+                ordinary = [b - a for a, b in zip(before, between)]
+                in_program = [b - a for a, b in zip(between, after)]
+                # tiny Mixtral: 2 MoE layers, the second predicted from the first
+                assert in_program == ordinary == [rows * fe.adapter.top_k * 2, rows * fe.adapter.top_k, rows]
                 torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
                 tokens = expected.argmax(-1).tolist()
         assert program.lengths == plain.lengths

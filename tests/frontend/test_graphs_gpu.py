@@ -11,6 +11,7 @@ from kubemoe.frontend.batch import BatchState
 from kubemoe.frontend.graphs import DecodeGraphs, padded_rows
 
 from .test_correctness import PROMPTS, generate_all, local_frontend, reference_greedy
+from .test_graphs import _counted
 from .test_lookahead import counting
 
 pytestmark = pytest.mark.gpu
@@ -33,7 +34,7 @@ def test_graphed_decode_equals_ordinary_passes_and_never_waits_for_the_gpu(tiny_
     """bfloat16: every layer's experts captured in the graph (the grouped GEMM); two steps through the
     program (the eager first run, then a replay) against the same steps as ordinary passes, 3 sequences
     in the program of 4 rows; the replay launches without one host synchronisation, and the tokens
-    counted per expert are the real rows' only."""
+    counted per expert (routed and predicted) are the real rows' only, counted inside the program."""
     fe = local_frontend(tiny_checkpoint("mixtral"), device="cuda", dtype="bfloat16", predictor="router",
                         cuda_graphs=False)
     try:
@@ -47,8 +48,7 @@ def test_graphed_decode_equals_ordinary_passes_and_never_waits_for_the_gpu(tiny_
         with torch.inference_mode():
             for step in range(2):
                 expected = fe.model(**plain.decode_inputs(tokens), use_cache=True).logits[:, -1]
-                fe.dispatcher.tally.flush()
-                before = sum(l.tokens for l in fe.loads.report().loads)
+                before = _counted(fe)
                 graphed.advance(tokens, padded)
                 torch.cuda.synchronize()
                 if step:  # the replay: any host synchronisation raises
@@ -59,9 +59,9 @@ def test_graphed_decode_equals_ordinary_passes_and_never_waits_for_the_gpu(tiny_
                     torch.cuda.set_sync_debug_mode("default")
                 torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
                 assert got.shape[0] == 3
-                fe.dispatcher.tally.flush()
-                counted = sum(l.tokens for l in fe.loads.report().loads) - before
-                assert counted == 3 * fe.adapter.top_k * len(fe.adapter.moe_layers)  # no spare row counted
+                counted = [b - a for a, b in zip(before, _counted(fe))]
+                # no spare row counted: routed tokens of 2 MoE layers, the second predicted from the first
+                assert counted == [3 * fe.adapter.top_k * 2, 3 * fe.adapter.top_k, 3]
                 tokens = expected.argmax(-1).tolist()
         assert graphs.captures == 1 and graphs.enabled
         assert graphed.lengths == plain.lengths

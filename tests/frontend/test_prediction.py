@@ -51,7 +51,8 @@ def test_predicted_loads_and_accuracy_are_what_the_predictor_said_and_how_it_did
 def test_a_layer_below_threshold_is_refreshed_online_and_gets_better(qwen):
     ckpt, adapter = qwen
     loads = LoadRecorder("m", "f", window_seconds=60)
-    config = RefreshConfig(threshold=0.8, window_tokens=256, buffer_rows=512, steps=200, lr=1e-2, max_refreshes=3)
+    config = RefreshConfig(threshold=0.8, window_tokens=256, buffer_rows=512, keep_every=1, steps=200, lr=1e-2,
+                           max_refreshes=3)
     online = OnlinePredictor(LoadPredictor.from_routers(adapter, ckpt, 1), loads, refresh=config, flush_every=1)
     planted = torch.randn(adapter.num_experts, adapter.hidden_size, generator=torch.Generator().manual_seed(3))
     gen = torch.Generator().manual_seed(4)
