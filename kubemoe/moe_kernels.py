@@ -63,10 +63,11 @@ def blocks(n: int, k: int) -> tuple[int, int, int, int]:
 
 
 def grouped_mm_small(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor,
-                     config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                     config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x [S, K] (rows sorted by expert), weights [E, N, K], ends [E] int32 (each expert's end row,
     cumulative, as `F.grouped_mm`'s offs) -> [S, N] in x's dtype: row s times its expert's weights.
-    `config`: (BLOCK_N, BLOCK_K, warps, stages), default `blocks(N, K)`."""
+    `config`: (BLOCK_N, BLOCK_K, warps, stages[, BLOCK_M]), default `blocks(N, K)` and a BLOCK_M
+    from the rows."""
     global _compiled
     if _compiled is None:
         _compiled = _kernel()
@@ -74,10 +75,10 @@ def grouped_mm_small(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor,
 
     rows, k = x.shape
     experts, n, _ = weights.shape
-    block_n, block_k, num_warps, num_stages = config or blocks(n, k)
+    block_n, block_k, num_warps, num_stages, *chosen_m = config or blocks(n, k)
     x, weights = x.contiguous(), weights.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_m = chosen_m[0] if chosen_m else min(64, max(16, triton.next_power_of_2(rows)))
     _compiled[(experts, triton.cdiv(n, block_n))](x, weights, ends, out, n, k, x.stride(0), weights.stride(0),
                                                   weights.stride(1), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
                                                   BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)

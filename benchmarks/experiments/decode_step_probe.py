@@ -96,7 +96,11 @@ def moe_times(fe: Frontend, tokens: int, hbm: float) -> dict:
             "dense_ms": device_ms(dense), "dense_vs_grouped_rel_err": err}
 
 
-CONFIGS = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3), (64, 256, 8, 3), (32, 256, 4, 3)]
+# (BLOCK_N, BLOCK_K, warps, stages[, BLOCK_M]): BLOCK_M left out is the kernel's own choice from the rows;
+# 16 fits many experts of few rows each (Qwen3-30B-A3B: 128 experts, ~2 rows each at batch 32)
+CONFIGS = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3), (64, 256, 8, 3), (32, 256, 4, 3),
+           (64, 64, 4, 4, 16), (32, 128, 4, 4, 16), (64, 128, 4, 4, 16), (128, 64, 4, 4, 16), (32, 64, 2, 4, 16),
+           (16, 128, 2, 4, 16), (64, 256, 4, 3, 16)]
 
 
 @torch.inference_mode()
@@ -119,12 +123,13 @@ def kernel_sweep(fe: Frontend, hbm: float) -> list[dict]:
                    "bound_ms": active * w[0].nbytes / hbm * 1e3,
                    "torch_ms": device_ms(functools.partial(torch.nn.functional.grouped_mm, x, w.transpose(-2, -1),
                                                             offs=ends))}
-            for bn, bk, warps, stages in CONFIGS:
-                got = grouped_mm_small(x, w, ends, (bn, bk, warps, stages))
+            for config in CONFIGS:
+                bn, bk, warps, stages, *bm = config
+                label = f"small_{bn}x{bk}_w{warps}s{stages}" + (f"_m{bm[0]}" if bm else "")
+                got = grouped_mm_small(x, w, ends, config)
                 err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-                row[f"small_{bn}x{bk}_w{warps}s{stages}_ms"] = device_ms(
-                    functools.partial(grouped_mm_small, x, w, ends, (bn, bk, warps, stages)))
-                row[f"small_{bn}x{bk}_w{warps}s{stages}_rel_err"] = err
+                row[f"{label}_ms"] = device_ms(functools.partial(grouped_mm_small, x, w, ends, config))
+                row[f"{label}_rel_err"] = err
             best = min((k for k in row if k.startswith("small_") and k.endswith("_ms")), key=row.__getitem__)
             print(f"  {name:>7} rows {row['rows']:>3} ({active} experts): torch {row['torch_ms']:.3f} ms, best small "
                   f"{best} {row[best]:.3f} ms (err {row[best.replace('_ms', '_rel_err')]:.1e}), "
@@ -171,14 +176,16 @@ def main() -> None:
     add_model_arguments(parser)
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--predictor", default="none", choices=("none", "router"),
+                        help="the load predictor in the pass (router: its device work captured with the graph)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     preset = cut_preset(args.arch, args.preset, args.layers)
     hw = hardware(torch.device("cuda"))
-    result = {"preset": preset.name, "hardware": hw, "rows": [], "moe": []}
+    result = {"preset": preset.name, "predictor": args.predictor, "hardware": hw, "rows": [], "moe": []}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint(preset, Path(tmp) / preset.name, progress=False)
-        fe = Frontend(FrontendConfig(checkpoint=ckpt, device="cuda", predictor="none", cuda_graphs=False))
+        fe = Frontend(FrontendConfig(checkpoint=ckpt, device="cuda", predictor=args.predictor, cuda_graphs=False))
         bundles = bundles_by_count(fe.adapter.moe_layers, fe.adapter.num_experts, 1)
         fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
         fe.dispatcher.apply_pending()
