@@ -54,12 +54,19 @@ def _kernel():
 _compiled = None
 
 
-def blocks(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) for weights of N x K. Swept on the H200 with Mixtral's experts
-    (decode_step_probe.py at 6fbf38a, 2-256 rows): a long K (the down projection, K = 14336) streams
-    best in 128 x 128 tiles on 8 warps, 0.25-0.28 ms against a 0.23 ms bound for 8 experts; the gate/up
-    projection (K = 4096) in 64 x 64 tiles, 0.45-0.49 ms against 0.46."""
-    return (128, 128, 8, 3) if k >= 8192 else (64, 64, 4, 4)
+def blocks(n: int, k: int) -> tuple[int, ...]:
+    """(BLOCK_N, BLOCK_K, warps, stages[, BLOCK_M]) for weights of N x K, swept on the H200
+    (decode_step_probe.py). Mixtral's experts at 6fbf38a, 2-256 rows: a long K (the down projection,
+    K = 14336) streams best in 128 x 128 tiles on 8 warps, 0.25-0.28 ms against a 0.23 ms bound for 8
+    experts; the gate/up projection (K = 4096) in 64 x 64 tiles, 0.45-0.49 ms against 0.46.
+    Qwen3-30B-A3B's at 0c40a9b (K = 2048 and 768; 128 experts, about 2 rows each at batch 32): 64 x 128
+    tiles with BLOCK_M 16, 0.187 / 0.108 ms at 256 rows against bounds of 0.181 / 0.091 (64 x 64 with
+    BLOCK_M 64: 0.197 / 0.117)."""
+    if k >= 8192:
+        return (128, 128, 8, 3)
+    if k >= 4096:
+        return (64, 64, 4, 4)
+    return (64, 128, 4, 4, 16)
 
 
 def grouped_mm_small(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor,
