@@ -127,10 +127,15 @@ def _small_kernel(device: torch.device) -> bool:
     return moe_kernels.available(device)
 
 
+def _small(x: torch.Tensor) -> bool:
+    """Whether rows of `x` [S, ...] are a decode-sized S on a GPU: kubemoe's kernels (moe_kernels.py)."""
+    return x.shape[0] <= moe_kernels.GROUPED_SMALL_ROWS and _small_kernel(x.device)
+
+
 def _grouped_mm(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """x [S, K] sorted by expert, weights [E, N, K], ends [E] -> [S, N]: a decode-sized S on a GPU by
     kubemoe's kernel (moe_kernels.py), else torch's grouped GEMM."""
-    if x.shape[0] <= moe_kernels.GROUPED_SMALL_ROWS and _small_kernel(x.device):
+    if _small(x):
         return moe_kernels.grouped_mm_small(x, weights, ends)
     return F.grouped_mm(x, weights.transpose(-2, -1), offs=ends)
 
@@ -152,14 +157,18 @@ def grouped_ffn(
     grouped_mm experts do. S = T * K (token, choice) pairs.
     """
     k = top_k_index.shape[1]
-    experts_sorted, order = top_k_index.reshape(-1).sort(stable=True)  # [S]
+    flat = top_k_index.reshape(-1)  # [S]
+    if _small(flat):  # one kernel for what a sort, the counts and their cumsum take several for
+        order, offsets = moe_kernels.group_pairs(flat, experts.num_experts)  # [S], [E] end row of each group
+    else:
+        experts_sorted, order = flat.sort(stable=True)  # [S]
+        if counts is None:
+            counts = expert_counts(experts_sorted, experts.num_experts)
+        offsets = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert's group
     x = hidden[order // k]  # [S, H]
     weights = top_k_weights.reshape(-1)[order, None]  # [S, 1]
     if weight_on_input:
         x = x * weights.to(x.dtype)
-    if counts is None:
-        counts = expert_counts(experts_sorted, experts.num_experts)
-    offsets = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert's group
     gate, up = _grouped_mm(x, experts.gate_up, offsets).chunk(2, dim=-1)  # [S, I] each
     y = _grouped_mm(act(gate) * up, experts.down, offsets)  # [S, H]
     if not weight_on_input:

@@ -8,7 +8,10 @@ down at the end of the session, also when tests fail.
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
+import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -55,6 +58,21 @@ def pytest_asyncio_loop_factories(config, item):
     """Async tests run on the kind of loop kubemoe's processes run (busy_poll.new_event_loop: its
     callbacks know what else woke the loop), without the spin."""
     return {"kubemoe": lambda: busy_poll.new_event_loop(0)}
+
+
+@pytest.fixture(scope="session")
+def triton_interpreted():
+    """Run a Python snippet under Triton's CPU interpreter (TRITON_INTERPRET=1, read when a kernel is
+    made, so in a process of its own): GPU kernels checked against torch ops on a machine without a
+    GPU. The snippet prints "equal" when its checks pass."""
+    pytest.importorskip("triton")
+
+    def run(script: str) -> None:
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                              env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+        assert done.returncode == 0 and done.stdout.strip() == "equal", done.stderr[-2000:]
+
+    return run
 
 
 @pytest.fixture(scope="session")

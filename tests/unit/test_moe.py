@@ -56,3 +56,20 @@ def test_group_tokens_gives_each_routed_expert_its_pairs_in_order_and_skips_the_
         assert torch.equal(g.tokens, pairs // 8) and torch.equal(g.slots, pairs % 8)
         assert g.count == len(pairs)
     assert group_tokens(torch.empty(0, 2, dtype=torch.int64)) == []
+
+
+def test_the_grouping_kernel_sorts_pairs_by_expert_stably_under_tritons_interpreter(triton_interpreted):
+    """moe_kernels.group_pairs (the GPU's grouping of decode-sized batches) gives a stable sort's order
+    and each expert's cumulative end row, also for experts without pairs and sizes of no whole block."""
+    triton_interpreted("""
+        import torch
+        from kubemoe.moe_kernels import group_pairs
+        g = torch.Generator().manual_seed(0)
+        for pairs, experts in ((1, 8), (2, 8), (64, 8), (256, 128), (200, 256), (37, 60)):
+            chosen = torch.randint(0, experts, (pairs,), generator=g)
+            order, ends = group_pairs(chosen, experts)
+            want_ends = torch.zeros(experts, dtype=torch.int64).index_add_(0, chosen, torch.ones_like(chosen)).cumsum(0)
+            assert torch.equal(order, chosen.sort(stable=True).indices), (pairs, experts)
+            assert torch.equal(ends.long(), want_ends), (pairs, experts)
+        print("equal")
+    """)

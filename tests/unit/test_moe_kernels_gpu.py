@@ -30,3 +30,14 @@ def test_small_grouped_mm_equals_torch_and_writes_every_row(rows_per_expert, n, 
     assert got.shape == (rows, n) and torch.isfinite(got).all()
     assert ((got - exact).norm() / exact.norm()).item() < 1e-2
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("pairs,experts", [(1, 8), (64, 8), (256, 128), (200, 256)])
+def test_grouping_kernel_is_a_stable_sort_with_each_experts_end(pairs, experts):
+    from kubemoe.moe_kernels import group_pairs
+
+    chosen = torch.randint(0, experts, (pairs,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(pairs))
+    order, ends = group_pairs(chosen, experts)
+    want_ends = torch.zeros(experts, dtype=torch.int64, device="cuda").index_add_(0, chosen, torch.ones_like(chosen))
+    assert torch.equal(order, chosen.sort(stable=True).indices)
+    assert torch.equal(ends.long(), want_ends.cumsum(0))
