@@ -55,22 +55,20 @@ class Recorder:
     `after` at the end of the pass. Capturing: a cut ends the segment being captured and starts the
     next; both are kept for the replays."""
 
-    def __init__(self, rows: int, pool=None, capturing: bool = False):
+    def __init__(self, rows: int, pool=None, capturing: bool = False, rows_on_device: torch.Tensor | None = None):
         self.rows, self.pool, self.capturing = rows, pool, capturing
         self.segments: list[torch.cuda.CUDAGraph] = []
         self.cuts: list[Cut] = []
         self.afters: list[Cut] = []
-        self.rows_on_device: torch.Tensor | None = None
+        # A capture's is made before it begins, outside the graph's memory: a replay writes it from the host
+        self.rows_on_device = rows_on_device
         self._graph: torch.cuda.CUDAGraph | None = None
 
     def real_rows(self, device: torch.device) -> torch.Tensor:
         """The number of real rows as an int32 device scalar, for work captured over all the rows that
         must count only those: a replay sets it first (Program.replay); an eager run holds `rows`."""
         if self.rows_on_device is None:
-            if self.capturing:  # set outside the graph: a fill captured here would replay the capture's count
-                self.rows_on_device = torch.empty((), dtype=torch.int32, device=device)
-            else:
-                self.rows_on_device = torch.full((), self.rows, dtype=torch.int32, device=device)
+            self.rows_on_device = torch.full((), self.rows, dtype=torch.int32, device=device)
         return self.rows_on_device
 
     def cut(self, fn: Cut) -> None:
@@ -199,7 +197,8 @@ class DecodeGraphs:
 
     def _capture(self, state: BatchState, padded: int, rows: int) -> Program:
         torch.cuda.synchronize()
-        recorder = Recorder(rows, self._pool, capturing=True)
+        recorder = Recorder(rows, self._pool, capturing=True,
+                            rows_on_device=torch.full((), rows, dtype=torch.int32, device="cuda"))
         with torch.cuda.stream(self._stream):
             recorder._begin()
             try:

@@ -117,7 +117,7 @@ def _count_rows_kernel(index, rows, counts, against, hits) -> None:
     index = index.contiguous()
     against_ = index if against is None else against.contiguous()
     # A pointer the kernel never reads stands in for an absent argument (the COUNT/SCORE flags say which)
-    block = min(256, max(16, triton.next_power_of_2(t)))
+    block = 256  # one size for every row count: a kernel compiled once, not once per bucket
     _kernel[(triton.cdiv(t, block),)](index, index if rows is None else rows, index if counts is None else counts,
                                       against_, index if hits is None else hits, t,
                                       K=k, A=against_.shape[1], LIMIT=rows is not None, COUNT=counts is not None,
@@ -128,7 +128,7 @@ def _make_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def count_rows_kernel(index_ptr, rows_ptr, counts_ptr, against_ptr, hits_ptr, T,
                           K: tl.constexpr, A: tl.constexpr, LIMIT: tl.constexpr, COUNT: tl.constexpr,
                           SCORE: tl.constexpr, BLOCK_T: tl.constexpr):

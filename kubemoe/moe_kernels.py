@@ -107,7 +107,7 @@ def _group_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])
     def group_pairs(experts_ptr, order_ptr, ends_ptr, S, E, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
                     CHUNK: tl.constexpr):
         s = tl.arange(0, BLOCK_S)
@@ -146,8 +146,11 @@ def group_pairs(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     import triton
 
     (s,) = experts.shape
+    if s > GROUPED_SMALL_ROWS:
+        raise ValueError(f"group_pairs takes at most {GROUPED_SMALL_ROWS} pairs, got {s}: sort larger batches")
     order = torch.empty(s, dtype=torch.int64, device=experts.device)
     ends = torch.empty(num_experts, dtype=torch.int32, device=experts.device)
-    _grouping[(1,)](experts.contiguous(), order, ends, s, num_experts, BLOCK_S=max(16, triton.next_power_of_2(s)),
+    # one block of GROUPED_SMALL_ROWS for every S: compiled once per model, not once per batch size
+    _grouping[(1,)](experts.contiguous(), order, ends, s, num_experts, BLOCK_S=GROUPED_SMALL_ROWS,
                     BLOCK_E=max(16, triton.next_power_of_2(num_experts)), CHUNK=32)
     return order, ends

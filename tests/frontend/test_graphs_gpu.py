@@ -61,7 +61,9 @@ def test_graphed_decode_equals_ordinary_passes_and_never_waits_for_the_gpu(tiny_
                 assert got.shape[0] == 3
                 counted = [b - a for a, b in zip(before, _counted(fe))]
                 # no spare row counted: routed tokens of 2 MoE layers, the second predicted from the first
-                assert counted == [3 * fe.adapter.top_k * 2, 3 * fe.adapter.top_k, 3], f"step {step}"
+                assert counted == [3 * fe.adapter.top_k * 2, 3 * fe.adapter.top_k, 3], (
+                    f"step {step}: captures {graphs.captures}, enabled {graphs.enabled}, real rows on the device "
+                    f"{[p.rows_on_device for p in graphs._programs.values()]}")
                 tokens = expected.argmax(-1).tolist()
         assert graphs.captures == 1 and graphs.enabled
         assert graphed.lengths == plain.lengths
