@@ -44,6 +44,7 @@ class RefreshConfig:
     steps: int = 50  # gradient steps per refresh
     lr: float = 5e-4
     max_refreshes: int = 100  # per layer over the frontend's life
+    max_backoff_windows: int = 64  # after refreshes that did not help, windows to wait at most before the next
 
 
 class _Layer:
@@ -59,6 +60,9 @@ class _Layer:
         self.filled = self.next = 0
         self.refreshes = 0
         self.busy = False
+        # Windows to let pass before the next refresh, doubled by each refresh that did not help (a layer
+        # the head cannot learn would otherwise retrain every window, taking the GPU and the GIL from serving)
+        self.wait = self.backoff = 0
 
     def keep(self, hidden: torch.Tensor, experts: torch.Tensor, capacity: int, max_rows: int = 64) -> None:
         """Keep at most `max_rows` rows of a pass (a prefill would otherwise flush the ring at once);
@@ -191,6 +195,9 @@ class OnlinePredictor:
         refresh = self.refresh
         if refresh is None or self._pool is None:  # refreshes are off
             return
+        if state.wait:  # the last refresh did not help: the next one waits longer
+            state.wait -= 1
+            return
         if accuracy < refresh.threshold and not state.busy \
                 and state.refreshes < refresh.max_refreshes and state.filled >= refresh.buffer_rows // 2:
             state.busy = True
@@ -229,6 +236,8 @@ class OnlinePredictor:
                         mine.copy_(better)
                 if self.metrics:
                     self.metrics.record_predictor_refresh(target)
+            state.backoff = 0 if new > old else min(2 * state.backoff or 1, refresh.max_backoff_windows)
+            state.wait = state.backoff
             log.info("predictor layer %d refreshed online: accuracy %.3f over the window; %.3f -> %.3f on the "
                      "newest rows (%s)", target, accuracy, old, new, "kept" if new > old else "discarded")
         except Exception:  # noqa: BLE001 - a failed refresh leaves the serving predictor as it was

@@ -71,6 +71,34 @@ def test_a_layer_below_threshold_is_refreshed_online_and_gets_better(qwen):
     assert topk_accuracy(online.predictor.predict(0, hidden)[1], truth) > router_acc + 0.1
 
 
+def test_a_refresh_that_does_not_help_makes_the_next_wait_longer(qwen):
+    """A layer its head cannot learn (here: no gradient steps, so no refresh ever scores better) waits 1,
+    2, 4 windows after each refresh that was discarded, capped, instead of retraining every window."""
+    ckpt, adapter = qwen
+    config = RefreshConfig(window_tokens=8, buffer_rows=16, keep_every=1, steps=0, max_backoff_windows=4)
+    online = OnlinePredictor(LoadPredictor.from_routers(adapter, ckpt, 1), LoadRecorder("m", "f", window_seconds=60),
+                             refresh=config, flush_every=1000)
+
+    class AtOnce:  # the refresh runs inside _judge_window, so its outcome is known before the next window
+        def submit(self, fn, *args):
+            fn(*args)
+
+    online._pool.shutdown()
+    online._pool = AtOnce()  # type: ignore[assignment]
+    layer = online._layers[1]
+    gen = torch.Generator().manual_seed(5)
+    layer.keep(torch.randn(16, adapter.hidden_size, generator=gen),
+               torch.randint(0, adapter.num_experts, (16, adapter.top_k), generator=gen), 16)
+    refreshed = []
+    for window in range(12):
+        layer.window_hits, layer.window_choices = 0, 100  # accuracy 0: below the threshold every window
+        before = layer.refreshes
+        online._judge_window(1, layer)
+        if layer.refreshes > before:
+            refreshed.append(window)
+    assert refreshed == [0, 2, 5, 10]
+
+
 async def test_a_predictor_that_cannot_load_leaves_the_frontend_serving_and_readyz_says_why(
         make_frontend, http_server, openai_client, tmp_path):
     frontend = make_frontend(predictor=str(tmp_path / "missing.safetensors"))
