@@ -1,0 +1,73 @@
+"""Decode passes through TorchInductor (`--compile`, off by default): the dense part of each layer fused.
+
+With CUDA graphs (graphs.py) the host's launches are gone, but a decode pass of Qwen3-30B-A3B still ran
+about 100 small kernels per layer on the H200 (issue 17): `transformers`' RMSNorm as ~7 ops, the q/k
+norms, rotary, dtype copies, the router's softmax, top-k and renormalisation, residual adds. Compiled,
+each stretch between two MoE layers' routed experts is one Inductor graph whose elementwise ops fuse.
+
+What is compiled: the `transformers` model as the engine calls it for a decode pass (one query per row
+over the batch's cache, batch.py's SlotPass), whole. The routed experts are not: `_LayerExperts.forward`
+(dispatch.py) is `torch.compiler.disable`d, so every MoE layer breaks the graph there and the dispatcher
+runs as Python (it reads the thread's CUDA-graph recorder, calls expert functions, counts loads on the
+host). Per MoE layer that leaves four graphs: norm + attention + norm, the router, a reshape, the
+residual add. Prefill and chunked prefill call the model itself, uncompiled: one compile per prompt
+shape buys little there, and their passes are few and large.
+
+Shapes are dynamic (`dynamic=True`): every input dimension varies while serving (rows with the
+CUDA-graph row bucket, the cache's rows and columns as it grows), and compiled statically each new
+(bucket, cache size) would compile every layer again. Two things stay static, and they set the
+recompile limit: a decoder layer picks its cache tensors by its `layer_idx`, an int on the module
+that dynamo keeps constant, so each layer compiles its frame once for itself; and a one-row pass
+(batch 1) is a variant of its own, as dynamo always specialises a dimension of size 1. Compiling
+happens in the first decode pass of each kind, which waits for it: 24 s for a tiny 6-layer Qwen3-MoE
+on a busy 2-core machine, most of it tracing each layer (the layers after the first are the same
+graph: Inductor's graph cache serves them).
+
+A compile that fails is logged once and the frontend decodes uncompiled from then on. The pass that
+failed is run again uncompiled: the cache positions it wrote are written again with the same values;
+the loads its earlier layers counted are counted twice, once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch._dynamo.exc import TorchDynamoException
+
+log = logging.getLogger(__name__)
+
+# Frames compiled per decoder layer: its own (layer_idx is static), for passes of one row and of more.
+_FRAMES_PER_LAYER = 2
+# Frames that every layer shares (the decorators' wrappers of transformers' forwards, the residual
+# adds, the router) hold a few entries each; this leaves room for them.
+_SHARED_FRAMES = 16
+
+
+class CompiledDecode:
+    """Calls as the model does, for decode passes; the model compiled, or the model itself once a
+    compile has failed (`enabled` False)."""
+
+    def __init__(self, model: torch.nn.Module, backend: Any = "inductor"):
+        self.model = model
+        self.enabled = True
+        _allow_recompiles(_FRAMES_PER_LAYER * model.config.num_hidden_layers + _SHARED_FRAMES)
+        self._compiled = torch.compile(model, backend=backend, dynamic=True)
+
+    def __call__(self, **inputs: Any) -> Any:
+        if self.enabled:
+            try:
+                return self._compiled(**inputs)
+            except TorchDynamoException:  # what dynamo and Inductor raise; a failing pass raises its own error
+                log.exception("compiling the decode pass failed: this frontend decodes uncompiled from now on")
+                self.enabled = False
+        return self.model(**inputs)
+
+
+def _allow_recompiles(entries: int) -> None:
+    """Dynamo's limits are per code object and process-wide: raised, never lowered (at 8, the default,
+    the ninth layer would run uncompiled, silently)."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, entries)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, entries)
