@@ -53,7 +53,15 @@ class CompiledDecode:
         self.model = model
         self.enabled = True
         _allow_recompiles(_FRAMES_PER_LAYER * model.config.num_hidden_layers + _SHARED_FRAMES)
-        self._compiled = torch.compile(model, backend=backend, dynamic=True)
+        import torch._inductor.config as inductor
+
+        options = None
+        if backend == "inductor" and hasattr(inductor, "emulate_precision_casts"):
+            # Round where the model casts to bfloat16, as eager kernels do, not once per fused kernel: compiled
+            # passes then give the uncompiled ones' logits (bit for bit on the CPU; without it up to 0.035 apart
+            # on a tiny Qwen3-MoE, whose best two logits are often tied in bfloat16).
+            options = {"emulate_precision_casts": True}
+        self._compiled = torch.compile(model, backend=backend, dynamic=True, options=options)
 
     def __call__(self, **inputs: Any) -> Any:
         if self.enabled:
