@@ -3,25 +3,27 @@
 With CUDA graphs (graphs.py) the host's launches are gone, but a decode pass of Qwen3-30B-A3B still ran
 about 100 small kernels per layer on the H200 (issue 17): `transformers`' RMSNorm as ~7 ops, the q/k
 norms, rotary, dtype copies, the router's softmax, top-k and renormalisation, residual adds. Compiled,
-each stretch between two MoE layers' routed experts is one Inductor graph whose elementwise ops fuse.
+the ops between two MoE layers' routed experts run as a few Inductor graphs whose elementwise ops fuse.
 
 What is compiled: the `transformers` model as the engine calls it for a decode pass (one query per row
 over the batch's cache, batch.py's SlotPass), whole. The routed experts are not: `_LayerExperts.forward`
 (dispatch.py) is `torch.compiler.disable`d, so every MoE layer breaks the graph there and the dispatcher
 runs as Python (it reads the thread's CUDA-graph recorder, calls expert functions, counts loads on the
-host). Per MoE layer that leaves four graphs: norm + attention + norm, the router, a reshape, the
-residual add. Prefill and chunked prefill call the model itself, uncompiled: one compile per prompt
-shape buys little there, and their passes are few and large.
+host). For Qwen3-MoE and Mixtral that leaves four graphs per MoE layer (`torch._dynamo.explain`):
+norm + attention + residual + norm, the router, a reshape, the residual add. Prefill and chunked
+prefill call the model itself, uncompiled: their passes are few and wide, so matmuls rather than small
+kernels set their time, and they run on transformers' DynamicCache, which would be traced apart.
 
 Shapes are dynamic (`dynamic=True`): every input dimension varies while serving (rows with the
 CUDA-graph row bucket, the cache's rows and columns as it grows), and compiled statically each new
 (bucket, cache size) would compile every layer again. Two things stay static, and they set the
 recompile limit: a decoder layer picks its cache tensors by its `layer_idx`, an int on the module
 that dynamo keeps constant, so each layer compiles its frame once for itself; and a one-row pass
-(batch 1) is a variant of its own, as dynamo always specialises a dimension of size 1. Compiling
-happens in the first decode pass of each kind, which waits for it: 24 s for a tiny 6-layer Qwen3-MoE
-on a busy 2-core machine, most of it tracing each layer (the layers after the first are the same
-graph: Inductor's graph cache serves them).
+(batch 1) is a variant of its own, as dynamo always specialises a dimension of size 1. No other
+pass compiles again: not a new row bucket, not a grown cache. Compiling happens in the first decode
+pass of each kind, which waits for it: on a busy 2-core machine, for a tiny Qwen3-MoE of 48 layers,
+130 s (several rows) and 78 s (one row), most of it tracing each layer (the layers after the first
+are the same graph: Inductor's graph cache serves them).
 
 A compile that fails is logged once and the frontend decodes uncompiled from then on. The pass that
 failed is run again uncompiled: the cache positions it wrote are written again with the same values;
@@ -52,7 +54,7 @@ class CompiledDecode:
     def __init__(self, model: torch.nn.Module, backend: Any = "inductor"):
         self.model = model
         self.enabled = True
-        _allow_recompiles(_FRAMES_PER_LAYER * model.config.num_hidden_layers + _SHARED_FRAMES)
+        _configure_dynamo(_FRAMES_PER_LAYER * model.config.num_hidden_layers + _SHARED_FRAMES)
         import torch._inductor.config as inductor
 
         options = None
@@ -73,9 +75,17 @@ class CompiledDecode:
         return self.model(**inputs)
 
 
-def _allow_recompiles(entries: int) -> None:
-    """Dynamo's limits are per code object and process-wide: raised, never lowered (at 8, the default,
-    the ninth layer would run uncompiled, silently)."""
+def _configure_dynamo(entries: int) -> None:
+    """Process-wide settings, as dynamo has them: set once, the limits raised, never lowered."""
     config = torch._dynamo.config
+    # Cache entries per code object: at 8, the default, the layers past the first few would run uncompiled
+    # (with a warning in the log).
     config.recompile_limit = max(config.recompile_limit, entries)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, entries)
+    # Duck shaping gives dimensions of equal size one symbol and guards that they stay equal: a batch
+    # state's rows allocated (and the offset of its positions, a view past them) equalled the program's
+    # rows at the first pass, and the first pass with other values compiled every layer again (19 s on
+    # a 6-layer model; at 48 layers past the recompile limit above).
+    import torch.fx.experimental._config as symbolic_shapes
+
+    symbolic_shapes.use_duck_shape = False

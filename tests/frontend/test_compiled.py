@@ -79,6 +79,35 @@ def test_a_compiled_program_pass_equals_an_ordinary_pass_and_counts_only_real_ro
         fe.close()
 
 
+def test_other_row_buckets_and_a_grown_cache_compile_nothing_again(tiny_checkpoint):
+    """Once a pass of several rows has compiled, passes of other sizes reuse it: another row bucket, the
+    same bucket in a state of more rows allocated, wider cache columns (sizes are dynamic and not tied
+    to each other), each still the uncompiled pass's logits."""
+    fe = local_frontend(tiny_checkpoint("mixtral"), predictor="none")
+    try:
+        fe.dispatcher.apply_pending()
+        compiled = CompiledDecode(fe.model)
+        long = list(range(1, 80))  # past the first 64 columns
+        with torch.inference_mode():
+            for n, (prompts, rows) in enumerate([(PROMPTS, 4), (PROMPTS + [[3, 4], [9]], 8),
+                                                  (PROMPTS + [[3, 4], [9]], 4), ([long, [2, 3]], 2)]):
+                plain, program = _joined(fe, prompts), _joined(fe, prompts)
+                if len(prompts) > rows:  # the same state's rows allocated, fewer sequences in them
+                    plain.keep(list(range(3)))
+                    program.keep(list(range(3)))
+                tokens = [5] * len(plain)
+                expected = fe.model(**plain.decode_inputs(tokens), use_cache=True).logits[:, -1]
+                program.advance(tokens, rows)
+                got = run_eagerly(compiled, program, rows, len(program))
+                torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+                if n == 0:
+                    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert program.capacity[1] > 64
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    finally:
+        fe.close()
+
+
 def test_the_graph_breaks_only_at_the_routed_experts(tiny_checkpoint):
     """dynamo traces attention over the batch's cache (SlotPass), norms and routers whole: every break
     is a MoE layer's routed experts, which stay Python (dispatch.py)."""
