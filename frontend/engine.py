@@ -132,7 +132,7 @@ class Engine:
         self.graphs = graphs  # decode passes replayed as CUDA graphs (graphs.py); None: launched one by one
         # What a decode pass launched op by op calls: the model, or the model compiled (compiled.py; `graphs`
         # are built over the same). Prefill passes call the model.
-        self.decode_model = decode_model or model
+        self.decode_model = model if decode_model is None else decode_model
         # Whether a decode pass runs without waiting for the host now (see the module's docstring); None: never.
         self.lookahead = lookahead
         self._ahead: Ahead | None = None
