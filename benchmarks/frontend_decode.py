@@ -43,7 +43,9 @@ from common import Goal, write_results  # noqa: E402
 
 from kubemoe.bundles import bundles_by_count  # noqa: E402
 from kubemoe.frontend.app import Frontend, FrontendConfig  # noqa: E402
+from kubemoe.frontend.compiled import CompiledDecode  # noqa: E402
 from kubemoe.frontend.embedded import expert_processes  # noqa: E402
+from kubemoe.frontend.graphs import DecodeGraphs  # noqa: E402
 from kubemoe.frontend.sampling import SamplingParams  # noqa: E402
 from kubemoe.routing_table import LOCAL, table_for_bundles  # noqa: E402
 from kubemoe.presets import Preset, get_preset  # noqa: E402
@@ -241,9 +243,32 @@ def profile_summary(model, batch: int, prompt: int, device, vocab: int, steps: i
                      "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in ops]}
 
 
-def run_frontend(fe: Frontend, table, args, device, vocab, hw, profile: bool) -> list[dict]:
+@contextlib.contextmanager
+def swapped(engine, parts: dict) -> Iterator[None]:
+    """The engine with some of its attributes replaced while the block runs."""
+    held = {part: getattr(engine, part) for part in parts}
+    for part, value in parts.items():
+        setattr(engine, part, value)
+    try:
+        yield
+    finally:
+        for part, value in held.items():
+            setattr(engine, part, value)
+
+
+def run_frontend(fe: Frontend, table, args, device, vocab, hw, profile: bool, compile: bool = False) -> list[dict]:
     fe.set_routing_table(table)
     fe.dispatcher.apply_pending()
+    # The same engine without one of its parts: launching every kernel itself (what the graphs save),
+    # reading each step's tokens before the next pass starts (what the look-ahead saves); with --compile,
+    # `compile`: with its decode passes compiled (frontend/compiled.py), replayed as graphs and launched op by op.
+    variants: dict[str, dict] = {"engine_eager": {"graphs": None}, "engine_no_lookahead": {"lookahead": None}}
+    if compile:
+        compiled = CompiledDecode(fe.model)
+        variants["engine_compiled"] = {"decode_model": compiled}
+        if fe.engine.graphs is not None:
+            variants["engine_compiled"]["graphs"] = DecodeGraphs(compiled, lambda: fe.dispatcher.generation)
+        variants["engine_compiled_eager"] = {"decode_model": compiled, "graphs": None}
     rows = []
     for b in args.batch_list:
         row = decode_rate(fe.model, b, args.prompt, args.steps, args.warmup, device, vocab)
@@ -266,18 +291,14 @@ def run_frontend(fe: Frontend, table, args, device, vocab, hw, profile: bool) ->
         graphs = fe.engine.graphs
         if graphs is not None:
             row["engine"]["graphs"] = {"enabled": graphs.enabled, "captures": graphs.captures}
-        # The same engine without one of its parts: launching every kernel itself (what the graphs save),
-        # reading each step's tokens before the next pass starts (what the look-ahead saves).
-        for mode, part in (("engine_eager", "graphs"), ("engine_no_lookahead", "lookahead")):
-            held = getattr(fe.engine, part)
-            if held is None:
-                continue
-            setattr(fe.engine, part, None)
-            try:
+        for mode, parts in variants.items():
+            if any(getattr(fe.engine, part) is None for part in parts):
+                continue  # e.g. no graphs on a CPU: nothing to take away
+            with swapped(fe.engine, parts):
                 row[mode] = engine_decode(fe, b, args.prompt, args.steps, args.warmup, vocab)
-            finally:
-                setattr(fe.engine, part, held)
-        for mode in ("engine", "engine_eager", "engine_no_lookahead"):
+            if mode.startswith("engine_compiled"):
+                row[mode]["compiled"] = compiled.enabled  # False: a compile failed and it ran uncompiled
+        for mode in ("engine", *variants):
             if hw["hbm_bytes_per_s"] and mode in row:
                 row[mode]["vs_roofline"] = row[mode]["tokens_per_s"] / row["roofline_tokens_per_s"]
     if profile:
@@ -317,6 +338,9 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"which of {', '.join(MODES)} run besides kubemoe in process (full-depth models: "
                              "fewer, to fit one run)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also run kubemoe's engine with its decode passes compiled (torch.compile, "
+                             "frontend/compiled.py), with and without CUDA graphs, beside the same engine uncompiled")
     parser.add_argument("--name", default="frontend", help="the results file's name before the machine's")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args()
@@ -349,7 +373,7 @@ def main() -> None:
                                      max_batch=max(args.batch_list)))
         bundles = bundles_by_count(fe.adapter.moe_layers, fe.adapter.num_experts, args.experts)
         local_table = table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles})
-        local_rows = run_frontend(fe, local_table, args, device, vocab, hw, profile=True)
+        local_rows = run_frontend(fe, local_table, args, device, vocab, hw, profile=True, compile=args.compile)
         ttft_batch = 32 if 32 in args.batch_list else args.batch_list[-1]
         ttft = engine_ttft(fe, ttft_batch, args.prompt, vocab)
         fe.close()
@@ -389,6 +413,17 @@ def main() -> None:
               f"{(h['engine'] if h else nan)['tokens_per_s']:>13.1f} {roof:>9.1f} "
               f"{l['engine'].get('vs_roofline', float('nan')):>11.2f} "
               f"{row.get('disaggregated_vs_inprocess', float('nan')):>14.2f}")
+    if args.compile:
+        print("kubemoe in process, decode passes compiled (--compile) beside uncompiled, tokens/s")
+        print(f"{'batch':>5} {'engine':>8} {'compiled':>9} {'ratio':>6} {'no-graphs':>9} {'compiled-no-graphs':>18} "
+              f"{'compiled/roof':>13}")
+        for l in local_rows:
+            compiled = l.get("engine_compiled", nan)
+            print(f"{l['batch']:>5} {l['engine']['tokens_per_s']:>8.1f} {compiled['tokens_per_s']:>9.1f} "
+                  f"{compiled['tokens_per_s'] / l['engine']['tokens_per_s']:>6.2f} "
+                  f"{l.get('engine_eager', nan)['tokens_per_s']:>9.1f} "
+                  f"{l.get('engine_compiled_eager', nan)['tokens_per_s']:>18.1f} "
+                  f"{compiled.get('vs_roofline', float('nan')):>13.2f}")
     by_batch = {r["batch"]: r for r in rows}
     goals = {}
     if device.type == "cuda":
@@ -403,13 +438,16 @@ def main() -> None:
     print(f"engine time to first token, {ttft_batch} x {args.prompt}-token prompts: "
           f"median {ttft['median_ms']:.1f} ms, max {ttft['max_ms']:.1f} ms")
     write_results(args.name, device, rows, goals, out=Path(args.out), checkpoint=checkpoint, modes=sorted(modes),
-                  predictor=args.predictor, hardware=hw, ttft={"batch": ttft_batch, **ttft},
+                  predictor=args.predictor, compile=args.compile, hardware=hw, ttft={"batch": ttft_batch, **ttft},
                   method=f"model: median decode step of {args.steps} after {args.warmup} warm-up steps after a "
                          f"batched {args.prompt}-token prefill, greedy, the forward pass alone; engine: the same "
                          "through the engine as served (requests sent at once, median gap between a request's tokens "
                          "once all decode; decode passes replayed as CUDA graphs on a GPU; the goals read these); "
                          "engine_eager: the same engine launching every kernel (no graphs); engine_no_lookahead: "
                          "the same engine reading each step's tokens before launching the next pass; "
+                         "engine_compiled (--compile): the same engine with its decode passes compiled "
+                         "(torch.compile, frontend/compiled.py; the first passes compile in the warm-up run), "
+                         "engine_compiled_eager the same without graphs; "
                          f"{args.experts} expert-function processes on the "
                          "same device through shared memory; roofline = bytes per step / measured HBM read "
                          "bandwidth (uniform routing); prefill roofline = FLOPs / measured bf16 matmul rate")

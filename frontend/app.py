@@ -14,6 +14,7 @@ from kubemoe.adapters import MoEAdapter
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.checkpoint import Checkpoint, default_model_id
 from kubemoe.devices import resolve_device, resolve_dtype
+from kubemoe.frontend.compiled import CompiledDecode
 from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher
 from kubemoe.frontend.engine import Engine
 from kubemoe.frontend.graphs import DecodeGraphs
@@ -52,6 +53,7 @@ class FrontendConfig:
     micro_batches: int = 1  # 2: two-batch overlap of attention and remote expert calls
     cuda_graphs: bool = True  # on a GPU, decode passes replayed as CUDA graphs (graphs.py; one micro-batch, not offload)
     lookahead: bool = True  # on a GPU with every expert here, a greedy batch's next pass launched ahead (engine.py)
+    compile: bool = False  # decode passes through torch.compile, norms, rotary and routers fused (compiled.py)
     kv_cache_bytes: int | None = None  # the KV cache's budget; None: a fraction of free GPU memory, unbounded on CPU
     kv_cache_fraction: float = 0.9  # see frontend/kv_cache.py
     load_window_seconds: float = 30.0
@@ -109,6 +111,8 @@ class Frontend:
         from kubemoe.frontend.shell import build_shell
 
         self.model = build_shell(self.checkpoint, self.adapter, self.dispatcher.layer_module, self.dtype, self.device)
+        # What decode passes call (graph programs and eager passes alike); prefill calls the model itself.
+        self.decode_model = CompiledDecode(self.model) if config.compile else self.model
         eos = GenerationConfig.from_pretrained(self.checkpoint.path).eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.max_context = self.checkpoint.config.max_position_embeddings
@@ -119,7 +123,7 @@ class Frontend:
                              micro_batches=config.micro_batches,
                              kv_cache=KVCacheConfig(config.kv_cache_bytes, config.kv_cache_fraction),
                              on_forward=self.recorder.start_forward if self.recorder else None,
-                             graphs=self._decode_graphs(),
+                             graphs=self._decode_graphs(), decode_model=self.decode_model,
                              lookahead=(lambda: self.dispatcher.in_process)
                              if config.lookahead and self.device.type == "cuda" else None)
         self._watch: asyncio.Task | None = None
@@ -134,7 +138,7 @@ class Frontend:
         config = self.config
         if not config.cuda_graphs or self.device.type != "cuda" or config.micro_batches > 1 or self.offload:
             return None
-        return DecodeGraphs(self.model, lambda: self.dispatcher.generation)
+        return DecodeGraphs(self.decode_model, lambda: self.dispatcher.generation)
 
     def _start_offload(self, offload: OffloadConfig):
         """The offload executor; bad settings (budget, predictor of another model) stop the start with a message."""

@@ -54,6 +54,11 @@ _SERVING_OPTIONS = (  # what both commands serve with, in --help order
                  help="On a GPU with every expert in this process, launch a greedy batch's next decode pass from "
                       "this pass's argmax before reading its tokens, so the host's work overlaps the GPU's; off: "
                       "each step's tokens are read before the next pass starts."),
+    click.option("--compile/--no-compile", default=False, show_default=True,
+                 help="Compile decode passes with torch.compile (TorchInductor), so each layer's norms, rotary "
+                      "embedding, router and residual adds run as a few fused kernels; the routed experts stay "
+                      "as they are. The first decode pass of one row and of several compile every layer (a "
+                      "request waits for it); a compile that fails is logged and decoding goes on uncompiled."),
     click.option("--kv-cache-bytes", type=ByteSize(), default=None,
                  help="Memory for the running batch's KV cache (20Gi, 512Mi or bytes): requests are admitted while "
                       "it has room and the latest are preempted (recomputed later) when it runs out. Default: "

@@ -552,5 +552,8 @@ class _LayerExperts(torch.nn.Module):
         super().__init__()
         self.dispatcher, self.layer = dispatcher, layer
 
+    # A compiled decode pass (compiled.py) breaks its graph here: the dispatcher reads the thread's CUDA-graph
+    # recorder, calls expert functions and counts loads on the host, none of which a graph can hold.
+    @torch.compiler.disable
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return self.dispatcher.run_layer(self.layer, hidden_states, top_k_index, top_k_weights)

@@ -29,7 +29,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import torch
 from transformers import DynamicCache
@@ -118,7 +118,8 @@ class Engine:
     def __init__(self, model, tokenizer, eos_ids: set[int], max_context: int,
                  scheduler: SchedulerConfig = SchedulerConfig(), before_step=None, metrics=None, loads=None,
                  micro_batches: int = 1, on_forward=None, kv_cache: KVCacheConfig = KVCacheConfig(),
-                 graphs: DecodeGraphs | None = None, lookahead: Callable[[], bool] | None = None):
+                 graphs: DecodeGraphs | None = None, lookahead: Callable[[], bool] | None = None,
+                 decode_model: Callable[..., Any] | None = None):
         self.model, self.tokenizer, self.eos_ids, self.max_context = model, tokenizer, eos_ids, max_context
         self.scheduler: Scheduler[Sequence] = Scheduler(scheduler)
         self.before_step = before_step  # e.g. the dispatcher switching routing tables between steps
@@ -129,6 +130,9 @@ class Engine:
         if graphs is not None and micro_batches > 1:
             raise ValueError("CUDA graphs decode one micro-batch: give micro_batches=1 or no graphs")
         self.graphs = graphs  # decode passes replayed as CUDA graphs (graphs.py); None: launched one by one
+        # What a decode pass launched op by op calls: the model, or the model compiled (compiled.py; `graphs`
+        # are built over the same). Prefill passes call the model.
+        self.decode_model = model if decode_model is None else decode_model
         # Whether a decode pass runs without waiting for the host now (see the module's docstring); None: never.
         self.lookahead = lookahead
         self._ahead: Ahead | None = None
@@ -386,7 +390,7 @@ class Engine:
         of `rows` rows, or launched op by op where `rows` is None -> logits [len(state), V]."""
         state.advance(tokens, rows)
         if self.graphs is None or rows is None:
-            return self.model(**state.pass_inputs(len(state)), use_cache=True).logits[:, -1]
+            return self.decode_model(**state.pass_inputs(len(state)), use_cache=True).logits[:, -1]
         return self.graphs.decode(state, rows, len(state))
 
     def _look_ahead(self, mb: MicroBatch, logits: torch.Tensor) -> dict[int, int] | None:

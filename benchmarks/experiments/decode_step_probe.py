@@ -13,6 +13,8 @@ device time, far above the roofline: this measures that time and splits it.
   against every expert computed densely for every token (`torch.bmm` over the stacked weights,
   weighted by a dense [T, E] routing matrix), beside the bytes the layer's active experts must read
   at the measured HBM bandwidth.
+- `compiled` (--compile): graph_ms, eager_ms and the device's kernels of the same passes compiled
+  (frontend/compiled.py), beside the uncompiled ones (`kernels_per_pass`, `kernels`).
 
   python benchmarks/experiments/decode_step_probe.py --device cuda --preset mixtral-4l --layers 2  # $OUT/decode_step_probe.json
 """
@@ -36,6 +38,7 @@ from frontend_decode import add_model_arguments, cut_preset, hardware  # noqa: E
 from kubemoe.bundles import bundles_by_count  # noqa: E402
 from kubemoe.frontend.app import Frontend, FrontendConfig  # noqa: E402
 from kubemoe.frontend.batch import BatchState, split_rows  # noqa: E402
+from kubemoe.frontend.compiled import CompiledDecode  # noqa: E402
 from kubemoe.frontend.graphs import DecodeGraphs, padded_rows  # noqa: E402
 from kubemoe.moe import grouped_ffn  # noqa: E402
 from kubemoe.moe_kernels import grouped_mm_small  # noqa: E402
@@ -139,8 +142,9 @@ def kernel_sweep(fe: Frontend, hbm: float) -> list[dict]:
 
 
 @torch.inference_mode()
-def probe(fe: Frontend, batch: int, prompt: int, vocab: int) -> dict:
-    graphs = DecodeGraphs(fe.model, lambda: fe.dispatcher.generation)
+def probe(fe: Frontend, model, batch: int, prompt: int, vocab: int) -> dict:
+    """`model`: what decode passes call (the model, or it compiled: frontend/compiled.py)."""
+    graphs = DecodeGraphs(model, lambda: fe.dispatcher.generation)
     state = joined(fe, batch, prompt, vocab)
     padded = padded_rows(batch)
     tokens = [1] * batch
@@ -149,26 +153,33 @@ def probe(fe: Frontend, batch: int, prompt: int, vocab: int) -> dict:
         state.advance(tokens, padded)
         graphs.decode(state, padded, batch)
 
-    graph_ms = device_ms(graphed)
+    graph_ms = device_ms(graphed)  # its first call compiles (if compiled) and captures the program
     eager_state = joined(fe, batch, prompt, vocab)
-    eager_ms = device_ms(lambda: fe.model(**eager_state.decode_inputs(tokens), use_cache=True).logits)
+    eager_ms = device_ms(lambda: model(**eager_state.decode_inputs(tokens), use_cache=True).logits)
     from torch.profiler import ProfilerActivity, profile
 
     passes = 3
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(passes):
-            fe.model(**eager_state.decode_inputs(tokens), use_cache=True)
+            model(**eager_state.decode_inputs(tokens), use_cache=True)
         torch.cuda.synchronize()
 
     def own(e) -> float:
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
 
-    events = [e for e in prof.key_averages() if own(e) > 0 and e.key.startswith("aten::")]
+    averages = prof.key_averages()
+    events = [e for e in averages if own(e) > 0 and e.key.startswith("aten::")]
     ops = sorted(events, key=own, reverse=True)[:14]
+    # Device kernels, whoever launched them (aten ops, or a compiled pass's Triton kernels and extern calls).
+    kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
     return {"batch": batch, "rows": padded, "graph_ms": graph_ms, "eager_ms": eager_ms,
             "graph_device_ms_by_ops": sum(own(e) for e in events) / 1e3 / passes,
+            "kernels_per_pass": sum(e.count for e in kernels) / passes,
+            "kernel_device_ms_per_pass": sum(own(e) for e in kernels) / 1e3 / passes,
             "ops": [{"op": e.key, "calls_per_pass": e.count / passes, "device_ms_per_pass": own(e) / 1e3 / passes}
-                    for e in ops]}
+                    for e in ops],
+            "kernels": [{"kernel": e.key, "calls_per_pass": e.count / passes, "device_ms_per_pass": own(e) / 1e3 / passes}
+                        for e in sorted(kernels, key=own, reverse=True)[:14]]}
 
 
 def main() -> None:
@@ -178,6 +189,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--predictor", default="none", choices=("none", "router"),
                         help="the load predictor in the pass (router: its device work captured with the graph)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also each pass compiled (torch.compile, frontend/compiled.py): `compiled` in each row")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     preset = cut_preset(args.arch, args.preset, args.layers)
@@ -191,8 +204,12 @@ def main() -> None:
         fe.dispatcher.apply_pending()
         vocab = fe.model.config.vocab_size
         result["kernels"] = kernel_sweep(fe, hw["hbm_bytes_per_s"])
+        compiled = CompiledDecode(fe.model) if args.compile else None
         for b in [int(x) for x in args.batches.split(",")]:
-            row = probe(fe, b, args.prompt, vocab)
+            row = probe(fe, fe.model, b, args.prompt, vocab)
+            if compiled is not None:  # the same passes compiled, beside: graph_ms against graph_ms
+                row["compiled"] = probe(fe, compiled, b, args.prompt, vocab)
+                row["compiled"]["enabled"] = compiled.enabled  # False: a compile failed, it ran uncompiled
             moe = moe_times(fe, b, hw["hbm_bytes_per_s"])
             result["rows"].append(row)
             result["moe"].append(moe)
@@ -202,6 +219,14 @@ def main() -> None:
                   f"({moe['active_experts']} experts; rel err {moe['dense_vs_grouped_rel_err']:.1e})")
             for op in row["ops"][:8]:
                 print(f"      {op['op']:<40} {op['calls_per_pass']:>5.0f} calls {op['device_ms_per_pass']:>7.3f} ms")
+            if compiled is not None:
+                c = row["compiled"]
+                print(f"  compiled{'' if c['enabled'] else ' (FAILED: ran uncompiled)'}: graph {c['graph_ms']:.2f} ms "
+                      f"(uncompiled {row['graph_ms']:.2f}), eager {c['eager_ms']:.2f} ms, kernels per pass "
+                      f"{c['kernels_per_pass']:.0f} (uncompiled {row['kernels_per_pass']:.0f}), kernel time "
+                      f"{c['kernel_device_ms_per_pass']:.2f} ms (uncompiled {row['kernel_device_ms_per_pass']:.2f})")
+                for k in c["kernels"][:8]:
+                    print(f"      {k['kernel'][:60]:<60} {k['calls_per_pass']:>5.0f} calls {k['device_ms_per_pass']:>7.3f} ms")
         fe.close()
     Path(args.out, "decode_step_probe.json").write_text(json.dumps(result, indent=1))
 

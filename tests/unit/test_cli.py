@@ -44,11 +44,12 @@ def test_every_frontend_option_reaches_the_config_under_its_own_name(tmp_path):
     (tmp_path / "routing.json").write_text("{}")
     args = ["--checkpoint", str(tmp_path), "--routing-table", str(tmp_path / "routing.json"), "--no-lookahead",
             "--no-cuda-graphs", "--max-batch", "7", "--kv-cache-bytes", "1Mi", "--split-min-tokens", "5",
-            "--busy-poll-us", "3", "--device", "cpu"]
+            "--busy-poll-us", "3", "--device", "cpu", "--compile"]
     params = frontend_command.make_context("frontend", list(args)).params  # click empties the list it parses
     config = frontend_config(**{k: v for k, v in params.items() if k not in ("host", "port", "grpc_port")})
     assert (config.lookahead, config.cuda_graphs, config.max_batch, config.kv_cache_bytes) == (False, False, 7, 1 << 20)
     assert (config.split_min_tokens, config.busy_poll_us, config.device, config.offload) == (5, 3.0, "cpu", None)
+    assert config.compile
     defaults = frontend_config(**{k: v for k, v in frontend_command.make_context(
         "frontend", args[:4]).params.items() if k not in ("host", "port", "grpc_port")})
-    assert defaults.lookahead and defaults.cuda_graphs
+    assert defaults.lookahead and defaults.cuda_graphs and not defaults.compile
