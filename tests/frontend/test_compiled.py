@@ -17,7 +17,7 @@ from kubemoe.frontend.compiled import CompiledDecode
 from kubemoe.frontend.graphs import padded_rows, run_eagerly
 
 from .test_correctness import PROMPTS, generate_all, local_frontend, reference_greedy
-from .test_graphs import _joined, _tokens_counted
+from .test_graphs import _counted, _joined
 
 
 @pytest.mark.slow  # 40-50 s on 2 cores with Inductor's cache cold (compiling two uncached models)
@@ -66,12 +66,12 @@ def test_a_compiled_program_pass_equals_an_ordinary_pass_and_counts_only_real_ro
         tokens = [5, 6, 7]
         with torch.inference_mode():
             for _ in range(2):
-                before = _tokens_counted(fe)
+                before = _counted(fe)[0]
                 expected = fe.model(**plain.decode_inputs(tokens), use_cache=True).logits[:, -1]
-                ordinary = _tokens_counted(fe) - before
+                ordinary = _counted(fe)[0] - before
                 program.advance(tokens, padded)
                 got = run_eagerly(compiled, program, padded, rows)
-                assert _tokens_counted(fe) - before - ordinary == ordinary == rows * fe.adapter.top_k * len(fe.adapter.moe_layers)
+                assert _counted(fe)[0] - before - ordinary == ordinary == rows * fe.adapter.top_k * len(fe.adapter.moe_layers)
                 torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
                 tokens = expected.argmax(-1).tolist()
         assert compiled.enabled
