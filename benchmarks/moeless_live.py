@@ -24,7 +24,7 @@ Plans, each served over the same stream by the same processes (moved between wit
   kubemoe holds on average (taken from the kubemoe pass), the same cadence.
 - oracle (a bound, lossy): static EP's processes with every layer's tokens dealt evenly over the
   experts: perfect balance at the static plan's memory.
-A re-plan happens while serving, as `frontend/replan.py` runs it: Load on the processes that gain
+A re-plan happens while serving, as `frontend/replan.py` runs it (one Replanner throughout): Load on the processes that gain
 experts, the table re-pointed at a step boundary, Unload of what left. Steps from the first Load to
 the last Unload are re-plan steps; the others steady.
 
@@ -66,7 +66,7 @@ from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher  # noqa: E402
 from kubemoe.frontend.embedded import expert_processes  # noqa: E402
 from kubemoe.frontend.loads import LoadRecorder  # noqa: E402
 from kubemoe.frontend.loop_thread import LoopThread  # noqa: E402
-from kubemoe.frontend.replan import repoint  # noqa: E402
+from kubemoe.frontend.replan import Replanner  # noqa: E402
 from kubemoe.planning.baselines import eplb, static_ep  # noqa: E402
 from kubemoe.planning.placer import GPU, WARM_SLACK, Placement, place  # noqa: E402
 from kubemoe.planning.scaler import scale  # noqa: E402
@@ -163,12 +163,13 @@ class Driver:
         dispatcher.predictions = self.predictions
         self.table = None
         self.mover = LoopThread("kubemoe-replan")
+        self.replanner = Replanner(model)  # runs on the mover's loop: its channels are that loop's
         self._applied = threading.Condition()
         self._serving_version = -1
 
     def install(self, table) -> None:
         """Switch to `table` right away, moving experts in place (not measured: between plans)."""
-        self.mover.run(repoint(self.model, self.table, table, self._switch_now(table)), timeout=1800)
+        self.mover.run(self.replanner.repoint(self.table, table, self._switch_now(table)), timeout=1800)
         self.table = table
 
     def _switch_now(self, table):
@@ -200,7 +201,7 @@ class Driver:
             new = plans(t) if moving is None else None
             if new is not None:
                 replan_start = time.perf_counter()
-                moving = (self.mover.submit(repoint(self.model, self.table, new, self._switch_at_step(new))), new,
+                moving = (self.mover.submit(self.replanner.repoint(self.table, new, self._switch_at_step(new))), new,
                           replan_start)
             self._step_boundary()
             in_replan = moving is not None
@@ -254,6 +255,7 @@ class Driver:
             self._applied.notify_all()
 
     def close(self) -> None:
+        self.mover.run(self.replanner.close(), timeout=30)
         self.mover.stop()
 
 
