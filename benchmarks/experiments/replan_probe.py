@@ -2,7 +2,7 @@
 
 One dispatcher (frontend/dispatch.py) serves a steady stream of equal steps over P expert-function
 processes (`kubemoe expert-fn`, shared-memory lanes, as moeless_live.py starts them) and, every
-`--every` steps, re-plans with frontend/replan.py `repoint`, switching at a step boundary as
+`--every` steps, re-plans with frontend/replan.py (one `Replanner`), switching at a step boundary as
 moeless_live.py does: `--moves` experts per layer change process each time (Load there, switch,
 Unload where they were). Tokens go to experts uniformly at random, so every process gets a call
 each layer. Each step is labelled by the re-plan phase it overlaps (steady, load, switch, unload)
@@ -38,7 +38,20 @@ from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher  # noqa: E402
 from kubemoe.frontend.embedded import expert_processes  # noqa: E402
 from kubemoe.frontend.loads import LoadRecorder  # noqa: E402
 from kubemoe.frontend.loop_thread import LoopThread  # noqa: E402
-from kubemoe.frontend.replan import repoint  # noqa: E402
+try:
+    from kubemoe.frontend.replan import Replanner  # noqa: E402
+except ImportError:  # a commit before it (to measure before and after): a re-plan over channels of its own
+    from kubemoe.frontend.replan import repoint  # noqa: E402
+
+    class Replanner:  # type: ignore[no-redef]
+        def __init__(self, model):
+            self.model = model
+
+        def repoint(self, before, after, switch):
+            return repoint(self.model, before, after, switch)
+
+        async def close(self):
+            pass
 from kubemoe.routing_table import build_route_map, table_for_bundles  # noqa: E402
 
 CALLS: list[dict] = []  # every expert call of the run, as the frontend saw it
@@ -98,6 +111,7 @@ def main() -> None:
             dispatcher = Dispatcher(adapter, checkpoint, DispatchConfig(model=model, shm_dir=Path(shm)),
                                     LoadRecorder(model, "probe"), dtype, device)
             mover = LoopThread("kubemoe-replan")
+            replanner = Replanner(model)
             serving = {"version": -1}
             applied = threading.Condition()
 
@@ -135,21 +149,23 @@ def main() -> None:
                 for t in range(-20, total):  # 20 warm-up steps, not recorded
                     if t > 0 and t % args.every == 0 and moving is None:
                         new = plan(t // args.every)
-                        moving = (mover.submit(repoint(model, current, new, switch_at_step(new))), new,
+                        moving = (mover.submit(replanner.repoint(current, new, switch_at_step(new))), new,
                                   time.perf_counter())
                     boundary = time.perf_counter()
                     at_step_boundary()
+                    chosen = [torch.stack([torch.randperm(E, generator=generator)[:args.top_k]
+                                           for _ in range(args.tokens)]) for _ in layers]
                     started = time.perf_counter()
-                    for layer in layers:
-                        top_k = torch.stack([torch.randperm(E, generator=generator)[:args.top_k]
-                                             for _ in range(args.tokens)]).to(device)
+                    chosen = [c.to(device) for c in chosen]  # as a driver replaying routing does (moeless_live.py)
+                    prepared = time.perf_counter()
+                    for layer, top_k in zip(layers, chosen):
                         dispatcher.run_layer(layer, hidden, top_k, weights)
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     ended = time.perf_counter()
                     if t >= 0:
                         steps.append({"t": t, "start": started, "end": ended, "step": ended - started,
-                                      "boundary": started - boundary})
+                                      "boundary": started - boundary, "top_k_copy": prepared - started})
                     if moving is not None and moving[0].done():
                         done = moving[0].result()
                         begun = moving[2]
@@ -162,6 +178,7 @@ def main() -> None:
                 while moving is not None and not moving[0].done():
                     time.sleep(0.01)
             finally:
+                mover.run(replanner.close(), timeout=30)
                 mover.stop()
                 dispatcher.close()
     report(steps, replans, args)
@@ -203,8 +220,10 @@ def report(steps: list[dict], replans: list[dict], args) -> None:
     for s in sorted((s for s in steps if s["phase"] != "steady"), key=lambda s: -s["step"])[:args.slowest]:
         calls = [c for c in CALLS if s["start"] <= c["start"] <= s["end"]]
         slow = sorted(calls, key=lambda c: -c["wall"])[:2]
+        first = (min(c["start"] for c in calls) - s["start"]) * 1e3 if calls else float("nan")
         print(f"  step {s['t']} ({s['phase']}) {s['step'] * 1e3:.1f} ms, {len(calls)} calls, boundary "
-              f"{s['boundary'] * 1e3:.2f} ms: " + "; ".join(
+              f"{s['boundary'] * 1e3:.2f} ms, top-k copy {s['top_k_copy'] * 1e3:.2f} ms, first call at {first:.1f} ms: "
+              + "; ".join(
                   f"{c['address'].rsplit(':', 1)[1]} L{c['layer']} wall {c['wall'] * 1e3:.1f} total {c['total'] * 1e3:.1f} "
                   f"queue {c['queue'] * 1e3:.1f} compute {c['compute'] * 1e3:.1f}" for c in slow))
     if args.json:
