@@ -94,6 +94,26 @@ def test_rounds_go_on_while_experts_load_and_what_loads_is_the_checkpoint(mixtra
         assert torch.equal(got.gate_up, want.gate_up) and torch.equal(got.down, want.down)
 
 
+def test_a_round_waits_for_its_own_stream_not_for_a_load_on_another(mixtral_sized):
+    adapter = MoEAdapter(mixtral_sized.config)
+    layer = adapter.moe_layers[0]
+    store = ExpertStore(mixtral_sized, adapter, [(layer, 0)], torch.bfloat16, torch.device("cuda"))
+    store.load([(layer, 0)])
+    rounds = Rounds(store, (layer, 0))
+    other = torch.cuda.Stream()
+    try:
+        rounds.run()
+        with torch.cuda.stream(other):
+            torch.cuda._sleep(1 << 31)  # about a second of GPU time, on another stream (as a Load's copies are)
+        took = rounds.run()
+        still_busy = not other.query()
+        other.synchronize()
+    finally:
+        rounds.close()
+    assert still_busy, "the other stream's work ended before the round did: make it longer"
+    assert took < 0.05, f"a round took {took * 1e3:.0f} ms: it waited for another stream's work"
+
+
 @pytest.mark.parametrize("nbytes, chunk", [(0, 64), (1, 64), (1000, 64), (1 << 20, 1 << 20), ((1 << 20) + 6, 1 << 16)])
 def test_pinned_staging_copies_every_byte_whatever_the_chunks(nbytes, chunk):
     from kubemoe.expert_fn.staging import PinnedStaging
