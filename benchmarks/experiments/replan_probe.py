@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
 import tempfile
@@ -54,7 +55,22 @@ except ImportError:  # a commit before it (to measure before and after): a re-pl
             pass
 from kubemoe.routing_table import build_route_map, table_for_bundles  # noqa: E402
 
+try:
+    from kubemoe.gc_freeze import settle  # noqa: E402
+except ImportError:  # a commit before it
+    def settle() -> None:
+        pass
+
 CALLS: list[dict] = []  # every expert call of the run, as the frontend saw it
+FULL_GC: list[tuple[float, float]] = []  # this process's full garbage collections: (start, seconds)
+
+
+def _on_collection(phase: str, info: dict, started: list = [0.0]) -> None:  # noqa: B006 - the start, kept between calls
+    if info["generation"] == 2:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            FULL_GC.append((started[0], time.perf_counter() - started[0]))
 
 
 def _timed_call(original):
@@ -88,11 +104,14 @@ def main() -> None:
     parser.add_argument("--replans", type=int, default=8)
     parser.add_argument("--slowest", type=int, default=5, help="re-plan steps to split into their calls")
     parser.add_argument("--json", type=Path, help="write the steps and calls here")
+    parser.add_argument("--no-settle", dest="settle", action="store_false",
+                        help="leave the start-up objects to the garbage collector (as before kubemoe/gc_freeze.py)")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     E, P = args.experts, args.processes
     ExpertClient.call = _timed_call(ExpertClient.call)
+    gc.callbacks.append(_on_collection)
 
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
         ckpt = mixtral_layout_checkpoint(Path(tmp) / "ckpt", args.hidden, args.intermediate,
@@ -147,6 +166,8 @@ def main() -> None:
             total = args.every * (args.replans + 1)
             try:
                 for t in range(-20, total):  # 20 warm-up steps, not recorded
+                    if t == 0 and args.settle:
+                        settle()  # as a frontend process does once ready (kubemoe/gc_freeze.py)
                     if t > 0 and t % args.every == 0 and moving is None:
                         new = plan(t // args.every)
                         moving = (mover.submit(replanner.repoint(current, new, switch_at_step(new))), new,
@@ -226,8 +247,10 @@ def report(steps: list[dict], replans: list[dict], args) -> None:
               + "; ".join(
                   f"{c['address'].rsplit(':', 1)[1]} L{c['layer']} wall {c['wall'] * 1e3:.1f} total {c['total'] * 1e3:.1f} "
                   f"queue {c['queue'] * 1e3:.1f} compute {c['compute'] * 1e3:.1f}" for c in slow))
+    served = [seconds for began, seconds in FULL_GC if began >= steps[0]["start"]]  # not settle()'s own
+    print(f"full garbage collections while serving: {len(served)}, the longest {max(served, default=0) * 1e3:.1f} ms")
     if args.json:
-        args.json.write_text(json.dumps({"steps": steps, "replans": replans, "calls": CALLS}))
+        args.json.write_text(json.dumps({"steps": steps, "replans": replans, "calls": CALLS, "full_gc": FULL_GC}))
 
 
 if __name__ == "__main__":
