@@ -24,7 +24,7 @@ Plans, each served over the same stream by the same processes (moved between wit
   kubemoe holds on average (taken from the kubemoe pass), the same cadence.
 - oracle (a bound, lossy): static EP's processes with every layer's tokens dealt evenly over the
   experts: perfect balance at the static plan's memory.
-A re-plan happens while serving, as `frontend/replan.py` runs it: Load on the processes that gain
+A re-plan happens while serving, as `frontend/replan.py` runs it (one Replanner throughout): Load on the processes that gain
 experts, the table re-pointed at a step boundary, Unload of what left. Steps from the first Load to
 the last Unload are re-plan steps; the others steady.
 
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib.util
 import sys
 import tempfile
@@ -66,7 +67,8 @@ from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher  # noqa: E402
 from kubemoe.frontend.embedded import expert_processes  # noqa: E402
 from kubemoe.frontend.loads import LoadRecorder  # noqa: E402
 from kubemoe.frontend.loop_thread import LoopThread  # noqa: E402
-from kubemoe.frontend.replan import repoint  # noqa: E402
+from kubemoe.frontend.replan import Replanner  # noqa: E402
+from kubemoe.gc_freeze import settle  # noqa: E402
 from kubemoe.planning.baselines import eplb, static_ep  # noqa: E402
 from kubemoe.planning.placer import GPU, WARM_SLACK, Placement, place  # noqa: E402
 from kubemoe.planning.scaler import scale  # noqa: E402
@@ -150,6 +152,29 @@ class Served:
     byte_seconds: float = 0.0
     replans: list[dict] = field(default_factory=list)
     replicas: list[int] = field(default_factory=list)
+    full_gc_s: list[float] = field(default_factory=list)  # the frontend's full garbage collections while serving
+
+
+class FullCollections:
+    """Full garbage collections in this process (the frontend's), (start, seconds) each: every thread
+    stops while one runs (kubemoe/gc_freeze.py)."""
+
+    def __init__(self):
+        self.pauses: list[tuple[float, float]] = []
+        self._started: float | None = None
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.pauses.append((self._started, time.perf_counter() - self._started))
+            self._started = None
+
+    def within(self, start: float, stop: float) -> list[float]:
+        return [seconds for began, seconds in self.pauses if start <= began <= stop]
 
 
 class Driver:
@@ -163,12 +188,14 @@ class Driver:
         dispatcher.predictions = self.predictions
         self.table = None
         self.mover = LoopThread("kubemoe-replan")
+        self.replanner = Replanner(model)  # runs on the mover's loop: its channels are that loop's
         self._applied = threading.Condition()
         self._serving_version = -1
+        self.collections = FullCollections()
 
     def install(self, table) -> None:
         """Switch to `table` right away, moving experts in place (not measured: between plans)."""
-        self.mover.run(repoint(self.model, self.table, table, self._switch_now(table)), timeout=1800)
+        self.mover.run(self.replanner.repoint(self.table, table, self._switch_now(table)), timeout=1800)
         self.table = table
 
     def _switch_now(self, table):
@@ -200,7 +227,7 @@ class Driver:
             new = plans(t) if moving is None else None
             if new is not None:
                 replan_start = time.perf_counter()
-                moving = (self.mover.submit(repoint(self.model, self.table, new, self._switch_at_step(new))), new,
+                moving = (self.mover.submit(self.replanner.repoint(self.table, new, self._switch_at_step(new))), new,
                           replan_start)
             self._step_boundary()
             in_replan = moving is not None
@@ -234,7 +261,8 @@ class Driver:
                 served.replans.append({"iteration": t, "seconds": time.perf_counter() - moving[2],
                                        "loaded": sum(map(len, done.moves.load.values())),
                                        "unloaded": sum(map(len, done.moves.unload.values())),
-                                       "load_s": done.load_s, "switch_s": done.switch_s, "unload_s": done.unload_s})
+                                       "load_s": done.load_s, "switch_s": done.switch_s, "unload_s": done.unload_s,
+                                       "full_gc_s": self.collections.within(moving[2], time.perf_counter())})
                 self.table = moving[1]
                 moving = None
         while moving is not None and not moving[0].done():  # let the last re-plan finish outside the measurement
@@ -244,6 +272,7 @@ class Driver:
             moving[0].result()
             self.table = moving[1]
         served.seconds = time.perf_counter() - started
+        served.full_gc_s = self.collections.within(started, time.perf_counter())
         return served
 
     def _step_boundary(self) -> None:
@@ -254,6 +283,7 @@ class Driver:
             self._applied.notify_all()
 
     def close(self) -> None:
+        self.mover.run(self.replanner.close(), timeout=30)
         self.mover.stop()
 
 
@@ -276,6 +306,7 @@ def summarize(name: str, served: Served) -> dict:
         if steady and during:
             row[f"{regime}_replan_step_p99_vs_steady"] = float(np.percentile(during, 99) / np.percentile(steady, 99))
     row["mean_ms"] = float(np.concatenate(every).mean())
+    row["full_gc"], row["full_gc_max_ms"] = len(served.full_gc_s), 1e3 * max(served.full_gc_s, default=0.0)
     row["replan_log"] = served.replans
     return row
 
@@ -340,6 +371,7 @@ def main() -> None:
                 # Warm-up: every process's first calls (CUDA context, graphs, lanes) outside the measurement.
                 driver.install(static_table)
                 driver.serve(Stream(stream.regime[:3], stream.experts[:3], stream.predicted[:3]), lambda t: None)
+                settle()  # as a frontend process does once ready (kubemoe/gc_freeze.py)
                 served["static"] = driver.serve(stream, lambda t: None)
 
                 kubemoe_counts = []
@@ -382,7 +414,8 @@ def main() -> None:
     print_table(rows, [("plan", "plan", ""), ("decode_mean_ms", "decode ms", ".3f"), ("decode_p99_ms", "p99", ".3f"),
                        ("prefill_mean_ms", "prefill ms", ".3f"), ("prefill_p99_ms", "p99", ".3f"),
                        ("tokens_per_s", "tokens/s", ".0f"), ("gb_s_per_1k_tokens", "GB.s/1k tok", ".3f"),
-                       ("replicas_mean", "replicas", ".1f"), ("replans", "replans", "d")])
+                       ("replicas_mean", "replicas", ".1f"), ("replans", "replans", "d"),
+                       ("full_gc_max_ms", "full GC ms", ".1f")])
     by = {r["plan"]: r for r in rows}
     replan = [by["kubemoe"].get(f"{regime}_replan_step_p99_vs_steady") for regime in ("decode", "prefill")]
     replan = [r for r in replan if r is not None]

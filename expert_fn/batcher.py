@@ -79,12 +79,14 @@ def plan_round(jobs: list[Job]) -> dict[ExpertKey, list[Part]]:
 
 class ComputeClock:
     """Times a round's FFNs. On a GPU with CUDA events around each expert's kernels, so copies and
-    kernels queue up without a synchronisation in between (one, at the end), or with the events
-    of the round graphs it `include`s; on a CPU with the wall clock. One per device, reused round
-    after round (rounds run one at a time)."""
+    kernels queue up without a synchronisation in between (one, at the end, of the serving stream
+    alone: a Load's copies on its own stream are no round's business), or with the events of the
+    round graphs it `include`s; on a CPU with the wall clock. One per device, reused round after
+    round (rounds run one at a time, on the device's current stream)."""
 
     def __init__(self, device: torch.device):
         self._cuda = device.type == "cuda"
+        self._stream = torch.cuda.current_stream(device) if self._cuda else None
         self._events: list[torch.cuda.Event] = []  # start, stop, start, stop... of this round; grown, reused
         self._recorded = 0
         self._graphs: list[RoundGraph] = []  # launched in this round
@@ -114,9 +116,9 @@ class ComputeClock:
 
     def seconds(self) -> float:
         """The round's time between starts and stops, and a fresh start for the next round. On a GPU
-        this waits for all the round's work, copies back included."""
-        if self._cuda:
-            torch.cuda.synchronize()
+        this waits for all the round's work, copies back included, and for nothing else."""
+        if self._stream is not None:
+            self._stream.synchronize()
             events = self._events[:self._recorded]
             self._seconds = sum(a.elapsed_time(b) for a, b in zip(events[::2], events[1::2])) / 1e3
             self._seconds += sum(graph.seconds() for graph in self._graphs)

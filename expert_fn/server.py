@@ -20,6 +20,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kubemoe.errors import KubemoeError
+from kubemoe.gc_freeze import settle
 from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert_fn.config import ExpertFnConfig
@@ -42,6 +43,7 @@ class ExpertFunction:
     server: grpc.aio.Server
     port: int
     servicer: ExpertServicer
+    loading: asyncio.Task | None = None  # the bundle's preload, when asked for
 
     async def stop(self, grace: float | None) -> None:
         """End every open stream (each answers what it has read), then refuse new calls, answer the
@@ -91,9 +93,7 @@ async def build_server(
         servicer.data_port = DataPort(config.host, config.data_port, config.data_host)
         servicer.data_port.start()
     await servicer.report_health()  # NOT_SERVING until the bundle is in
-    if preload:
-        servicer.start_loading()
-    return ExpertFunction(server, port, servicer)
+    return ExpertFunction(server, port, servicer, servicer.start_loading() if preload else None)
 
 
 async def create_server(address: str, config: ExpertFnConfig, **options) -> tuple[grpc.aio.Server, int]:
@@ -113,6 +113,8 @@ async def serve(config: ExpertFnConfig) -> None:
              config.device, str(config.dtype).removeprefix("torch."),
              f"; TCP lanes on port {built.servicer.data_port.port}" if built.servicer.data_port else "")
 
+    if built.loading is not None:  # once the bundle is in, what this process holds stays: out of the GC's sight
+        built.loading.add_done_callback(lambda _: settle())
     following = follow_routing_table(config, built.servicer)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -5,9 +5,10 @@ serving dtype on the serving device. Load and Unload change the held set at run 
 is ready (health SERVING) while it holds its whole bundle.
 
 On a GPU, loads run on a CUDA stream of their own. On the serving stream (the device's default one,
-which every round uses), a Load's copies from pageable memory (tens of milliseconds per Mixtral
-expert) would queue ahead of the rounds that arrive meanwhile: a re-plan that loads experts in place
-would stall every call to this function until its copies were done.
+which every round uses), a Load's copies (tens of milliseconds per Mixtral expert) would queue ahead
+of the rounds that arrive meanwhile: a re-plan that loads experts in place would stall every call to
+this function until its copies were done. And they go through pinned memory (staging.py): a copy
+from the mapped file's pageable memory held up the function's rounds until it was done, stream or not.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kubemoe.bundles import ExpertKey, format_bundle_spec
 from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert import ExpertWeights
 from kubemoe.expert_fn.errors import ExpertFnError, invalid, not_found
+from kubemoe.expert_fn.staging import PinnedStaging
 
 
 class ExpertStore:
@@ -38,6 +40,7 @@ class ExpertStore:
         self._loading: frozenset[ExpertKey] = frozenset()
         self._serving = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self._load_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._staging = PinnedStaging(self._load_stream) if self._load_stream is not None else None
 
     # -- reads (hot path) ---------------------------------------------------------------------
 
@@ -110,10 +113,10 @@ class ExpertStore:
         return sum(w.nbytes for w in new.values()), time.perf_counter() - start
 
     def _read(self, key: ExpertKey) -> ExpertWeights:
-        if self._load_stream is None or self._serving is None:
+        if self._load_stream is None or self._serving is None or self._staging is None:
             return self.adapter.load_expert(self.checkpoint, *key, self.dtype, self.device)
         with torch.cuda.stream(self._load_stream):
-            weights = self.adapter.load_expert(self.checkpoint, *key, self.dtype, self.device)
+            weights = self.adapter.load_expert(self.checkpoint, *key, self.dtype, self.device, self._staging.copy)
         self._load_stream.synchronize()  # in before anyone can call it
         for tensor in (weights.gate_up, weights.down):
             # Allocated on the load stream, read on the serving one: once unloaded, their memory is reused

@@ -129,9 +129,11 @@ def _offload_config(offload: bool, gpu_budget: int | None, predictor: str, polic
 def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
     from kubemoe.frontend.app import Frontend
     from kubemoe.frontend.server import serve_frontend
+    from kubemoe.gc_freeze import settle
 
     logs.configure()  # the pod's log says what the frontend chose (predictor, resident experts), not only warnings
     frontend = Frontend(config)
+    settle()  # the model and its clients are built: out of the GC's sight (kubemoe/gc_freeze.py)
     asyncio.run(serve_frontend(frontend, host, port, grpc_port, on_ready=lambda h, g: banner(frontend, h, g)))
 
 

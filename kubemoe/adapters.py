@@ -236,20 +236,22 @@ class MoEAdapter:
         expert: int,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
+        copy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> ExpertWeights:
-        """Read one expert's weights, and nothing else, straight into `dtype` on `device`."""
+        """Read one expert's weights, and nothing else, straight into `dtype` on `device` (`copy`: as
+        Checkpoint.read's; whatever the weights are assembled from on the GPU goes on the current stream)."""
         names = self.expert_tensors(layer, expert)
         if names.index is not None:
-            gate_up = checkpoint.read(names.gate, names.index, dtype, device)  # [H, 2I] when transposed
-            down = checkpoint.read(names.down, names.index, dtype, device)
+            gate_up = checkpoint.read(names.gate, names.index, dtype, device, copy)  # [H, 2I] when transposed
+            down = checkpoint.read(names.down, names.index, dtype, device, copy)
             if self.arch.fused_transposed:
                 gate_up, down = gate_up.t().contiguous(), down.t().contiguous()
             return ExpertWeights(gate_up, down)
-        gate = checkpoint.read(names.gate, None, dtype, device)  # [I, H]
+        gate = checkpoint.read(names.gate, None, dtype, device, copy)  # [I, H]
         gate_up = torch.empty((2 * gate.shape[0], gate.shape[1]), dtype=gate.dtype, device=gate.device)
         gate_up[: gate.shape[0]] = gate
-        gate_up[gate.shape[0]:] = checkpoint.read(names.up, None, dtype, device)
-        return ExpertWeights(gate_up, checkpoint.read(names.down, None, dtype, device))
+        gate_up[gate.shape[0]:] = checkpoint.read(names.up, None, dtype, device, copy)
+        return ExpertWeights(gate_up, checkpoint.read(names.down, None, dtype, device, copy))
 
     def router_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E]
         if self.arch.router_fp32:

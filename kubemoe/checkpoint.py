@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from functools import cached_property
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -86,11 +87,18 @@ class Checkpoint:
         index: int | None = None,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
+        copy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Read one tensor, or only its `index`-th slice along dim 0, into `dtype` on `device`."""
+        """Read one tensor, or only its `index`-th slice along dim 0, into `dtype` on `device`.
+
+        `copy(target, source)`: how the tensor, as read (a view of the mapped file), gets into an empty
+        one on a device other than the CPU (an expert function's goes through pinned memory,
+        expert_fn/staging.py): in the checkpoint's dtype, converted to `dtype` there. None: `Tensor.to`."""
         part = self._handle(name).get_slice(name)
         tensor = part[index] if index is not None else part[:]
-        return tensor.to(device=device, dtype=dtype or tensor.dtype)
+        if copy is None or torch.device(device).type == "cpu":
+            return tensor.to(device=device, dtype=dtype or tensor.dtype)
+        return copy(torch.empty(tensor.shape, dtype=tensor.dtype, device=device), tensor).to(dtype or tensor.dtype)
 
     def nbytes(self) -> int:
         return sum((self.path / f).stat().st_size for f in set(self.weight_map.values()))

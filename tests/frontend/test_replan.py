@@ -3,11 +3,15 @@ the frontend serves, and no call fails or computes anything else than the in-pro
 
 import threading
 
+import grpc
 import torch
 
+from kubemoe.adapters import MoEAdapter
 from kubemoe.bundles import Bundle
+from kubemoe.checkpoint import default_model_id
 from kubemoe.frontend.app import Frontend, FrontendConfig
-from kubemoe.frontend.replan import repoint
+from kubemoe.frontend.loop_thread import LoopThread
+from kubemoe.frontend.replan import Replanner, repoint
 from kubemoe.routing_table import LOCAL, Moves, held_by_address, moves_between, table_for_bundles
 
 from .test_remote_experts import ExpertServers
@@ -127,3 +131,34 @@ def test_a_replica_the_table_names_before_it_has_loaded_loses_no_token(tiny_chec
         servers.stop()
     torch.testing.assert_close(out, reference, rtol=1.3e-6, atol=1e-5)
     torch.testing.assert_close(again, reference, rtol=1.3e-6, atol=1e-5)
+
+
+def test_a_replanner_opens_one_channel_per_function_for_all_its_replans(tiny_checkpoint, monkeypatch):
+    """Re-plans come every window while steps are served: a channel per function and re-plan cost the
+    frontend's GIL and each function an accept every time."""
+    path = tiny_checkpoint("mixtral")
+    adapter = MoEAdapter.from_checkpoint(path)
+    layer, model = adapter.moe_layers[0], default_model_id(path)
+    bundles = per_expert(adapter.moe_layers, adapter.num_experts)
+    servers = ExpertServers(path, [Bundle("a", tuple(k for b in bundles for k in b.experts)), Bundle("b", ((layer, 1),))])
+    a, b = servers.addresses["a"][0], servers.addresses["b"][0]
+    opened = []
+    real = grpc.aio.insecure_channel
+    monkeypatch.setattr(grpc.aio, "insecure_channel", lambda address, **kw: opened.append(address) or real(address, **kw))
+    tables = [table_for_bundles(model, bundles, {bundle.name: [b if bundle.experts[0] == (layer, 0) and v % 2 else a]
+                                                 for bundle in bundles}, version=v) for v in range(1, 5)]
+    mover, replanner = LoopThread("replan-test"), Replanner(model)
+
+    async def switch():
+        pass
+
+    try:
+        moved = [mover.run(replanner.repoint(before, after, switch), timeout=60) for before, after in zip(tables, tables[1:])]
+        held = [set(built.servicer.store.held()) for built in servers.servers]
+    finally:
+        mover.run(replanner.close(), timeout=30)
+        mover.stop()
+        servers.stop()
+    assert [m.moves.load for m in moved] == [{a: ((layer, 0),)}, {b: ((layer, 0),)}, {a: ((layer, 0),)}]
+    assert (layer, 0) in held[0] and held[1] == {(layer, 1)}  # it went to b and back, and was unloaded there
+    assert sorted(opened) == sorted([a, b]), f"channels opened: {opened}"

@@ -103,3 +103,25 @@ def test_errors_say_what_to_do(tmp_path, tiny_checkpoint):
         Checkpoint(tiny_checkpoint("mixtral")).read("model.layers.9.nothing")
     with pytest.raises(KubemoeError, match="--force"):
         make_checkpoint(get_preset("mixtral", "tiny"), tiny_checkpoint("mixtral"), progress=False)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "llama4", "qwen3_moe"])  # per-expert, fused transposed, fused layouts
+def test_an_expert_read_for_another_device_goes_through_the_given_copy_in_the_checkpoints_dtype(arch, tiny_checkpoint):
+    """An expert function copies to the GPU through pinned memory (expert_fn/staging.py): every tensor
+    an expert is made of reaches `copy` as read, and the weights come out as the plain read makes them."""
+    ckpt = Checkpoint(tiny_checkpoint(arch))
+    adapter = MoEAdapter(ckpt.config)
+    layer = adapter.moe_layers[-1]
+    copied = []
+
+    def copy(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        copied.append((source.device.type, source.dtype, target.device.type, target.dtype))
+        return target
+
+    got = adapter.load_expert(ckpt, layer, 1, torch.bfloat16, "meta", copy)
+    want = adapter.load_expert(ckpt, layer, 1, torch.bfloat16)
+    names = adapter.expert_tensors(layer, 1)
+    assert len(copied) == (2 if names.index is not None else 3)
+    assert set(copied) == {("cpu", torch.float32, "meta", torch.float32)}  # converted on the device, after the copy
+    for ours, theirs in ((got.gate_up, want.gate_up), (got.down, want.down)):
+        assert (ours.device.type, ours.dtype, ours.shape) == ("meta", torch.bfloat16, theirs.shape)
