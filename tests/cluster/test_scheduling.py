@@ -46,12 +46,16 @@ def test_pod_asking_for_more_gpus_than_any_node_has_stays_pending(api, namespace
         events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=too-big").items
         return [e for e in events if e.reason == "FailedScheduling"]
 
+    def scheduled_condition():  # the scheduler records the event and the pod's condition in two writes
+        conditions = core.read_namespaced_pod("too-big", namespace).status.conditions or []
+        return [c for c in conditions if c.type == "PodScheduled"]
+
     events = wait_for(failed_scheduling, 60, "a FailedScheduling event for pod too-big")
     assert "Insufficient nvidia.com/gpu" in events[0].message
+    scheduled = wait_for(scheduled_condition, 30, "the PodScheduled condition of pod too-big")
+    assert scheduled[0].status == "False" and scheduled[0].reason == "Unschedulable"
     pod = core.read_namespaced_pod("too-big", namespace)
     assert pod.status.phase == "Pending" and not pod.spec.node_name
-    scheduled = [c for c in pod.status.conditions if c.type == "PodScheduled"]
-    assert scheduled[0].status == "False" and scheduled[0].reason == "Unschedulable"
 
 
 def test_tainted_gpu_node_takes_only_pods_that_tolerate_the_taint(api, namespace):
