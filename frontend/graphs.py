@@ -112,11 +112,10 @@ class Program:
     cuts: list[Cut]  # cuts[i] runs between segments[i] and segments[i + 1]
     afters: list[Cut]
     logits: torch.Tensor  # [rows, V], written by the last segment
-    rows_on_device: torch.Tensor | None  # what the captured work reads as the number of real rows
+    rows_on_device: torch.Tensor  # what the captured work reads as the number of real rows
 
     def replay(self, rows: int) -> torch.Tensor:  # -> logits of the real rows [rows, V]
-        if self.rows_on_device is not None:
-            self.rows_on_device.fill_(rows)
+        self.rows_on_device.fill_(rows)
         for i, graph in enumerate(self.segments):
             if i:
                 self.cuts[i - 1](rows)
@@ -197,8 +196,8 @@ class DecodeGraphs:
 
     def _capture(self, state: BatchState, padded: int, rows: int) -> Program:
         torch.cuda.synchronize()
-        recorder = Recorder(rows, self._pool, capturing=True,
-                            rows_on_device=torch.full((), rows, dtype=torch.int32, device="cuda"))
+        rows_on_device = torch.full((), rows, dtype=torch.int32, device="cuda")
+        recorder = Recorder(rows, self._pool, capturing=True, rows_on_device=rows_on_device)
         with torch.cuda.stream(self._stream):
             recorder._begin()
             try:
@@ -206,4 +205,4 @@ class DecodeGraphs:
             finally:
                 recorder._end()  # a failed capture raises here too; the graph is dropped
         torch.cuda.synchronize()
-        return Program(recorder.segments, recorder.cuts, recorder.afters, logits, recorder.rows_on_device)
+        return Program(recorder.segments, recorder.cuts, recorder.afters, logits, rows_on_device)

@@ -18,6 +18,8 @@ import threading
 
 import torch
 
+from kubemoe.frontend.predictor_train import row_hits
+
 
 def count_rows(index: torch.Tensor, rows: torch.Tensor | None, counts: torch.Tensor | None = None,
                against: torch.Tensor | None = None, hits: torch.Tensor | None = None) -> None:
@@ -36,7 +38,7 @@ def count_rows(index: torch.Tensor, rows: torch.Tensor | None, counts: torch.Ten
         # tensor can only tell the host by waiting for the GPU
         counts.index_add_(0, flat, ones)
     if against is not None and hits is not None:
-        per_row = (index.unsqueeze(-1) == against.unsqueeze(-2)).any(-1).sum(-1)  # [T]
+        per_row = row_hits(index, against)  # [T]
         hits += (per_row if live is None else per_row * live).sum()
 
 
