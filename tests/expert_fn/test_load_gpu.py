@@ -63,12 +63,17 @@ class Rounds:
         self.segment.unpin()
 
 
-def test_rounds_go_on_while_experts_load_and_what_loads_is_the_checkpoint(mixtral_sized):
-    adapter = MoEAdapter(mixtral_sized.config)
+def _serving(checkpoint: Checkpoint) -> tuple[MoEAdapter, int, ExpertStore, Rounds]:
+    """A store on the GPU holding expert 0 of the first MoE layer, and rounds that serve it."""
+    adapter = MoEAdapter(checkpoint.config)
     layer = adapter.moe_layers[0]
-    store = ExpertStore(mixtral_sized, adapter, [(layer, 0)], torch.bfloat16, torch.device("cuda"))
+    store = ExpertStore(checkpoint, adapter, [(layer, 0)], torch.bfloat16, torch.device("cuda"))
     store.load([(layer, 0)])
-    rounds = Rounds(store, (layer, 0))
+    return adapter, layer, store, Rounds(store, (layer, 0))
+
+
+def test_rounds_go_on_while_experts_load_and_what_loads_is_the_checkpoint(mixtral_sized):
+    adapter, layer, store, rounds = _serving(mixtral_sized)
     try:
         for _ in range(20):
             rounds.run()
@@ -95,11 +100,7 @@ def test_rounds_go_on_while_experts_load_and_what_loads_is_the_checkpoint(mixtra
 
 
 def test_a_round_waits_for_its_own_stream_not_for_a_load_on_another(mixtral_sized):
-    adapter = MoEAdapter(mixtral_sized.config)
-    layer = adapter.moe_layers[0]
-    store = ExpertStore(mixtral_sized, adapter, [(layer, 0)], torch.bfloat16, torch.device("cuda"))
-    store.load([(layer, 0)])
-    rounds = Rounds(store, (layer, 0))
+    _, _, _, rounds = _serving(mixtral_sized)
     other = torch.cuda.Stream()
     try:
         rounds.run()
