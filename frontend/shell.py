@@ -3,6 +3,7 @@
 Embeddings, attention, norms, routers, shared experts and the LM head are read from the
 checkpoint; each MoE layer's routed experts module is replaced, before any weight is read, by a
 module that computes them elsewhere (a dispatcher). Routed expert weights are never loaded here.
+On a GPU, decode attention and Llama-style RMSNorms run as kubemoe's kernels (attention.py, norms.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from kubemoe.adapters import MoEAdapter, install_routed_experts
 from kubemoe.checkpoint import Checkpoint
+from kubemoe.frontend import attention, norms
 
 
 def build_shell(
@@ -29,6 +31,8 @@ def build_shell(
     # resident) and are dropped as soon as the dispatchers take their place.
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(checkpoint.config, dtype=dtype)
+    attention.use(model)
+    norms.fuse(model)
     for layer in adapter.moe_layers:
         install_routed_experts(adapter, model, layer, routed_experts(layer))
     persistent = model.state_dict(keep_vars=True)

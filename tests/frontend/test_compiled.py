@@ -108,9 +108,10 @@ def test_other_row_buckets_and_a_grown_cache_compile_nothing_again(tiny_checkpoi
         fe.close()
 
 
-def test_the_graph_breaks_only_at_the_routed_experts(tiny_checkpoint):
-    """dynamo traces attention over the batch's cache (SlotPass), norms and routers whole: every break
-    is a MoE layer's routed experts, which stay Python (dispatch.py)."""
+def test_the_graph_breaks_only_at_the_routed_experts_and_attention(tiny_checkpoint):
+    """dynamo traces norms, rotary, routers and the cache's update whole: every break is a MoE layer's
+    routed experts, which stay Python (dispatch.py), or kubemoe's attention function, whose Triton
+    kernels run as they are (attention.py)."""
     fe = local_frontend(tiny_checkpoint("qwen3_moe"), predictor="none")
     try:
         fe.dispatcher.apply_pending()
@@ -120,12 +121,12 @@ def test_the_graph_breaks_only_at_the_routed_experts(tiny_checkpoint):
             explained = torch._dynamo.explain(fe.model)(**state.pass_inputs(4), use_cache=True, logits_to_keep=1)
     finally:
         fe.close()
-    reasons = collections.Counter(str(r.reason).splitlines()[0] for r in explained.break_reasons)
-    assert list(reasons) == ["Skip inlining `torch.compiler.disable()`d function"]
-    assert all("_LayerExperts.forward" in str(r.reason) for r in explained.break_reasons)
-    # One attention graph per layer (each its own cache tensors) and the router, reshape and residual
-    # graphs every layer shares, between the embedding's and the LM head's.
-    assert explained.graph_count == len(fe.adapter.moe_layers) + 6
+    where = collections.Counter("_LayerExperts.forward" if "_LayerExperts.forward" in str(r.reason)
+                                else "attention" if "function attention at" in str(r.reason) else str(r.reason)
+                                for r in explained.break_reasons)
+    assert set(where) == {"_LayerExperts.forward", "attention"}, where
+    assert where["_LayerExperts.forward"] >= len(fe.adapter.moe_layers)
+    assert where["attention"] >= fe.checkpoint.config.num_hidden_layers
 
 
 def test_a_compile_that_fails_is_logged_once_and_decoding_goes_on_uncompiled(tiny_checkpoint, caplog):

@@ -1,0 +1,170 @@
+"""Decode attention over the batch's cache on a GPU: one query per row, each row's columns chosen by its mask.
+
+A decode pass (batch.py's SlotPass) attends each row's one query over every allocated column of its
+cache row, with a boolean mask [B, 1, 1, W] saying which columns the row uses (causal, a sliding window
+or chunks, as the model's config asks). Through SDPA that ran the memory-efficient kernel: about 55 us
+per layer for Qwen3-30B-A3B at batch 32 on the H200, where the cache's bytes take about 8 us at HBM
+bandwidth (issue 17, decode_step_probe.py), and 49 us at batch 1. Here two Triton kernels
+("flash-decoding"): the first gives each program one row, one key/value head with the query heads that
+share it (GQA), and a slice of the columns, reads the keys and values of the attended columns only (a
+masked-off column's load is predicated off, so it costs no memory traffic) and keeps an online softmax;
+the second merges the slices. The slices are cut so that even one row fills the GPU.
+
+Registered with transformers' AttentionInterface as "kubemoe" (`use`); every other call (prefill, a
+float or no mask, softcap, attention sinks, a tensor off the GPU) goes to transformers' SDPA function
+unchanged. Opaque to TorchDynamo, so a compiled pass (compiled.py) calls the kernels as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+NAME = "kubemoe"
+BLOCK_N = 64  # columns per step of the first kernel
+_PROGRAMS_PER_SM = 2  # split the columns until the first kernel has about this many programs per SM
+
+
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, max_ptr, sum_ptr, W, G, KVH, DK, DV, scale,
+                     cols_per_split, SPLITS, sq_b, sq_h, sk_b, sk_h, sk_w, sv_b, sv_h, sv_w, sm_b, sm_w,
+                     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+        bh, split = tl.program_id(0), tl.program_id(1)
+        b, h = bh // KVH, bh % KVH
+        g, dk, dv = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV)
+        q = tl.load(q_ptr + b.to(tl.int64) * sq_b + (h * G + g)[:, None] * sq_h + dk[None, :],
+                    mask=(g < G)[:, None] & (dk < DK)[None, :], other=0.0)  # [BG, BDK]
+        k_base = k_ptr + b.to(tl.int64) * sk_b + h.to(tl.int64) * sk_h
+        v_base = v_ptr + b.to(tl.int64) * sv_b + h.to(tl.int64) * sv_h
+        high = tl.full((BLOCK_G,), float("-inf"), tl.float32)  # the running maximum score per query head
+        total = tl.zeros((BLOCK_G,), tl.float32)  # sum of exp(score - high)
+        acc = tl.zeros((BLOCK_G, BLOCK_DV), tl.float32)
+        start = split * cols_per_split
+        end = tl.minimum(start + cols_per_split, W)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            live = (n < end) & (tl.load(mask_ptr + b.to(tl.int64) * sm_b + n * sm_w, mask=n < end, other=0) != 0)
+            k = tl.load(k_base + n[:, None].to(tl.int64) * sk_w + dk[None, :], mask=live[:, None] & (dk < DK)[None, :],
+                        other=0.0)  # [BN, BDK]
+            s = tl.dot(q, tl.trans(k)) * scale  # [BG, BN]
+            s = tl.where(live[None, :], s, float("-inf"))
+            new_high = tl.maximum(high, tl.max(s, axis=1))
+            shift = tl.where(new_high == float("-inf"), 0.0, new_high)  # nothing attended yet: exp(-inf) = 0, no NaN
+            p = tl.exp(s - shift[:, None])
+            alpha = tl.exp(high - shift)
+            total = total * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + n[:, None].to(tl.int64) * sv_w + dv[None, :], mask=live[:, None] & (dv < DV)[None, :],
+                        other=0.0)  # [BN, BDV]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            high = new_high
+        at = (bh * SPLITS + split) * BLOCK_G + g
+        tl.store(max_ptr + at, high)
+        tl.store(sum_ptr + at, total)
+        tl.store(part_ptr + at[:, None] * BLOCK_DV + dv[None, :], acc)
+
+    @triton.jit
+    def merge_kernel(part_ptr, max_ptr, sum_ptr, out_ptr, G, KVH, DV, SPLITS, so_b, so_h,
+                     BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr):
+        bh = tl.program_id(0)
+        b, h = bh // KVH, bh % KVH
+        g, dv = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_DV)
+        high = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+        for split in range(0, SPLITS):
+            high = tl.maximum(high, tl.load(max_ptr + (bh * SPLITS + split) * BLOCK_G + g))
+        shift = tl.where(high == float("-inf"), 0.0, high)
+        total = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, BLOCK_DV), tl.float32)
+        for split in range(0, SPLITS):
+            at = (bh * SPLITS + split) * BLOCK_G + g
+            weight = tl.exp(tl.load(max_ptr + at) - shift)  # a slice with no attended column weighs 0
+            total += weight * tl.load(sum_ptr + at)
+            acc += weight[:, None] * tl.load(part_ptr + at[:, None] * BLOCK_DV + dv[None, :])
+        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]  # a row attending nothing gives zeros
+        tl.store(out_ptr + b.to(tl.int64) * so_b + (h * G + g)[:, None] * so_h + dv[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (dv < DV)[None, :])
+
+    return split_kernel, merge_kernel
+
+
+_compiled = None
+
+
+def splits(rows: int, kv_heads: int, width: int, sms: int) -> int:
+    """How many slices of the columns each (row, key/value head) is cut into: enough for about
+    `_PROGRAMS_PER_SM` programs per SM, never a slice shorter than BLOCK_N."""
+    return max(1, min(math.ceil(width / BLOCK_N), math.ceil(_PROGRAMS_PER_SM * sms / (rows * kv_heads))))
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     scale: float, slices: int | None = None) -> torch.Tensor:
+    """query [B, H, 1, Dk], key [B, KVH, W, Dk], value [B, KVH, W, Dv], mask [B, 1, 1, W] bool (True: attend;
+    broadcast strides allowed) -> [B, 1, H, Dv] in the query's dtype: softmax(q k^T * scale) v per row and
+    head over the row's attended columns (zeros for a row that attends none). `slices`: how many slices
+    the columns are cut into, default `splits` for this device."""
+    global _compiled
+    if _compiled is None:
+        _compiled = _kernels()
+    import triton
+
+    split_kernel, merge_kernel = _compiled
+    rows, heads, _, dk = query.shape
+    _, kv_heads, width, dv = value.shape
+    group = heads // kv_heads
+    block_g = max(16, triton.next_power_of_2(group))  # tl.dot takes at least 16 rows
+    block_dk, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    if slices is None:
+        slices = splits(rows, kv_heads, width, torch.cuda.get_device_properties(query.device).multi_processor_count)
+    cut = min(slices, math.ceil(width / BLOCK_N))
+    cols_per_split = math.ceil(math.ceil(width / cut) / BLOCK_N) * BLOCK_N
+    cut = math.ceil(width / cols_per_split)
+    part = torch.empty(rows * kv_heads * cut * block_g, block_dv, dtype=torch.float32, device=query.device)
+    high = torch.empty(rows * kv_heads * cut * block_g, dtype=torch.float32, device=query.device)
+    total = torch.empty_like(high)
+    flags = mask.view(torch.uint8)
+    out = torch.empty(rows, 1, heads, dv, dtype=query.dtype, device=query.device)
+    split_kernel[(rows * kv_heads, cut)](
+        query, key, value, flags, part, high, total, width, group, kv_heads, dk, dv, scale, cols_per_split, cut,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), flags.stride(0), flags.stride(3),
+        BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_DK=block_dk, BLOCK_DV=block_dv, num_warps=4, num_stages=2)
+    merge_kernel[(rows * kv_heads,)](part, high, total, out, group, kv_heads, dv, cut, out.stride(0), out.stride(2),
+                                     BLOCK_G=block_g, BLOCK_DV=block_dv, num_warps=4)
+    return out
+
+
+def _decodes_here(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, kwargs: dict) -> bool:
+    from kubemoe import moe_kernels
+
+    return (query.shape[2] == 1 and mask is not None and mask.dtype == torch.bool and mask.dim() == 4
+            and mask.shape[1] == mask.shape[2] == 1 and query.stride(-1) == key.stride(-1) == 1
+            and kwargs.get("softcap") is None and kwargs.get("s_aux") is None and kwargs.get("position_bias") is None
+            and moe_kernels.available(query.device))
+
+
+@torch.compiler.disable
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+              **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: a decode pass's attention through `decode_attention`,
+    anything else through SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if dropout == 0.0 and value.stride(-1) == 1 and _decodes_here(query, key, attention_mask, kwargs):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return decode_attention(query, key, value, attention_mask, scale), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def use(model: torch.nn.Module) -> None:
+    """Route `model`'s attention through `attention` (registered once per process)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, attention)
+    model.set_attn_implementation(NAME)
