@@ -34,7 +34,8 @@ def _kernels():
     @triton.jit
     def split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, max_ptr, sum_ptr, W, G, KVH, DK, DV, scale,
                      cols_per_split, SPLITS, sq_b, sq_h, sk_b, sk_h, sk_w, sv_b, sv_h, sv_w, sm_b, sm_w,
-                     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+                     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     PRECISION: tl.constexpr):
         bh, split = tl.program_id(0), tl.program_id(1)
         b, h = bh // KVH, bh % KVH
         g, dk, dv = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV)
@@ -52,7 +53,7 @@ def _kernels():
             live = (n < end) & (tl.load(mask_ptr + b.to(tl.int64) * sm_b + n * sm_w, mask=n < end, other=0) != 0)
             k = tl.load(k_base + n[:, None].to(tl.int64) * sk_w + dk[None, :], mask=live[:, None] & (dk < DK)[None, :],
                         other=0.0)  # [BN, BDK]
-            s = tl.dot(q, tl.trans(k)) * scale  # [BG, BN]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BG, BN]
             s = tl.where(live[None, :], s, float("-inf"))
             new_high = tl.maximum(high, tl.max(s, axis=1))
             shift = tl.where(new_high == float("-inf"), 0.0, new_high)  # nothing attended yet: exp(-inf) = 0, no NaN
@@ -61,7 +62,7 @@ def _kernels():
             total = total * alpha + tl.sum(p, axis=1)
             v = tl.load(v_base + n[:, None].to(tl.int64) * sv_w + dv[None, :], mask=live[:, None] & (dv < DV)[None, :],
                         other=0.0)  # [BN, BDV]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             high = new_high
         at = (bh * SPLITS + split) * BLOCK_G + g
         tl.store(max_ptr + at, high)
@@ -132,7 +133,10 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query, key, value, flags, part, high, total, width, group, kv_heads, dk, dv, scale, cols_per_split, cut,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), flags.stride(0), flags.stride(3),
-        BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_DK=block_dk, BLOCK_DV=block_dv, num_warps=4, num_stages=2)
+        BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_DK=block_dk, BLOCK_DV=block_dv, num_warps=4, num_stages=2,
+        # float32 products in float32, not TF32 (Triton's default on tensor cores): a float32 model's decode
+        # must equal its prefill's SDPA, or a token can flip (tests/frontend/test_chunked_prefill.py)
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
     merge_kernel[(rows * kv_heads,)](part, high, total, out, group, kv_heads, dv, cut, out.stride(0), out.stride(2),
                                      BLOCK_G=block_g, BLOCK_DV=block_dv, num_warps=4)
     return out
