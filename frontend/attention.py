@@ -8,7 +8,12 @@ bandwidth (issue 17, decode_step_probe.py), and 49 us at batch 1. Here two Trito
 ("flash-decoding"): the first gives each program one row, one key/value head with the query heads that
 share it (GQA), and a slice of the columns, reads the keys and values of the attended columns only (a
 masked-off column's load is predicated off, so it costs no memory traffic) and keeps an online softmax;
-the second merges the slices. The slices are cut so that even one row fills the GPU.
+the second merges the slices. Slices are SLICE columns from column 0 whatever the batch: a row's result
+then depends on its own query, keys, values and mask only, never on the rows beside it or on how wide
+the cache has grown (a masked column adds exactly nothing, an empty slice merges with weight 0), so a
+sequence decodes the same tokens in any batch (tests/frontend/test_chunked_prefill.py's float32 model
+flipped a token when the slices followed the batch's size). 128 columns give a 512-token prompt at
+batch 1 five slices per head.
 
 Registered with transformers' AttentionInterface as "kubemoe" (`use`); every other call (prefill, a
 float or no mask, softcap, attention sinks, a tensor off the GPU) goes to transformers' SDPA function
@@ -24,7 +29,7 @@ import torch
 
 NAME = "kubemoe"
 BLOCK_N = 64  # columns per step of the first kernel
-_PROGRAMS_PER_SM = 2  # split the columns until the first kernel has about this many programs per SM
+SLICE = 128  # columns per program of the first kernel (a multiple of BLOCK_N)
 
 
 def _kernels():
@@ -96,18 +101,12 @@ def _kernels():
 _compiled = None
 
 
-def splits(rows: int, kv_heads: int, width: int, sms: int) -> int:
-    """How many slices of the columns each (row, key/value head) is cut into: enough for about
-    `_PROGRAMS_PER_SM` programs per SM, never a slice shorter than BLOCK_N."""
-    return max(1, min(math.ceil(width / BLOCK_N), math.ceil(_PROGRAMS_PER_SM * sms / (rows * kv_heads))))
-
-
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     scale: float, slices: int | None = None) -> torch.Tensor:
+                     scale: float, slice_columns: int = SLICE) -> torch.Tensor:
     """query [B, H, 1, Dk], key [B, KVH, W, Dk], value [B, KVH, W, Dv], mask [B, 1, 1, W] bool (True: attend;
     broadcast strides allowed) -> [B, 1, H, Dv] in the query's dtype: softmax(q k^T * scale) v per row and
-    head over the row's attended columns (zeros for a row that attends none). `slices`: how many slices
-    the columns are cut into, default `splits` for this device."""
+    head over the row's attended columns (zeros for a row that attends none). `slice_columns`: columns per
+    slice, a multiple of BLOCK_N."""
     global _compiled
     if _compiled is None:
         _compiled = _kernels()
@@ -119,18 +118,16 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     group = heads // kv_heads
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot takes at least 16 rows
     block_dk, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
-    if slices is None:
-        slices = splits(rows, kv_heads, width, torch.cuda.get_device_properties(query.device).multi_processor_count)
-    cut = min(slices, math.ceil(width / BLOCK_N))
-    cols_per_split = math.ceil(math.ceil(width / cut) / BLOCK_N) * BLOCK_N
-    cut = math.ceil(width / cols_per_split)
+    if slice_columns % BLOCK_N:
+        raise ValueError(f"slices are whole blocks of {BLOCK_N} columns, got {slice_columns}")
+    cut = math.ceil(width / slice_columns)
     part = torch.empty(rows * kv_heads * cut * block_g, block_dv, dtype=torch.float32, device=query.device)
     high = torch.empty(rows * kv_heads * cut * block_g, dtype=torch.float32, device=query.device)
     total = torch.empty_like(high)
     flags = mask.view(torch.uint8)
     out = torch.empty(rows, 1, heads, dv, dtype=query.dtype, device=query.device)
     split_kernel[(rows * kv_heads, cut)](
-        query, key, value, flags, part, high, total, width, group, kv_heads, dk, dv, scale, cols_per_split, cut,
+        query, key, value, flags, part, high, total, width, group, kv_heads, dk, dv, scale, slice_columns, cut,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), flags.stride(0), flags.stride(3),
         BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_DK=block_dk, BLOCK_DV=block_dv, num_warps=4, num_stages=2,

@@ -1,13 +1,13 @@
 """kubemoe's decode attention: its Triton kernels against softmax attention written out in torch, under
 Triton's CPU interpreter (float32 and float16: the interpreter's bfloat16 dot is wrong), GQA groups,
 key and value widths apart (DeepSeek's 192 / 128), columns cut into slices, sliding-window and broadcast
-masks, a row that attends nothing; and on the CPU the attention function is transformers' SDPA."""
+masks, a row that attends nothing, a row's bits the same in any batch; and on the CPU the attention function is transformers' SDPA."""
 
 from __future__ import annotations
 
 import torch
 
-from kubemoe.frontend.attention import BLOCK_N, attention, splits
+from kubemoe.frontend.attention import attention
 
 REFERENCE = """
     import torch
@@ -25,9 +25,9 @@ def test_the_kernels_equal_softmax_attention_under_tritons_interpreter(triton_in
     triton_interpreted(REFERENCE + """
     g = torch.Generator().manual_seed(0)
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
-        # rows, query heads, key/value heads, columns, key and value widths, slices
-        for b, h, kvh, w, dk, dv, slices in ((3, 8, 2, 70, 32, 32, 1), (2, 4, 4, 130, 48, 32, 3),
-                                             (1, 16, 2, 200, 64, 64, 4), (2, 8, 1, 64, 192, 128, 9)):
+        # rows, query heads, key/value heads, columns, key and value widths, columns per slice
+        for b, h, kvh, w, dk, dv, per_slice in ((3, 8, 2, 70, 32, 32, 128), (2, 4, 4, 130, 48, 32, 64),
+                                              (1, 16, 2, 200, 64, 64, 64), (2, 8, 1, 64, 192, 128, 128)):
             q = torch.randn(b, h, 1, dk, generator=g).to(dtype)
             k, v = torch.randn(b, kvh, w, dk, generator=g).to(dtype), torch.randn(b, kvh, w, dv, generator=g).to(dtype)
             at = torch.randint(0, w, (b,), generator=g)
@@ -36,19 +36,33 @@ def test_the_kernels_equal_softmax_attention_under_tritons_interpreter(triton_in
             window[-1] = False  # a row that attends nothing gives zeros
             full = (columns < w - 3).view(1, 1, 1, w).expand(b, 1, 1, w)  # broadcast: stride 0 over rows
             for mask in (window, full):
-                got = decode_attention(q, k, v, mask, dk ** -0.5, slices=slices)
+                got = decode_attention(q, k, v, mask, dk ** -0.5, slice_columns=per_slice)
                 assert got.shape == (b, 1, h, dv) and got.dtype == dtype
                 error = (got.float() - reference(q, k, v, mask, dk ** -0.5)).abs().max().item()
-                assert error < tolerance, (dtype, b, h, kvh, w, dk, dv, slices, error)
+                assert error < tolerance, (dtype, b, h, kvh, w, dk, dv, per_slice, error)
     print("equal")
     """)
 
 
-def test_columns_are_cut_to_fill_the_gpu_in_slices_of_at_least_a_block():
-    assert splits(rows=1, kv_heads=4, width=8192, sms=132) == 66  # 264 programs for one row
-    assert splits(rows=1, kv_heads=4, width=100, sms=132) == 2  # never a slice under BLOCK_N columns
-    assert splits(rows=64, kv_heads=8, width=4096, sms=132) == 1  # 512 programs already
-    assert BLOCK_N == 64
+def test_a_rows_result_does_not_depend_on_its_batch_under_tritons_interpreter(triton_interpreted):
+    """The same sequence decoded alone and in a wider batch whose cache has grown further gives the
+    same bits: what keeps a sequence's tokens the same in any batch."""
+    triton_interpreted("""
+    import torch
+    from kubemoe.frontend.attention import decode_attention
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(1, 8, 1, 32, generator=g), torch.randn(1, 2, 200, 32, generator=g), torch.randn(1, 2, 200, 32, generator=g)
+    alone = decode_attention(q, k, v, (torch.arange(200) < 150).view(1, 1, 1, 200), 0.2)
+    # in a batch of 3 whose cache is 460 columns wide, our row second
+    wide = lambda t: torch.cat([t, torch.randn(1, 2, 260, 32, generator=g)], 2)
+    batch = lambda t: torch.cat([torch.randn(1, *t.shape[1:], generator=g), t, torch.randn(1, *t.shape[1:], generator=g)])
+    kb, vb = batch(wide(k)), batch(wide(v))
+    qb = batch(q)
+    mask = (torch.arange(460) < torch.tensor([[400], [150], [460]])).view(3, 1, 1, 460)
+    together = decode_attention(qb, kb, vb, mask, 0.2)
+    assert torch.equal(together[1:2], alone), (together[1:2] - alone).abs().max()
+    print("equal")
+    """)
 
 
 def test_on_the_cpu_the_attention_function_is_sdpa():
