@@ -164,8 +164,12 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
 
 
 def use(model: torch.nn.Module) -> None:
-    """Route `model`'s attention through `attention` (registered once per process)."""
+    """Route `model`'s attention through `attention`, with the masks transformers makes for SDPA."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(NAME, attention)
+    # Without a mask function of its own name transformers builds no mask at all for a pass, and SDPA
+    # then takes a prompt chunk that continues a cache as causal from column 0 (it crops the keys).
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
     model.set_attn_implementation(NAME)

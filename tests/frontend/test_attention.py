@@ -76,3 +76,33 @@ def test_on_the_cpu_the_attention_function_is_sdpa():
     got, _ = attention(module, q, k, v, mask, scaling=0.25)
     want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
     assert torch.equal(got, want)
+
+
+def test_a_model_on_kubemoes_attention_gets_sdpas_masks():
+    """A left-padded batch and a prompt chunk continuing a cache: the same logits as on transformers' SDPA
+    (with no mask function under kubemoe's name, transformers would build no mask at all)."""
+    from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from kubemoe.frontend.attention import use
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).eval()
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6]])
+    padding = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+
+    def passes():
+        with torch.no_grad():
+            padded = model(ids, attention_mask=padding).logits
+            cache = DynamicCache()
+            model(ids[1:, :4], cache=cache)
+            continued = model(ids[1:, 4:], cache=cache).logits  # a chunk over 4 cached positions
+        return padded, continued
+
+    want = passes()
+    use(model)
+    assert model.config._attn_implementation == "kubemoe"
+    for got, expected in zip(passes(), want):
+        torch.testing.assert_close(got, expected)
