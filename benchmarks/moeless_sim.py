@@ -37,7 +37,7 @@ Policies, re-planned every `window` iterations (the first window is history only
 - kubemoe, as the operator and the dispatcher run it: the scaler on the loads predicted for the
   coming window, the placer (warm replicas from the previous window first, within the operator's
   WARM_SLACK), both knowing the expert curve's knee (no replica for less than a knee of tokens, and
-  a replica queues at least a weight read); per iteration `split` with the predicted tokens, as the
+  a replica queues at least a weight read, plus its tokens' copies); per iteration `split` with the predicted tokens, as the
   dispatcher does it: no replica has tokens in flight when a layer starts, so parts are even.
 - static EP: one replica per expert, round-robin, never changes.
 - EPLB: `rebalance_experts` on observed loads, with as many redundant slots per layer as kubemoe
@@ -430,7 +430,7 @@ def simulate(layout: Layout, trace: np.ndarray, sim: SimConfig, seed: int, redun
             predicted_now = np.where(np.isnan(told), now, told)
         replicas = scale(predicted_window.tolist(), layout.expert_bytes, sim.cv, None, layout.max_per_expert, knee)
         placement = place(replicas, predicted_window.tolist(), gpus, layout.expert_bytes, warm, sim.warm_slack,
-                          min_replica_load=knee)
+                          min_replica_load=knee, wire_cost=model.wire_cost)
         warm = placement.locations()
         results["kubemoe"]["warm_reused"] += placement.warm_reused
         results["kubemoe"]["unplaced"] += len(placement.unplaced)
