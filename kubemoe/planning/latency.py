@@ -68,6 +68,14 @@ class LatencyModel:
     def beta_s_per_token(self) -> float:
         return 2 * self.token_bytes / self.copy_bytes_per_s  # there and back
 
+    @property
+    def wire_cost(self) -> float:
+        """A token's copies as a fraction of its FFN time above the knee (the placer's `wire_cost`):
+        a GPU's time in a layer, less the call's fixed cost, is sum_r(max(knee, t_r) + wire_cost x t_r)
+        tokens of FFN time. 1.2 for a Mixtral expert on the H200: below the knee the wire is all
+        that tokens cost."""
+        return self.beta_s_per_token * self.curve.flops_per_s / self.curve.flops_per_token
+
     def replica_seconds(self, replica_tokens):
         """A replica's own time for its tokens (FFN, wire, its call's fixed cost); 0 without tokens. Any shape."""
         tokens = np.asarray(replica_tokens, dtype=np.float64)

@@ -20,7 +20,11 @@ A replica counts in its GPU's queue for at least `min_replica_load` when it has 
 expert curve's knee in the loads' unit (`latency.ExpertCurve.knee_tokens`), because below it the
 FFN reads the whole expert's weights whatever its tokens. Counting tokens alone would stack many
 lightly loaded replicas on one GPU, which then reads all their weights one after another: at
-decode-sized loads the slowest GPU of the layer.
+decode-sized loads the slowest GPU of the layer. Each unit of load also counts `wire_cost` more: its
+hidden states' copies to the GPU and back (`latency.LatencyModel.wire_cost`), which below the knee
+are what its tokens cost. Without it every replica under the knee weighs the same in the queues, so
+two nearly-knee-sized replicas may share a GPU while another pairs two idle ones (on the trained
+model's recorded decode loads at 8 GPUs, 2 replicas a GPU: 6% of the simulated MoE-layer time).
 
 `warm_serving` (optional) names the warm replicas that serve now, as opposed to ones only kept warm
 (the operator's retired services): among an expert's warm GPUs a serving one is taken unless another
@@ -60,7 +64,7 @@ class Placement:
 
     gpu_of: Mapping[ReplicaKey, str]            # replica -> GPU id
     replica_load: Mapping[ReplicaKey, float]    # its share of the expert's load
-    gpu_load: Mapping[str, float]               # GPU id -> queued load over every layer (min_replica_load each at least)
+    gpu_load: Mapping[str, float]               # GPU id -> queued load over every layer (see `cost` in place)
     gpu_memory: Mapping[str, int]               # GPU id -> bytes its replicas use (and held warm ones)
     unplaced: tuple[ReplicaKey, ...] = ()       # replicas no GPU had memory for
     warm_reused: int = 0
@@ -79,7 +83,7 @@ class Placement:
 def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], gpus: Sequence[GPU],
           expert_bytes: int, warm_previous: Mapping[ExpertKey, Sequence[str]] | None = None,
           warm_slack: float = math.inf, warm_held: bool = False, min_replica_load: float = 0.0,
-          warm_serving: Mapping[ExpertKey, Sequence[str]] | None = None) -> Placement:
+          warm_serving: Mapping[ExpertKey, Sequence[str]] | None = None, wire_cost: float = 0.0) -> Placement:
     """replicas [L][E] and loads [L][E] -> a Placement over `gpus`.
 
     `warm_previous` names a GPU once per warm replica of the expert there (a GPU may hold several);
@@ -91,6 +95,8 @@ def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], g
         raise ValueError(f"expert_bytes must be positive, got {expert_bytes}")
     if not min_replica_load >= 0:
         raise ValueError(f"min_replica_load must be >= 0 (0: queues count tokens only), got {min_replica_load}")
+    if not wire_cost >= 0:
+        raise ValueError(f"wire_cost must be >= 0 (0: queues count the FFN only), got {wire_cost}")
     if not warm_slack >= 0:
         raise ValueError(f"warm_slack must be >= 0 (inf: always reuse warm replicas), got {warm_slack}")
     if len({g.id for g in gpus}) != len(gpus):
@@ -123,7 +129,8 @@ def place(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]], g
         hosts: dict[int, set[str]] = {}
         for load, expert, index in order:
             key = (layer, expert, index)
-            cost = max(load, min_replica_load) if load > 0 else 0.0  # what it adds to its GPU's queue
+            # What it adds to its GPU's queue: at least a weight read, plus its tokens' copies.
+            cost = max(load, min_replica_load) + wire_cost * load if load > 0 else 0.0
             taken = hosts.setdefault(expert, set())
             needs_own = index == 0 and not (warm_held and warm.get((layer, expert)))
             # Warm GPUs not yet holding this expert first; one that does only when nothing else has room.

@@ -24,3 +24,14 @@ def test_layer_time_is_the_slowest_gpu_and_replicas_on_one_gpu_queue():
     assert held_byte_seconds(6, [1.0, 2.0]).tolist() == [6.0, 12.0]
     with_wire = LatencyModel(CURVE, token_bytes=8192)
     assert with_wire.beta_s_per_token == pytest.approx(2 * 8192 / 23e9)
+
+
+def test_wire_cost_puts_a_gpus_time_in_tokens_of_ffn_time_as_the_placer_queues_it():
+    model = LatencyModel(CURVE, token_bytes=4096 * 2)
+    assert model.wire_cost == pytest.approx(1.21, abs=0.01)  # Mixtral on the H200: the copies outweigh the FLOPs
+    per_token = CURVE.flops_per_token / CURVE.flops_per_s
+    knee = CURVE.weight_read_s / per_token
+    tokens = np.array([[3, 150, 220, 900, 0]])
+    [[busy]] = model.gpu_seconds([0] * 5, tokens, 1) - model.call_overhead_s
+    queued = sum(max(knee, t) + model.wire_cost * t for t in tokens[0] if t > 0)
+    assert busy == pytest.approx(queued * per_token)

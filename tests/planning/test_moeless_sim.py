@@ -90,3 +90,17 @@ def test_a_small_run_plans_every_window_without_losing_tokens(sim):
     assert (row["eplb_rebalances"], row["eplb_window_rebalances"]) == (1, 2)  # every 20 iterations, every window
     assert row["kubemoe_unplaced"] == 0 and row["kubemoe_replicas_per_layer"] > layout.experts
     assert sum(b["iterations"] for b in row["by_tokens"]) == 20
+
+
+def test_kubemoe_places_with_the_latency_models_knee_and_wire(sim, monkeypatch):
+    from kubemoe.planning.latency import ExpertCurve, LatencyModel
+    from kubemoe.planning.placer import place
+
+    layout = replace(sim.MIXTRAL_8, layers=2)
+    model = LatencyModel(ExpertCurve(layout.expert_bytes, layout.flops_per_token), layout.token_bytes)
+    seen = []
+    monkeypatch.setattr(sim, "place", lambda *args, **kwargs: seen.append(kwargs) or place(*args, **kwargs))
+    trace = sim.generate_trace(layout, "decode", 20, sim.TraceShape(), seed=2)
+    sim.simulate(layout, trace, sim.SimConfig(window=10, history=10, eplb_every=20), seed=0)
+    assert seen and all(k["min_replica_load"] == model.curve.knee_tokens and k["wire_cost"] == model.wire_cost
+                        for k in seen)

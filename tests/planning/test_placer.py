@@ -1,6 +1,9 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pytest
+
+from kubemoe.planning.latency import MIXTRAL_EXPERT_BYTES, MIXTRAL_FLOPS_PER_TOKEN, ExpertCurve, LatencyModel
 from kubemoe.planning.placer import GPU, place
 
 MIB = 2**20
@@ -56,6 +59,28 @@ def test_lightly_loaded_replicas_count_as_a_weight_read_each():
     by_reads = place([[1, 1, 1, 1]], loads, gpus(2), MIB, min_replica_load=64)
     assert sorted(list(by_reads.gpu_of.values()).count(g) for g in ("g0", "g1")) == [2, 2]
     assert by_reads.replica_load[(0, 1, 0)] == 10.0 and by_reads.gpu_load == {"g0": 128.0, "g1": 128.0}
+
+
+def test_under_the_knee_a_replicas_tokens_still_count_through_the_wire():
+    # Three nearly-knee-sized experts and three light ones on 3 GPUs, a knee of 221 tokens (Mixtral
+    # on the H200). Every replica weighs one weight read, so without the wire the light ones go by
+    # GPU id and the heaviest gets the heaviest partner; the copies put each light one beside the
+    # lighter heavy one, which is the shorter GPU in time.
+    model = LatencyModel(ExpertCurve(MIXTRAL_EXPERT_BYTES, MIXTRAL_FLOPS_PER_TOKEN), token_bytes=4096 * 2)
+    knee, tokens = model.curve.knee_tokens, [200.0, 190.0, 180.0, 10.0, 5.0, 1.0]
+    reads_only = place([[1] * 6], [tokens], gpus(3), MIB, min_replica_load=knee)
+    with_wire = place([[1] * 6], [tokens], gpus(3), MIB, min_replica_load=knee, wire_cost=model.wire_cost)
+    assert reads_only.gpu_of[(0, 3, 0)] == reads_only.gpu_of[(0, 0, 0)]  # 10 tokens beside 200
+    pairs = {with_wire.gpu_of[(0, light, 0)]: with_wire.gpu_of[(0, heavy, 0)] for light, heavy in ((3, 2), (4, 1), (5, 0))}
+    assert all(a == b for a, b in pairs.items())
+
+    def layer_seconds(p):
+        on = [int(p.gpu_of[(0, e, 0)][1:]) for e in range(6)]
+        return model.layer_seconds(on, [tokens])[0]
+
+    assert layer_seconds(with_wire) < layer_seconds(reads_only)
+    with pytest.raises(ValueError, match="wire_cost"):
+        place([[1]], [[1.0]], gpus(1), MIB, wire_cost=-1)
 
 
 def test_what_does_not_fit_is_reported_and_scale_out_gives_way_to_every_experts_first_replica():

@@ -33,6 +33,31 @@ def test_no_replica_is_added_below_the_curves_knee():
     assert scale([[900, 100]], MIB, 0.0, None, 8, min_replica_load=200) == [[4, 1]]  # 225 each, not 180
 
 
+def test_past_a_capped_straggler_the_other_experts_are_split_down_to_the_knee():
+    # [1600, 700, 700], at most 2 replicas an expert: the hottest is capped at 800 a replica while
+    # the CV is still 0.37. Parts of 350 are above a knee of 300, so the others are split too
+    # (finer parts for the placer to even out the GPUs); above a knee of 400 they are not.
+    assert scale([[1600, 700, 700]], MIB, 0.0, None, 2, min_replica_load=300) == [[2, 2, 2]]
+    assert scale([[1600, 700, 700]], MIB, 0.0, None, 2, min_replica_load=400) == [[2, 1, 1]]
+    # Without a knee, nothing says a part is worth a replica: the capped straggler ends the layer.
+    assert scale([[1600, 700, 700]], MIB, 0.0, None, 2) == [[2, 1, 1]]
+    # The hottest per replica (220: a next part of 110) is under the knee, the other's next part is not.
+    assert scale([[220, 600]], MIB, 0.0, None, 8, min_replica_load=150) == [[1, 4]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(loads=st.lists(layer_loads, min_size=1, max_size=4), threshold=st.floats(0, 1.5),
+       max_per_expert=st.integers(1, 12), knee=st.floats(1, 2e3))
+def test_with_a_knee_the_scaler_stops_only_when_no_expert_can_take_a_useful_replica(loads, threshold, max_per_expert,
+                                                                                   knee):
+    for row, counts in zip(loads, scale(loads, MIB, threshold, None, max_per_expert, min_replica_load=knee)):
+        assert all(1 <= c <= max_per_expert for c in counts)
+        # Every added replica's part is at least the knee.
+        assert all(c == 1 or row[e] / c >= knee * (1 - 1e-9) for e, c in enumerate(counts))
+        if layer_cv(row, counts) > threshold + 1e-9:
+            assert all(c == max_per_expert or row[e] / (c + 1) < knee for e, c in enumerate(counts))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"expert_bytes": 0}, "expert_bytes"), ({"cv_threshold": -1}, "cv_threshold"),
     ({"max_per_expert": 0}, "max_per_expert"), ({"layer_memory_cap": 0}, "layer_memory_cap"),
