@@ -143,7 +143,7 @@ def _decodes_here(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | N
     from kubemoe import moe_kernels
 
     return (query.shape[2] == 1 and mask is not None and mask.dtype == torch.bool and mask.dim() == 4
-            and mask.shape[1] == mask.shape[2] == 1 and query.stride(-1) == key.stride(-1) == 1
+            and mask.shape == (query.shape[0], 1, 1, key.shape[2]) and query.stride(-1) == key.stride(-1) == 1
             and kwargs.get("softcap") is None and kwargs.get("s_aux") is None and kwargs.get("position_bias") is None
             and moe_kernels.available(query.device))
 

@@ -106,3 +106,19 @@ def test_a_model_on_kubemoes_attention_gets_sdpas_masks():
     assert model.config._attn_implementation == "kubemoe"
     for got, expected in zip(passes(), want):
         torch.testing.assert_close(got, expected)
+
+
+def test_only_a_one_query_pass_with_a_boolean_mask_per_row_takes_the_kernel(monkeypatch):
+    from kubemoe import moe_kernels
+    from kubemoe.frontend.attention import _decodes_here
+
+    monkeypatch.setattr(moe_kernels, "available", lambda device: True)  # as on a GPU
+    q, k = torch.randn(3, 8, 1, 16), torch.randn(3, 2, 40, 16)
+    rows = torch.ones(3, 1, 1, 40, dtype=torch.bool)
+    assert _decodes_here(q, k, rows, {})
+    assert not _decodes_here(q.expand(3, 8, 2, 16), k, rows, {})  # two queries a row: a prompt chunk
+    assert not _decodes_here(q, k, None, {})
+    assert not _decodes_here(q, k, torch.zeros(3, 1, 1, 40), {})  # an additive float mask
+    assert not _decodes_here(q, k, rows[:1], {})  # one mask row for the batch: its stride would be read per row
+    assert not _decodes_here(q, k, rows[..., :39], {})  # a mask narrower than the cache
+    assert not _decodes_here(q, k, rows, {"softcap": 30.0})
