@@ -20,6 +20,14 @@ predicted next layer to prefetch while the copy engine would otherwise idle. The
    next layer's on-demand copies).
 6. Window extension: when the window asks no prefetch of the next layer (all that is worth the GPU is
    resident), the window grows to the layer after it, and so on while predictions reach.
+7. Filling the idle copies (kubemoe's addition; `fill_idle_copies`): when f exceeds the GPU queue's
+   prefetches, the rest of the f copies take the window's other predicted missing experts, in step 1's
+   order. Step 2 charges a moved expert t_io on the GPU side, but a copy inside the idle window delays
+   no GPU work: a right prediction turns a CPU expert (t_c) into a hit (t_g), a wrong one costs copy
+   time the engine would have idled (by step 5's estimate). On the generated routing of
+   benchmarks/offload_sim.py this is most of what separated PreSched from HybriMoE's fixed two
+   prefetches at Qwen3-30B-A3B sizes and small batches, where the queue fills with this layer's
+   one-token experts before any of the next layer's.
 
 The sums in step 2 and the makespan in steps 4-5 are the paper's estimate (transfers and compute added,
 not overlapped); pipeline.py times the overlap.
@@ -56,10 +64,10 @@ class PreSched:
     name = "kubemoe"
     clairvoyant = False
 
-    def __init__(self, xi: float = 0.5, extend_window: bool = True):
+    def __init__(self, xi: float = 0.5, extend_window: bool = True, fill_idle_copies: bool = True):
         if not 0 <= xi <= 1:
             raise ValueError(f"xi must be in [0, 1], got {xi}")
-        self.xi, self.extend_window = xi, extend_window
+        self.xi, self.extend_window, self.fill_idle_copies = xi, extend_window, fill_idle_copies
 
     def schedule(self, demand: LayerDemand, costs: ExpertCosts) -> Schedule:
         depth = min(1, len(demand.ahead))
@@ -75,6 +83,10 @@ class PreSched:
         times = spans[k]
         f = prefetch_count(times.makespan - times.copies + demand.t_attn, costs.t_io, self.xi)
         count = int(min(f, demand.prefetch_slots))  # f is infinite where copies are free
+        if self.fill_idle_copies and count > len(prefetchable):
+            # Step 7: the copies the queue leaves idle go to the window's other predicted experts.
+            queued = set(prefetchable)
+            prefetchable += [c for c in self.candidates(demand, depth) if c.offset > 0 and c not in queued]
         prefetch = [(demand.layer + c.offset, c.expert) for c in prefetchable[:count]]
         return Schedule.from_split(demand, [e for e, _ in demand.missing()[:k]], prefetch)
 

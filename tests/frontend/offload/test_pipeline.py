@@ -72,6 +72,17 @@ def test_a_wrong_prefetch_delays_the_next_on_demand_copy(profile):
     assert stats.seconds == 7.5 and stats.prefetched == 1 and stats.prefetch_used == 0
 
 
+def test_presched_fills_the_idle_copy_engine_with_a_predicted_expert(profile):
+    # Layer 0: attn 0 -> 1; loads e0 1 -> 3 (compute 3 -> 3.5), e1 3 -> 5 (5 -> 5.5). The queue left layer 1's
+    # predicted e2 on the CPU side, but f = 1 copy fits: prefetch (1, e2) 5 -> 7.
+    # Layer 1: attn 5.5 -> 6.5; e2 lands at 7, computes 7 -> 7.5. Without the fill e2 runs on the CPU 6.5 -> 8.5.
+    trace = step(({0: 6, 1: 5}, {}), ({2: 1}, {2: 1}))
+    stats = run(PreSched(), trace, profile)
+    assert stats.seconds == 7.5 and stats.prefetch_used == 1 and stats.cpu_tokens == 0
+    bare = run(PreSched(fill_idle_copies=False), trace, profile)
+    assert bare.seconds == 8.5 and bare.prefetched == 0 and bare.cpu_tokens == 1
+
+
 def test_the_oracle_sees_the_actual_routing(profile):
     # Layer 0 {0: 1}: CPU (span 2 < 2.5), 1 -> 3. Layer 1's actual {1: 5} is best loaded (span 2.5 vs 6), so
     # the oracle prefetches it though the prediction said e2: copy 1 -> 3. Layer 1: attn 3 -> 4, compute 4 -> 4.5.

@@ -96,6 +96,27 @@ def test_window_extends_when_the_next_layer_needs_no_prefetch(make_demand, costs
     assert PreSched(extend_window=False).schedule(demand, costs).prefetch == ()
 
 
+@pytest.mark.parametrize(("t_attn", "filled", "bare"), [
+    (1.0, ((1, 3),), ((1, 3),)),  # f = 1: the queue's own prefetch uses it
+    (3.0, ((1, 3), (1, 2)), ((1, 3),)),  # f = 2: the second copy would idle without step 7
+])
+def test_idle_copies_go_to_the_window_s_other_predicted_experts(make_demand, costs, t_attn, filled, bare):
+    # Sorted: (this e0, 6) (this e1, 5) (next e3, 3) (next e2, 1). T_C = 7 + 6 + 4 + 2 = 19, T_G = 0.
+    # e0 moves (2.5, 12), e1 (5, 6), e3 (7.5, 2); stop: prefetchable [e3], e2 stays on the CPU side.
+    # k = 2: span(2) = max(5, 0) = 5 < span(1) = 6. T_gap = 5 - 2 x 2 = 1; f = (1 + t_attn) / 2.
+    demand = make_demand({0: 6, 1: 5}, ahead=[{2: 1, 3: 3}], t_attn=t_attn)
+    assert PreSched().schedule(demand, costs).prefetch == filled
+    assert PreSched(fill_idle_copies=False).schedule(demand, costs).prefetch == bare
+
+
+def test_idle_copies_are_filled_when_the_queue_prefetches_nothing(make_demand, costs):
+    # Sorted: (this e0, 6) (this e1, 5) (next e2, 1). T_C = 7 + 6 + 2 = 15: e0 moves (2.5, 8), e1 (5, 2); stop.
+    # The queue holds no next-layer expert; k = 2, T_gap = 5 - 4 = 1, f = (1 + 1) / 2 = 1: one copy is idle.
+    demand = make_demand({0: 6, 1: 5}, ahead=[{2: 1}])
+    assert PreSched().schedule(demand, costs).prefetch == ((1, 2),)
+    assert PreSched(fill_idle_copies=False).schedule(demand, costs).prefetch == ()
+
+
 def test_invalid_xi():
     with pytest.raises(ValueError, match="xi"):
         PreSched(xi=1.5)
