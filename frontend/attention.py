@@ -8,12 +8,11 @@ bandwidth (issue 17, decode_step_probe.py), and 49 us at batch 1. Here two Trito
 ("flash-decoding"): the first gives each program one row, one key/value head with the query heads that
 share it (GQA), and a slice of the columns, reads the keys and values of the attended columns only (a
 masked-off column's load is predicated off, so it costs no memory traffic) and keeps an online softmax;
-the second merges the slices. Slices are SLICE columns from column 0 whatever the batch: a row's result
-then depends on its own query, keys, values and mask only, never on the rows beside it or on how wide
-the cache has grown (a masked column adds exactly nothing, an empty slice merges with weight 0), so a
-sequence decodes the same tokens in any batch (tests/frontend/test_chunked_prefill.py's float32 model
-flipped a token when the slices followed the batch's size). 128 columns give a 512-token prompt at
-batch 1 five slices per head.
+the second, a program per query head, merges them MERGE_SLICES at a time. Slices are SLICE columns
+from column 0 whatever the batch: a row's result then depends on its own query, keys, values and mask
+only, never on the rows beside it or on how wide the cache has grown (a masked column adds exactly
+nothing, an empty slice merges with weight 0), so a sequence decodes the same bits in any batch.
+128 columns give a 512-token prompt at batch 1 five slices per head.
 
 Registered with transformers' AttentionInterface as "kubemoe" (`use`); every other call (prefill, a
 float or no mask, softcap, attention sinks, a tensor off the GPU) goes to transformers' SDPA function
@@ -30,6 +29,7 @@ import torch
 NAME = "kubemoe"
 BLOCK_N = 64  # columns per step of the first kernel
 SLICE = 128  # columns per program of the first kernel (a multiple of BLOCK_N)
+MERGE_SLICES = 16  # slices the second kernel loads at once (2048 columns)
 
 
 def _kernels():
@@ -76,24 +76,31 @@ def _kernels():
 
     @triton.jit
     def merge_kernel(part_ptr, max_ptr, sum_ptr, out_ptr, G, KVH, DV, SPLITS, so_b, so_h,
-                     BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr):
-        bh = tl.program_id(0)
+                     BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+        # One program per query head, BLOCK_S slices loaded at once (one round of loads up to BLOCK_S
+        # slices: a slice after another took 11.5 us a call at batch 1 on the H200, 1355903).
+        bh, g = tl.program_id(0), tl.program_id(1)
         b, h = bh // KVH, bh % KVH
-        g, dv = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_DV)
-        high = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-        for split in range(0, SPLITS):
-            high = tl.maximum(high, tl.load(max_ptr + (bh * SPLITS + split) * BLOCK_G + g))
-        shift = tl.where(high == float("-inf"), 0.0, high)
-        total = tl.zeros((BLOCK_G,), tl.float32)
-        acc = tl.zeros((BLOCK_G, BLOCK_DV), tl.float32)
-        for split in range(0, SPLITS):
+        dv = tl.arange(0, BLOCK_DV)
+        high = tl.max(tl.full((BLOCK_S,), float("-inf"), tl.float32), axis=0)
+        total = tl.sum(tl.zeros((BLOCK_S,), tl.float32), axis=0)
+        acc = tl.zeros((BLOCK_DV,), tl.float32)
+        for s0 in range(0, SPLITS, BLOCK_S):
+            split = s0 + tl.arange(0, BLOCK_S)
+            live = split < SPLITS
             at = (bh * SPLITS + split) * BLOCK_G + g
-            weight = tl.exp(tl.load(max_ptr + at) - shift)  # a slice with no attended column weighs 0
-            total += weight * tl.load(sum_ptr + at)
-            acc += weight[:, None] * tl.load(part_ptr + at[:, None] * BLOCK_DV + dv[None, :])
-        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]  # a row attending nothing gives zeros
-        tl.store(out_ptr + b.to(tl.int64) * so_b + (h * G + g)[:, None] * so_h + dv[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (dv < DV)[None, :])
+            m = tl.load(max_ptr + at, mask=live, other=float("-inf"))
+            new_high = tl.maximum(high, tl.max(m, axis=0))
+            shift = tl.where(new_high == float("-inf"), 0.0, new_high)
+            weight = tl.exp(m - shift)  # a slice with no attended column weighs 0
+            alpha = tl.exp(high - shift)
+            total = total * alpha + tl.sum(weight * tl.load(sum_ptr + at, mask=live, other=0.0), axis=0)
+            part = tl.load(part_ptr + at[:, None] * BLOCK_DV + dv[None, :], mask=live[:, None], other=0.0)
+            acc = acc * alpha + tl.sum(weight[:, None] * part, axis=0)
+            high = new_high
+        out = acc / tl.where(total == 0.0, 1.0, total)  # a row attending nothing gives zeros
+        tl.store(out_ptr + b.to(tl.int64) * so_b + (h * G + g) * so_h + dv, out.to(out_ptr.dtype.element_ty),
+                 mask=dv < DV)
 
     return split_kernel, merge_kernel
 
@@ -134,8 +141,9 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         # float32 products in float32, not TF32 (Triton's default on tensor cores): a float32 model's decode
         # must equal its prefill's SDPA, or a token can flip (tests/frontend/test_chunked_prefill.py)
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
-    merge_kernel[(rows * kv_heads,)](part, high, total, out, group, kv_heads, dv, cut, out.stride(0), out.stride(2),
-                                     BLOCK_G=block_g, BLOCK_DV=block_dv, num_warps=4)
+    merge_kernel[(rows * kv_heads, group)](part, high, total, out, group, kv_heads, dv, cut, out.stride(0),
+                                           out.stride(2), BLOCK_G=block_g, BLOCK_DV=block_dv, BLOCK_S=MERGE_SLICES,
+                                           num_warps=4)
     return out
 
 

@@ -27,7 +27,8 @@ def test_the_kernels_equal_softmax_attention_under_tritons_interpreter(triton_in
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         # rows, query heads, key/value heads, columns, key and value widths, columns per slice
         for b, h, kvh, w, dk, dv, per_slice in ((3, 8, 2, 70, 32, 32, 128), (2, 4, 4, 130, 48, 32, 64),
-                                              (1, 16, 2, 200, 64, 64, 64), (2, 8, 1, 64, 192, 128, 128)):
+                                              (1, 16, 2, 200, 64, 64, 64), (2, 8, 1, 64, 192, 128, 128),
+                                              (1, 4, 2, 1100, 32, 32, 64)):  # 18 slices: two rounds of the merge
             q = torch.randn(b, h, 1, dk, generator=g).to(dtype)
             k, v = torch.randn(b, kvh, w, dk, generator=g).to(dtype), torch.randn(b, kvh, w, dv, generator=g).to(dtype)
             at = torch.randint(0, w, (b,), generator=g)
@@ -35,7 +36,9 @@ def test_the_kernels_equal_softmax_attention_under_tritons_interpreter(triton_in
             window = ((columns[None, :] <= at[:, None]) & (columns[None, :] > at[:, None] - 50)).view(b, 1, 1, w)
             window[-1] = False  # a row that attends nothing gives zeros
             full = (columns < w - 3).view(1, 1, 1, w).expand(b, 1, 1, w)  # broadcast: stride 0 over rows
-            for mask in (window, full):
+            # one early column and the last 100: the later slices hold the largest scores
+            ends = ((columns == 5) | (columns >= w - 100)).view(1, 1, 1, w).expand(b, 1, 1, w)
+            for mask in (window, full, ends):
                 got = decode_attention(q, k, v, mask, dk ** -0.5, slice_columns=per_slice)
                 assert got.shape == (b, 1, h, dv) and got.dtype == dtype
                 error = (got.float() - reference(q, k, v, mask, dk ** -0.5)).abs().max().item()

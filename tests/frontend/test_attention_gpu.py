@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("heads,kv_heads,dk,dv", [(32, 8, 128, 128), (32, 4, 128, 128), (16, 16, 192, 128)])
-@pytest.mark.parametrize("rows,width", [(1, 700), (32, 640), (5, 64)])
+@pytest.mark.parametrize("rows,width", [(1, 700), (32, 640), (5, 64), (2, 4000)])  # 4000: two merge rounds
 @pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])  # float32: no TF32
 def test_decode_attention_equals_sdpa(heads, kv_heads, dk, dv, rows, width, dtype, tolerance):
     g = torch.Generator(device="cuda").manual_seed(rows + width + dk)
