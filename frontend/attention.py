@@ -21,10 +21,13 @@ unchanged. Opaque to TorchDynamo, so a compiled pass (compiled.py) calls the ker
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
+
+from kubemoe import moe_kernels
 
 NAME = "kubemoe"
 BLOCK_N = 64  # columns per step of the first kernel
@@ -32,6 +35,7 @@ SLICE = 128  # columns per program of the first kernel (a multiple of BLOCK_N)
 MERGE_SLICES = 16  # slices the second kernel loads at once (2048 columns)
 
 
+@functools.cache
 def _kernels():
     import triton
     import triton.language as tl
@@ -105,8 +109,6 @@ def _kernels():
     return split_kernel, merge_kernel
 
 
-_compiled = None
-
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                      scale: float, slice_columns: int = SLICE) -> torch.Tensor:
@@ -114,12 +116,9 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     broadcast strides allowed) -> [B, 1, H, Dv] in the query's dtype: softmax(q k^T * scale) v per row and
     head over the row's attended columns (zeros for a row that attends none). `slice_columns`: columns per
     slice, a multiple of BLOCK_N."""
-    global _compiled
-    if _compiled is None:
-        _compiled = _kernels()
     import triton
 
-    split_kernel, merge_kernel = _compiled
+    split_kernel, merge_kernel = _kernels()
     rows, heads, _, dk = query.shape
     _, kv_heads, width, dv = value.shape
     group = heads // kv_heads
@@ -148,8 +147,6 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def _decodes_here(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, kwargs: dict) -> bool:
-    from kubemoe import moe_kernels
-
     return (query.shape[2] == 1 and mask is not None and mask.dtype == torch.bool and mask.dim() == 4
             and mask.shape == (query.shape[0], 1, 1, key.shape[2]) and query.stride(-1) == key.stride(-1) == 1
             and kwargs.get("softcap") is None and kwargs.get("s_aux") is None and kwargs.get("position_bias") is None

@@ -16,9 +16,12 @@ pass that TorchDynamo compiles (where Inductor fuses the norm itself), the modul
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
+
+from kubemoe import moe_kernels
 
 # transformers' RMSNorm classes whose forward is: float32, x * rsqrt(mean(x^2) + eps), back to the input's
 # dtype, weight * that.
@@ -26,6 +29,7 @@ LLAMA_FORMULA = frozenset({"MixtralRMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm
                            "DeepseekV3RMSNorm", "OlmoeRMSNorm", "Glm4MoeRMSNorm"})
 
 
+@functools.cache
 def _kernel():
     import triton
     import triton.language as tl
@@ -45,14 +49,9 @@ def _kernel():
     return rms_norm_kernel
 
 
-_compiled = None
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., N], weight [N] -> weight * (x / rms(x)) as the LLAMA_FORMULA classes compute it, in one kernel."""
-    global _compiled
-    if _compiled is None:
-        _compiled = _kernel()
     import triton
 
     n = x.shape[-1]
@@ -61,14 +60,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if rows.shape[0]:
-        _compiled[(rows.shape[0],)](rows, weight, out, n, rows.stride(0), out.stride(0), eps,
+        _kernel()[(rows.shape[0],)](rows, weight, out, n, rows.stride(0), out.stride(0), eps,
                                     BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 2048 else 8)
     return out.view(*x.shape[:-1], n)
 
 
 def _fused_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    from kubemoe import moe_kernels
-
     if moe_kernels.available(hidden_states.device) and not torch.compiler.is_compiling():
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
     return type(self).forward(self, hidden_states)

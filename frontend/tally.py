@@ -14,10 +14,12 @@ Shapes: L = layers counted, E = experts, T = rows, K = choices per row.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
 
+from kubemoe import moe_kernels
 from kubemoe.frontend.predictor_train import row_hits
 
 
@@ -27,7 +29,7 @@ def count_rows(index: torch.Tensor, rows: torch.Tensor | None, counts: torch.Ten
     device scalar): counts[e] += the pairs that chose e ([E] int64), and hits += the pairs whose
     expert is also in the same row of `against` [T, K'] ([] int64). Experts within one row of either
     are distinct. Never waits for the device: on a GPU one kernel, elsewhere a few torch ops."""
-    if index.is_cuda and _triton_available():
+    if moe_kernels.available(index.device):
         _count_rows_kernel(index, rows, counts, against, hits)
         return
     live = None if rows is None else torch.arange(index.shape[0], device=index.device) < rows  # [T]
@@ -92,27 +94,7 @@ class DeviceTally:
                 self._record(layer, [(e, n) for e, n in enumerate(row) if n])
 
 
-_available: bool | None = None
-
-
-def _triton_available() -> bool:
-    global _available
-    if _available is None:
-        try:
-            import triton  # noqa: F401
-            _available = True
-        except ImportError:
-            _available = False
-    return _available
-
-
-_kernel = None
-
-
 def _count_rows_kernel(index, rows, counts, against, hits) -> None:
-    global _kernel
-    if _kernel is None:
-        _kernel = _make_kernel()
     import triton
 
     t, k = index.shape
@@ -120,12 +102,13 @@ def _count_rows_kernel(index, rows, counts, against, hits) -> None:
     against_ = index if against is None else against.contiguous()
     # A pointer the kernel never reads stands in for an absent argument (the COUNT/SCORE flags say which)
     block = 256  # one size for every row count: a kernel compiled once, not once per bucket
-    _kernel[(triton.cdiv(t, block),)](index, index if rows is None else rows, index if counts is None else counts,
-                                      against_, index if hits is None else hits, t,
-                                      K=k, A=against_.shape[1], LIMIT=rows is not None, COUNT=counts is not None,
-                                      SCORE=against is not None and hits is not None, BLOCK_T=block)
+    _make_kernel()[(triton.cdiv(t, block),)](
+        index, index if rows is None else rows, index if counts is None else counts, against_,
+        index if hits is None else hits, t, K=k, A=against_.shape[1], LIMIT=rows is not None,
+        COUNT=counts is not None, SCORE=against is not None and hits is not None, BLOCK_T=block)
 
 
+@functools.cache
 def _make_kernel():
     import triton
     import triton.language as tl

@@ -16,11 +16,14 @@ E = experts. Weights stay in their stored layout [E, N, K] (row n of expert e is
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 GROUPED_SMALL_ROWS = 256  # at most this many rows: this kernel; more: torch's grouped GEMM
 
 
+@functools.cache
 def _kernel():
     import triton
     import triton.language as tl
@@ -51,8 +54,6 @@ def _kernel():
     return grouped_mm_small
 
 
-_compiled = None
-
 
 def blocks(n: int, k: int) -> tuple[int, ...]:
     """(BLOCK_N, BLOCK_K, warps, stages[, BLOCK_M]) for weights of N x K, swept on the H200
@@ -75,9 +76,6 @@ def grouped_mm_small(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor,
     cumulative, as `F.grouped_mm`'s offs) -> [S, N] in x's dtype: row s times its expert's weights.
     `config`: (BLOCK_N, BLOCK_K, warps, stages[, BLOCK_M]), default `blocks(N, K)` and a BLOCK_M
     from the rows."""
-    global _compiled
-    if _compiled is None:
-        _compiled = _kernel()
     import triton
 
     rows, k = x.shape
@@ -86,16 +84,20 @@ def grouped_mm_small(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor,
     x, weights = x.contiguous(), weights.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_m = chosen_m[0] if chosen_m else min(64, max(16, triton.next_power_of_2(rows)))
-    _compiled[(experts, triton.cdiv(n, block_n))](x, weights, ends, out, n, k, x.stride(0), weights.stride(0),
+    _kernel()[(experts, triton.cdiv(n, block_n))](x, weights, ends, out, n, k, x.stride(0), weights.stride(0),
                                                   weights.stride(1), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
                                                   BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 def available(device: torch.device) -> bool:
-    """Whether the kernel can run for tensors on `device` (a CUDA device and Triton installed)."""
-    if device.type != "cuda":
-        return False
+    """Whether kubemoe's Triton kernels can run for tensors on `device` (a CUDA device and Triton installed)."""
+    return device.type == "cuda" and triton_installed()
+
+
+@functools.cache
+def triton_installed() -> bool:
+    """Asked once per process: the kernels' callers ask on every pass."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -103,6 +105,7 @@ def available(device: torch.device) -> bool:
     return True
 
 
+@functools.cache
 def _group_kernel():
     import triton
     import triton.language as tl
@@ -131,8 +134,6 @@ def _group_kernel():
     return group_pairs
 
 
-_grouping = None
-
 
 def group_pairs(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """experts [S] int64 (each (token, choice) pair's expert; S at most GROUPED_SMALL_ROWS) -> (order [S]
@@ -140,9 +141,6 @@ def group_pairs(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     each expert's end row in that order, cumulative). One kernel of S x (S + E) comparisons, where a
     stable sort of 256 keys took 27 us on the H200 (decode_step_probe at 0c40a9b) and the counts and
     their cumsum four more kernels."""
-    global _grouping
-    if _grouping is None:
-        _grouping = _group_kernel()
     import triton
 
     (s,) = experts.shape
@@ -151,6 +149,6 @@ def group_pairs(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     order = torch.empty(s, dtype=torch.int64, device=experts.device)
     ends = torch.empty(num_experts, dtype=torch.int32, device=experts.device)
     # one block of GROUPED_SMALL_ROWS for every S: compiled once per model, not once per batch size
-    _grouping[(1,)](experts.contiguous(), order, ends, s, num_experts, BLOCK_S=GROUPED_SMALL_ROWS,
-                    BLOCK_E=max(16, triton.next_power_of_2(num_experts)), CHUNK=32)
+    _group_kernel()[(1,)](experts.contiguous(), order, ends, s, num_experts, BLOCK_S=GROUPED_SMALL_ROWS,
+                          BLOCK_E=max(16, triton.next_power_of_2(num_experts)), CHUNK=32)
     return order, ends
