@@ -9,6 +9,8 @@ import torch
 
 from kubemoe.frontend.attention import attention
 
+from .test_norms import tiny_qwen3_moe
+
 REFERENCE = """
     import torch
     from kubemoe.frontend.attention import decode_attention
@@ -84,15 +86,11 @@ def test_on_the_cpu_the_attention_function_is_sdpa():
 def test_a_model_on_kubemoes_attention_gets_sdpas_masks():
     """A left-padded batch and a prompt chunk continuing a cache: the same logits as on transformers' SDPA
     (with no mask function under kubemoe's name, transformers would build no mask at all)."""
-    from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import DynamicCache
 
     from kubemoe.frontend.attention import use
 
-    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                            num_experts=4, num_experts_per_tok=2, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).eval()
+    model = tiny_qwen3_moe()
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6]])
     padding = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
 

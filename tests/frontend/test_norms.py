@@ -49,14 +49,19 @@ def test_the_kernel_computes_what_each_class_computes_under_tritons_interpreter(
     """)
 
 
-def test_off_the_gpu_a_fused_model_runs_its_own_norms():
+def tiny_qwen3_moe() -> torch.nn.Module:
+    """A 2-layer Qwen3-MoE of random weights (seed 0) on transformers' SDPA, in eval mode."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                            num_experts=4, num_experts_per_tok=2)
+                            num_experts=4, num_experts_per_tok=2, attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).eval()
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+def test_off_the_gpu_a_fused_model_runs_its_own_norms():
+    model = tiny_qwen3_moe()
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         want = model(ids).logits
