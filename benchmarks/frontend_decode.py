@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import os
 import pstats
 import statistics
 import sys
@@ -439,6 +440,9 @@ def main() -> None:
           f"median {ttft['median_ms']:.1f} ms, max {ttft['max_ms']:.1f} ms")
     write_results(args.name, device, rows, goals, out=Path(args.out), checkpoint=checkpoint, modes=sorted(modes),
                   predictor=args.predictor, compile=args.compile, hardware=hw, ttft={"batch": ttft_batch, **ttft},
+                  expert_functions=args.experts,
+                  # how the processes share the GPU: MPS where run_h200.sh started its daemon (KUBEMOE_MPS=1)
+                  gpu_sharing="mps" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "time-slicing",
                   method=f"model: median decode step of {args.steps} after {args.warmup} warm-up steps after a "
                          f"batched {args.prompt}-token prefill, greedy, the forward pass alone; engine: the same "
                          "through the engine as served (requests sent at once, median gap between a request's tokens "

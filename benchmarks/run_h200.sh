@@ -15,6 +15,16 @@ install() (  # install TARGET PIP-ARGS...: skipped when an earlier run finished 
 install /tmp/site --no-index --no-deps --no-cache-dir .whl/*.whl
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if [ "${KUBEMOE_MPS:-0}" = 1 ]; then  # processes share the GPU through MPS (concurrent kernels), not time-slices
+  if command -v nvidia-cuda-mps-control >/dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && echo "MPS control daemon started"
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  else
+    echo "KUBEMOE_MPS=1 but no nvidia-cuda-mps-control on this machine: processes time-slice the GPU" >&2
+  fi
+fi
 python3 -c 'import torch, transformers, grpc; print("torch", torch.__version__, "transformers", transformers.__version__, "grpc", grpc.__version__)'
 case "${1:-all}" in
   expert_fn) python3 benchmarks/expert_fn_overhead.py --device cuda --out "$OUT" "${@:2}" ;;

@@ -147,6 +147,17 @@ class _Stream:
                                  on_release=lambda: _free_soon(loop, allocator, offset, self.freed_elsewhere))
 
 
+def _delivered(reply: torch.Tensor, device: torch.device, out: torch.Tensor | None) -> torch.Tensor:
+    """A reply where the caller wants it: in `out`, else on the request's device (as it lies, on a CPU).
+    A copy from the shared region waits until it is done: the region is freed once `reply` is dropped."""
+    if out is not None:
+        if out.shape != reply.shape:
+            raise ValueError(f"a reply of shape {tuple(reply.shape)} does not fit out= of shape {tuple(out.shape)}")
+        with torch.inference_mode():  # `out` may be made in inference mode (a frontend's pass) on another thread
+            return out.copy_(reply)
+    return reply if device.type == "cpu" else reply.to(device)
+
+
 def _expire(reply: asyncio.Future) -> None:
     """A call's deadline passed: its caller stops waiting (a late reply frees its region, _Stream.deliver)."""
     if not reply.done():
@@ -212,33 +223,38 @@ class ExpertClient:
         *,
         request_id: str = "",
         timeout: float | None = None,
-    ) -> torch.Tensor:  # [sum(counts), H], hidden's dtype and device
-        return (await self.call(layer, experts, counts, hidden, request_id=request_id, timeout=timeout))[0]
+        out: torch.Tensor | None = None,  # [sum(counts), H] where the reply goes; None: a tensor of its own
+    ) -> torch.Tensor:  # [sum(counts), H], hidden's dtype and device (`out` when given)
+        return (await self.call(layer, experts, counts, hidden, request_id=request_id, timeout=timeout, out=out))[0]
 
     async def call(self, layer: int, experts: Sequence[int], counts: Sequence[int], hidden: torch.Tensor, *,
-                   request_id: str = "", timeout: float | None = None) -> tuple[torch.Tensor, pb.ServerTiming]:
+                   request_id: str = "", timeout: float | None = None,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, pb.ServerTiming]:
         """forward(), and the server's timing of the call (for benchmarks and tools). A tensor larger than
         one message may carry goes as several calls at once, cut at row boundaries (the timing is the
-        first's); their outputs are joined in order."""
+        first's); their outputs are joined in order. With `out` the reply is copied from where it
+        arrived straight into it (a frontend's buffer on the GPU: one copy, no tensor of its own)."""
         if hidden.nbytes > self.max_call_bytes and hidden.shape[0] > 1:  # one row too large goes as it is
             rows = max(1, self.max_call_bytes // (hidden.nbytes // hidden.shape[0]))
             rid = request_id or next(self._ids)
+            spans = [(start, start + sum(part_counts), part_experts, part_counts)
+                     for start, part_experts, part_counts in split_rows(experts, counts, rows)]
             parts = await asyncio.gather(*(
-                self.call(layer, part_experts, part_counts, hidden[start:start + sum(part_counts)],
-                          request_id=f"{rid}/{n}", timeout=timeout)
-                for n, (start, part_experts, part_counts) in enumerate(split_rows(experts, counts, rows))))
-            return torch.cat([out for out, _ in parts]), parts[0][1]
+                self.call(layer, part_experts, part_counts, hidden[start:end], request_id=f"{rid}/{n}", timeout=timeout,
+                          out=None if out is None else out[start:end])
+                for n, (start, end, part_experts, part_counts) in enumerate(spans)))
+            return (torch.cat([y for y, _ in parts]) if out is None else out), parts[0][1]
         request = pb.ForwardRequest(model=self.model, request_id=request_id or next(self._ids), layer=layer,
                                     experts=experts, counts=counts)
         if self.streaming:
-            return await self._call_streamed(request, hidden, timeout)
+            return await self._call_streamed(request, hidden, timeout, out)
         wire.encode_into(hidden, request.hidden)  # in place: no second copy of the bytes
         response = await self._stub.Forward(request, timeout=timeout)
-        out = wire.decode(response.hidden)  # aliases the response's bytes, which nothing else holds
-        return (out if hidden.device.type == "cpu" else out.to(hidden.device)), response.timing
+        reply = wire.decode(response.hidden)  # aliases the response's bytes, which nothing else holds
+        return _delivered(reply, hidden.device, out), response.timing
 
-    async def _call_streamed(self, request: pb.ForwardRequest, hidden: torch.Tensor,
-                             timeout: float | None) -> tuple[torch.Tensor, pb.ServerTiming]:
+    async def _call_streamed(self, request: pb.ForwardRequest, hidden: torch.Tensor, timeout: float | None,
+                             out: torch.Tensor | None) -> tuple[torch.Tensor, pb.ServerTiming]:
         rid = request.request_id
         stream = self._stream if self._stream is not None else await self._open(timeout)
         if rid in stream.pending:
@@ -261,16 +277,14 @@ class ExpertClient:
                 raise rpc_error(code_of(response.error), response.error.message, status_metadata(response.error))
             try:
                 if shared:
-                    out = stream.hand_over(rid, response.hidden, request.hidden)
+                    reply = stream.hand_over(rid, response.hidden, request.hidden)
                 elif response.hidden.WhichOneof("payload") == "shared":
                     raise ValueError("in shared memory, not the way it was sent")
                 else:
-                    out = wire.decode(response.hidden)
+                    reply = wire.decode(response.hidden)
             except ValueError as e:  # wire.WireError too
                 raise rpc_error(grpc.StatusCode.DATA_LOSS, f"{self.address} answered request {rid!r} {e}") from None
-            if hidden.device.type != "cpu":
-                out = out.to(hidden.device)
-            return out, response.timing
+            return _delivered(reply, hidden.device, out), response.timing
         except TimeoutError:  # a region stays reserved until the late reply comes (the reader frees it)
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"no reply to request {rid!r} from {self.address} within {timeout}s") from None

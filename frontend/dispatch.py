@@ -2,10 +2,15 @@
 
 A layer whose experts all run in this process is one grouped computation over its stacked
 weights (`kubemoe.moe.grouped_ffn`) that never waits for the device; its loads are counted on the
-device (`tally.py`). Otherwise, per MoE layer it groups the batch's tokens by expert and sends each
-expert function ONE call carrying the rows of every expert it serves in that layer, whichever
-bundles they belong to (all calls of the layer at once), computes in-process experts on the calling
-thread while remote calls are in flight, and adds the outputs back with the routing weights. A hot
+device (`tally.py`). Otherwise, per MoE layer it sorts the batch's (token, choice) pairs by expert
+where they live (`kubemoe.moe.sort_pairs`), reads the group ends once, and sends each expert
+function ONE call carrying the rows of every expert it serves in that layer, whichever bundles they
+belong to (all calls of the layer at once), computes in-process experts on the calling thread while
+remote calls are in flight, and adds the outputs back with the routing weights. A call's rows are
+usually one run of the sorted rows: it goes out as a view and its reply is copied straight into
+place, so a layer's host work is the calls alone (in a decode graph, graphs.py, the sorting and the
+adding back are captured on either side of the cut: on the H200 host the grouping, gathering and
+scattering around the calls cost ~1 ms a layer of torch calls at batch 1). A hot
 expert's tokens are split across several of its warm replicas in the same step
 (`kubemoe.planning.split`): how many from the tokens predicted for this layer d layers earlier (the
 online predictor's; without one, this step's tokens), each part at least `split_min_tokens`, and
@@ -42,8 +47,8 @@ from kubemoe.frontend.graphs import Recorder, recording
 from kubemoe.frontend.loads import LoadRecorder
 from kubemoe.frontend.loop_thread import LoopThread
 from kubemoe.frontend.tally import DeviceTally
-from kubemoe.moe import (ExpertGroup, StackedExperts, can_group, combine, expert_counts, expert_inputs, grouped_ffn,
-                         group_tokens)
+from kubemoe.moe import (SortedPairs, StackedExperts, can_group, expert_counts, grouped_ffn, sort_pairs,
+                         unsort_pairs)
 from kubemoe.planning.split import split
 from kubemoe.routing_table import LOCAL, BundleRoute, RouteMap
 
@@ -138,31 +143,42 @@ def pick_replica(replicas: list[Replica], exclude: Collection[str], now: float,
 
 @dataclass
 class _Call:
-    """One call's work: its pieces, in row order, and the batch rows they are (`rows.tokens`, `.slots`)."""
+    """One call's work: its pieces, in row order, and the sorted rows each is (`spans`, of `pairs`)."""
 
     pieces: list[Piece]
-    rows: ExpertGroup  # [N] token positions and choice slots, piece after piece (its expert is unused: -1)
-    x: torch.Tensor  # [N, H] the call's input
+    spans: list[tuple[int, int]]  # [start, end) of pairs' rows, one per piece
+    pairs: SortedPairs
+
+    @functools.cached_property
+    def x(self) -> torch.Tensor:  # [N, H] the call's input: a view when its rows are contiguous
+        return _rows(self.pairs.x, self.spans)
+
+    @property
+    def run(self) -> tuple[int, int] | None:
+        return _run(self.spans)
+
+    def tokens(self) -> list[int]:
+        """The batch rows the call's pairs belong to (read from the device: on a failure only)."""
+        return sorted({t for a, b in self.spans for t in self.pairs.tokens(a, b).tolist()})
 
     def subset(self, indices: Sequence[int]) -> "_Call":
-        """The call made of some of its pieces (a retry sends them elsewhere): their rows, in order."""
+        """The call made of some of its pieces (a retry sends them elsewhere)."""
         if len(indices) == len(self.pieces):
             return self
-        ends = list(itertools.accumulate(p.count for p in self.pieces))
-        spans = [slice(ends[i] - self.pieces[i].count, ends[i]) for i in indices]
-        rows = [torch.cat([t[s] for s in spans]) for t in (self.rows.tokens, self.rows.slots, self.x)]
-        pieces = [self.pieces[i] for i in indices]
-        return _Call(pieces, ExpertGroup(-1, rows[0], rows[1], sum(p.count for p in pieces)), rows[2])
+        return _Call([self.pieces[i] for i in indices], [self.spans[i] for i in indices], self.pairs)
 
 
-def _rows_of(pieces: Sequence[Piece], groups: Mapping[int, ExpertGroup]) -> ExpertGroup:
-    """The batch rows of a call's pieces, piece after piece (one piece that is its whole group: that group)."""
-    if len(pieces) == 1 and pieces[0].start == 0 and pieces[0].count == groups[pieces[0].expert].count:
-        return groups[pieces[0].expert]
-    spans = [(g, None if p.start == 0 and p.count == g.count else slice(p.start, p.start + p.count))
-             for p in pieces for g in (groups[p.expert],)]  # a whole group is not sliced: ~2 us a slice
-    return ExpertGroup(-1, torch.cat([g.tokens if s is None else g.tokens[s] for g, s in spans]),
-                       torch.cat([g.slots if s is None else g.slots[s] for g, s in spans]), sum(p.count for p in pieces))
+def _run(spans: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+    """[start, end) when `spans` follow one another without a gap (one run of rows), else None."""
+    if all(prev[1] == nxt[0] for prev, nxt in itertools.pairwise(spans)):
+        return spans[0][0], spans[-1][1]
+    return None
+
+
+def _rows(x: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Rows `spans` of `x`, in order: a view when they are one run."""
+    run = _run(spans)
+    return x[run[0]:run[1]] if run is not None else torch.cat([x[a:b] for a, b in spans])
 
 
 class Dispatcher:
@@ -280,10 +296,7 @@ class Dispatcher:
 
     def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:  # [T, H], [T, K], [T, K] -> [T, H]
-        if self._routes is None:
-            self.apply_pending()
-            if self._routes is None:
-                raise DispatchError("no routing table yet: the frontend is not ready")
+        self._table()
         weight_on_input = self.adapter.routing.weight_on_input
         recorder = recording()
         if recorder is not None:
@@ -292,29 +305,57 @@ class Dispatcher:
         if stack is not None:  # every expert here: nothing in this branch waits for the device
             counts = self._count_stacked(layer, hidden, top_k_index, top_k_weights)
             return grouped_ffn(hidden, top_k_index, top_k_weights, stack, self.adapter.act, weight_on_input, counts)
-        groups = group_tokens(top_k_index)
-        self._record_counts(layer, [(g.expert, g.count) for g in groups])
+        pairs = sort_pairs(hidden, top_k_index, top_k_weights, self.adapter.num_experts, weight_on_input)
+        # Every row is some expert's and each is written, but for the offload executor's (it adds its own)
+        y = (torch.empty_like if self.offload is None else torch.zeros_like)(pairs.x)
+        extra = self._run_sorted(layer, pairs, y, hidden, top_k_index, top_k_weights)
+        out = self._combine(pairs, y)
+        return out if extra is None else out + extra
+
+    def _combine(self, pairs: SortedPairs, y: torch.Tensor) -> torch.Tensor:  # [S, H] sorted -> [T, H]
+        """The rows' outputs weighted (each cast to the model's dtype, as an expert's reply arrives) and summed."""
+        return unsort_pairs(y if self.adapter.routing.weight_on_input else (y * pairs.weights).to(y.dtype), pairs)
+
+    def _run_sorted(self, layer: int, pairs: SortedPairs, y: torch.Tensor, hidden: torch.Tensor,
+                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor | None:
+        """A layer's host work: each expert's rows of `pairs` through its expert, wherever it lives, into
+        the same rows of `y` [S, H]. Remote experts go out first (one call per address, all at once),
+        in-process ones run here meanwhile. Returns what the offload executor added for its experts
+        ([T, H], their rows of `y` untouched), or None. The one wait for the device: the group ends."""
+        ends = pairs.ends.tolist()
+        num_experts = self.adapter.num_experts
+        spans = [(ends[e - 1] if e else 0, ends[e]) for e in range(num_experts)]  # a spare group (E) stays out
+        self._record_counts(layer, [(e, b - a) for e, (a, b) in enumerate(spans) if b > a])
         self._observe(layer, hidden, top_k_index, top_k_weights)
+        routes = self._table().routes
         local, remote = [], {}
-        for g in groups:
-            route = self._routes.routes[(layer, g.expert)]
-            if LOCAL in route.addresses:
-                local.append(g)
-            else:
-                remote[g.expert] = (g, route)
-        calls = self._submit(layer, remote, hidden, top_k_weights, weight_on_input) if remote else None
-        out = torch.zeros_like(hidden)
+        for e, (a, b) in enumerate(spans):
+            if b > a:
+                route = routes[(layer, e)]
+                if LOCAL in route.addresses:
+                    local.append(e)
+                else:
+                    remote[e] = route
+        calls = self._submit(layer, remote, pairs, spans, y) if remote else None
+        extra = None
         if self.offload is not None:  # every in-process expert of the layer, placed by the offload policy
             if local:
-                self.offload.run_layer(layer, hidden, top_k_index, top_k_weights, local, out)
+                extra = self.offload.run_layer(layer, hidden, top_k_index, top_k_weights,
+                                               [pairs.group(e, *spans[e]) for e in local])
         else:  # in-process experts run here while remote calls are in flight
-            for g in local:
-                y = expert_ffn(expert_inputs(hidden, top_k_weights, g, weight_on_input), self._local[(layer, g.expert)],
-                               self.adapter.act)
-                combine(out, top_k_weights, g, y, weight_on_input)
+            for e in local:
+                a, b = spans[e]
+                y[a:b] = expert_ffn(pairs.x[a:b], self._local[(layer, e)], self.adapter.act)
         if calls is not None:
-            self._gather(calls, out, top_k_weights, weight_on_input, every_pair=not local)
-        return out
+            self._gather(calls, y)
+        return extra
+
+    def _table(self) -> RouteMap:
+        if self._routes is None:
+            self.apply_pending()
+            if self._routes is None:
+                raise DispatchError("no routing table yet: the frontend is not ready")
+        return self._routes
 
     def _count_stacked(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor) -> torch.Tensor:  # -> [E] tokens per expert, on the device
@@ -338,14 +379,22 @@ class Dispatcher:
                                                                 top_k_weights[:rows]))
             return grouped_ffn(hidden, top_k_index, top_k_weights, stack, self.adapter.act,
                                self.adapter.routing.weight_on_input)
-        out = torch.empty_like(hidden)
+        # Sorting the pairs and adding the outputs back are device work: captured on either side of the cut,
+        # whose host work is the calls alone. The spare rows' pairs sort last, to no expert: their rows of y
+        # stay 0, so the spare rows' next layers read a finite output.
+        pairs = sort_pairs(hidden, top_k_index, top_k_weights, self.adapter.num_experts,
+                           self.adapter.routing.weight_on_input, real_rows=recorder.real_rows(hidden.device))
+        y = torch.zeros_like(pairs.x)
+        extra = torch.zeros_like(hidden) if self.offload is not None else None  # what its experts add
 
         def call(rows: int) -> None:
-            out[:rows] = self.run_layer(layer, hidden[:rows], top_k_index[:rows], top_k_weights[:rows])
-            out[rows:] = 0  # the spare rows' next layers read it: finite, whatever was here before
+            added = self._run_sorted(layer, pairs, y, hidden[:rows], top_k_index[:rows], top_k_weights[:rows])
+            if added is not None and extra is not None:
+                extra[:rows] = added
 
         recorder.cut(call)
-        return out
+        out = self._combine(pairs, y)
+        return out if extra is None else out + extra
 
     def _count_captured(self, recorder: Recorder, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> None:
@@ -370,15 +419,8 @@ class Dispatcher:
         self._observe_one(observer, layer, observer.on_layer, layer, hidden[:real], top_k_index[:real],
                           top_k_weights[:real])
 
-    def _gather(self, calls: concurrent.futures.Future, out: torch.Tensor, top_k_weights: torch.Tensor,
-                weight_on_input: bool, every_pair: bool) -> None:
-        """Add the remote calls' outputs to `out` [T, H]. Each (token, choice) pair comes back from
-        exactly one call: placed at its own row of a [T * K, H] buffer, summed over K in a fixed order
-        (a token's K outputs may share a call: index_add_'s atomics on CUDA would sum them in any order)."""
-        t, k = top_k_weights.shape
-        # When the calls carry every pair (no expert ran here) each row is written: not zeroed first
-        # (a fill of T * K rows wakes torch's CPU threads; ~1 ms a layer on the busy 2-core machine).
-        pairs = (torch.empty if every_pair else torch.zeros)(t * k, out.shape[1], dtype=out.dtype, device=out.device)
+    def _gather(self, calls: concurrent.futures.Future, y: torch.Tensor) -> None:
+        """Wait for the remote calls and put each reply not already in place (`_call`) at its rows of y."""
         failed: list[DispatchError] = []
         for results in calls.result():
             if isinstance(results, DispatchError):  # the others still came back: only the rows without experts fail
@@ -386,13 +428,15 @@ class Dispatcher:
                 continue
             if isinstance(results, BaseException):  # a cancellation or a bug: as it is
                 raise results
-            for rows, y in results:
-                if not weight_on_input:
-                    y = y * top_k_weights[rows.tokens, rows.slots, None]
-                pairs[rows.tokens * k + rows.slots] = y.to(out.dtype)
+            for call, reply in results:
+                if reply is None:
+                    continue
+                offset = 0
+                for a, b in call.spans:
+                    y[a:b] = reply[offset:offset + b - a]
+                    offset += b - a
         if failed:  # name the tokens that went without their experts: their requests fail, the others' need not
             raise DispatchError("; ".join(map(str, failed)), sorted({r for e in failed for r in e.rows or ()}))
-        out += pairs.view(t, k, -1).sum(dim=1)
 
     def _observe(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
         for observer in list(self.observers):
@@ -427,49 +471,52 @@ class Dispatcher:
                   and (not lacking or lacking.get((a, layer, expert), 0.0) <= now)]
         return usable or route.addresses
 
-    def _submit(self, layer: int, remote: dict[int, tuple[ExpertGroup, BundleRoute]], hidden: torch.Tensor,
-                top_k_weights: torch.Tensor, weight_on_input: bool) -> concurrent.futures.Future:
+    def _submit(self, layer: int, remote: dict[int, BundleRoute], pairs: SortedPairs,
+                spans: Sequence[tuple[int, int]], y: torch.Tensor) -> concurrent.futures.Future:
         """The layer's remote experts as one call per address, started together -> a future of each call's
-        [(rows, output [rows, H])] or its exception, in call order."""
+        [(call, reply [N, H] or None where it went straight into y)] or its exception, in call order."""
         now = time.monotonic()
         experts = list(remote)
-        candidates = [self._usable(remote[e][1], layer, e, now) for e in experts]
+        candidates = [self._usable(remote[e], layer, e, now) for e in experts]
         # Read only where an expert has several replicas to split across: reading it waits for the GPU.
         predicted = self._predicted(layer) if any(len(c) > 1 for c in candidates) else None
-        plan = plan_calls(experts, [remote[e][0].count for e in experts], candidates,
+        plan = plan_calls(experts, [spans[e][1] - spans[e][0] for e in experts], candidates,
                           {a: r.inflight_tokens for a, r in self._replicas.items()}, predicted,
                           self.config.split_min_tokens,
-                          [remote[e][1].bundle for e in experts] if self.config.calls_per_bundle else None)
+                          [remote[e].bundle for e in experts] if self.config.calls_per_bundle else None)
         # Ids are unique per call in flight on a client: every call of the layer gets its own.
         request_id = f"{uuid.uuid4().hex[:8]}-{next(self._ids)}"
-        routes = {e: route for e, (_, route) in remote.items()}
-        calls = []
-        for n, ((address, _), pieces) in enumerate(plan.items()):
-            rows = _rows_of(pieces, {p.expert: remote[p.expert][0] for p in pieces})
-            call = _Call(pieces, rows, expert_inputs(hidden, top_k_weights, rows, weight_on_input))
-            calls.append(self._call(layer, routes, call, address, f"{request_id}.{n}"))
+        calls = [self._call(layer, remote, _Call(pieces, [(spans[p.expert][0] + p.start,
+                                                             spans[p.expert][0] + p.start + p.count) for p in pieces],
+                                                  pairs), address, f"{request_id}.{n}", y)
+                 for n, ((address, _), pieces) in enumerate(plan.items())]
         # One hand-over to the I/O loop for the layer: each wakes its thread (a write, a context switch).
         return self.io.submit(_together(calls))
 
     async def _call(self, layer: int, routes: dict[int, BundleRoute], call: _Call, address: str, request_id: str,
-                    attempt: int = 0, tried: frozenset[tuple[str, int]] = frozenset(), errors: tuple[str, ...] = ()):
-        """Run `call` at `address`; on a failure put the replica (or only its lacking experts) aside
-        and retry the pieces on the shortest queues among the others -> [(rows, output [rows, H])]."""
+                    y: torch.Tensor, attempt: int = 0, tried: frozenset[tuple[str, int]] = frozenset(),
+                    errors: tuple[str, ...] = ()) -> list[tuple[_Call, torch.Tensor | None]]:
+        """Run `call` at `address`, its reply straight into its rows of `y` when they are one run; on a
+        failure put the replica (or only its lacking experts) aside and retry the pieces on the shortest
+        queues among the others -> [(call, its reply, None when it is in y already)]."""
         replica = self._replicas[address]
         replica.picks += 1
         if self.metrics:
             self.metrics.expert_calls.inc()
-        replica.inflight_tokens += call.x.shape[0]
+        tokens = sum(p.count for p in call.pieces)
+        replica.inflight_tokens += tokens
+        run = call.run
         try:
-            y = await self._client(address).forward(layer, [p.expert for p in call.pieces], [p.count for p in call.pieces],
-                                                    call.x, request_id=request_id, timeout=self.config.call_timeout)
-            return [(call.rows, y)]
+            reply = await self._client(address).forward(
+                layer, [p.expert for p in call.pieces], [p.count for p in call.pieces], call.x, request_id=request_id,
+                timeout=self.config.call_timeout, out=None if run is None else y[run[0]:run[1]])
+            return [(call, None if run is not None else reply)]
         except grpc.aio.AioRpcError as e:
             error = e
         finally:
-            replica.inflight_tokens -= call.x.shape[0]
+            replica.inflight_tokens -= tokens
         bundles = ", ".join(sorted({routes[p.expert].bundle for p in call.pieces}))
-        rows = sorted(set(call.rows.tokens.tolist()))
+        rows = call.tokens()
         if error.code() in NOT_RETRYABLE:
             raise DispatchError(f"bundle {bundles} at {address} refused layer {layer}: {error.details()}", rows) from error
         lacking = self._sideline(address, layer, [p.expert for p in call.pieces], error)
@@ -495,7 +542,7 @@ class Dispatcher:
             chosen = pick_replica(replicas, {a for a, e in tried if e == p.expert}, now, lacks)
             again.setdefault(chosen.address, []).append(i)
         results = await asyncio.gather(*(
-            self._call(layer, routes, call.subset(indices), target, f"{request_id}.{attempt + 1}.{n}", attempt + 1,
+            self._call(layer, routes, call.subset(indices), target, f"{request_id}.{attempt + 1}.{n}", y, attempt + 1,
                        tried, errors)
             for n, (target, indices) in enumerate(again.items())), return_exceptions=True)
         for result in results:  # a cancellation or a bug: as it is

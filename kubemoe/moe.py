@@ -140,6 +140,65 @@ def _grouped_mm(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> t
     return F.grouped_mm(x, weights.transpose(-2, -1), offs=ends)
 
 
+@dataclass(frozen=True)
+class SortedPairs:
+    """A layer's (token, choice) pairs sorted by expert, where the hidden states live: row i of `x` is
+    pair `order[i]` (token order[i] // K, choice order[i] % K). Rows of one expert are contiguous, in
+    pair order; `ends` says where each expert's rows end. S = T * K rows."""
+
+    order: torch.Tensor  # [S] int64
+    ends: torch.Tensor  # [E'] int32, cumulative (E' = E, or E + 1 whose last group is the spare rows)
+    x: torch.Tensor  # [S, H] the rows' inputs, weighted where the architecture weighs inputs
+    weights: torch.Tensor  # [S, 1] the rows' routing weights
+    k: int
+
+    def tokens(self, start: int, end: int) -> torch.Tensor:  # [end - start] the batch rows of rows [start, end)
+        return self.order[start:end] // self.k
+
+    def group(self, expert: int, start: int, end: int) -> ExpertGroup:
+        """Rows [start, end) (one expert's) as an ExpertGroup: views, no copy of the rows."""
+        rows = self.order[start:end]
+        return ExpertGroup(expert, rows // self.k, rows % self.k, end - start)
+
+
+def sort_pairs(
+    hidden: torch.Tensor,  # [T, H]
+    top_k_index: torch.Tensor,  # [T, K]
+    top_k_weights: torch.Tensor,  # [T, K]
+    num_experts: int,
+    weight_on_input: bool,
+    counts: torch.Tensor | None = None,  # [E] from `expert_counts`, if the caller has it already
+    real_rows: torch.Tensor | None = None,  # int device scalar: rows past it are spare (a graph's padding)
+) -> SortedPairs:
+    """The pairs sorted by expert, without waiting for the device: the group boundaries stay a device
+    tensor. With `real_rows`, the spare rows' pairs sort last as an expert of their own (id E), so a
+    replayed graph can pad a batch without its spare rows reaching any expert."""
+    k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1)  # [S]
+    if real_rows is not None:
+        flat = torch.where(torch.arange(flat.shape[0], device=flat.device) < real_rows * k, flat, num_experts)
+        num_experts, counts = num_experts + 1, None
+    if _small(flat):  # one kernel for what a sort, the counts and their cumsum take several for
+        order, ends = moe_kernels.group_pairs(flat, num_experts)
+    else:
+        experts_sorted, order = flat.sort(stable=True)  # [S]
+        if counts is None:
+            counts = expert_counts(experts_sorted, num_experts)
+        ends = counts.cumsum(0, dtype=torch.int32)
+    x = hidden[order // k]  # [S, H]
+    weights = top_k_weights.reshape(-1)[order, None]  # [S, 1]
+    if weight_on_input:
+        x = x * weights.to(x.dtype)
+    return SortedPairs(order, ends, x, weights, k)
+
+
+def unsort_pairs(y: torch.Tensor, pairs: SortedPairs) -> torch.Tensor:  # [S, H] in sorted order -> [T, H]
+    """Each token's K rows summed, in a fixed order (deterministic, unlike index_add_'s atomics on CUDA)."""
+    unsorted = torch.empty_like(y)
+    unsorted[pairs.order] = y
+    return unsorted.view(-1, pairs.k, y.shape[-1]).sum(dim=1)
+
+
 def grouped_ffn(
     hidden: torch.Tensor,  # [T, H]
     top_k_index: torch.Tensor,  # [T, K]
@@ -151,28 +210,13 @@ def grouped_ffn(
 ) -> torch.Tensor:  # [T, H]
     """A layer's routed experts as two grouped GEMMs over the (token, choice) pairs sorted by expert.
 
-    Nothing here waits for the device: the group boundaries stay a device tensor, and a group of no
-    rows costs the kernel nothing (its expert's weights are not read). The K outputs of a token are
-    summed in a fixed order (deterministic, unlike index_add_'s atomics on CUDA), as transformers'
-    grouped_mm experts do. S = T * K (token, choice) pairs.
+    Nothing here waits for the device, and a group of no rows costs the kernel nothing (its expert's
+    weights are not read). The K outputs of a token are summed in float32, as transformers'
+    grouped_mm experts do.
     """
-    k = top_k_index.shape[1]
-    flat = top_k_index.reshape(-1)  # [S]
-    if _small(flat):  # one kernel for what a sort, the counts and their cumsum take several for
-        order, offsets = moe_kernels.group_pairs(flat, experts.num_experts)  # [S], [E] end row of each group
-    else:
-        experts_sorted, order = flat.sort(stable=True)  # [S]
-        if counts is None:
-            counts = expert_counts(experts_sorted, experts.num_experts)
-        offsets = counts.cumsum(0, dtype=torch.int32)  # [E] end row of each expert's group
-    x = hidden[order // k]  # [S, H]
-    weights = top_k_weights.reshape(-1)[order, None]  # [S, 1]
-    if weight_on_input:
-        x = x * weights.to(x.dtype)
-    gate, up = _grouped_mm(x, experts.gate_up, offsets).chunk(2, dim=-1)  # [S, I] each
-    y = _grouped_mm(act(gate) * up, experts.down, offsets)  # [S, H]
+    pairs = sort_pairs(hidden, top_k_index, top_k_weights, experts.num_experts, weight_on_input, counts)
+    gate, up = _grouped_mm(pairs.x, experts.gate_up, pairs.ends).chunk(2, dim=-1)  # [S, I] each
+    y = _grouped_mm(act(gate) * up, experts.down, pairs.ends)  # [S, H]
     if not weight_on_input:
-        y = y * weights  # float32, as `combine` weighs
-    unsorted = torch.empty_like(y)
-    unsorted[order] = y
-    return unsorted.view(-1, k, y.shape[-1]).sum(dim=1).to(hidden.dtype)
+        y = y * pairs.weights  # float32, as `combine` weighs
+    return unsort_pairs(y, pairs).to(hidden.dtype)

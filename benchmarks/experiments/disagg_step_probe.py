@@ -6,10 +6,11 @@ On the H200 at 3241e6f a 2-layer Mixtral step took 13.2 ms at batch 32 and 7.6 m
 and 1.3 ms in process, while expert_fn_overhead.py measures about 0.3 ms per call beyond the expert's
 compute. This splits a step's remote layers (each a cut in the decode program):
 - `engine`: the engine's step, decode pass and output handling (engine_step_probe.engine_split), plus,
-  per remote layer, the dispatcher's pieces: `group_tokens` (waits for the router on the device),
-  `_submit` (the inputs gathered, the calls handed to the I/O loop), `wait` (until every call is back),
-  `gather` (the replies combined), and inside the I/O loop `forward` (one call, start to reply) and
-  `hop` (from the hand-over to the call's start);
+  per remote layer, the dispatcher's pieces: `run_sorted` (the layer's host work, the cut: it first
+  waits for the router and the sort on the device), within it `_submit` (the calls planned and handed to
+  the I/O loop), `wait` (until every call is back), `gather` (replies not already in place put there),
+  and inside the I/O loop `forward` (one call, start to reply) and `hop` (from the hand-over to the
+  call's start);
 - `direct_call_ms`: the same call shapes made from this thread through the dispatcher's client, one
   at a time: the call alone, no engine, no graph;
 - each again with the frontend's mapping of the segments left pageable (`unpinned`), with a 0.2 ms GIL
@@ -40,7 +41,6 @@ from frontend_decode import add_model_arguments, cut_preset, engine_decode  # no
 from kubemoe.bundles import bundles_by_count  # noqa: E402
 from kubemoe.expert_fn.client import ExpertClient  # noqa: E402
 from kubemoe.expert_fn.shm import Segment  # noqa: E402
-from kubemoe.frontend import dispatch  # noqa: E402
 from kubemoe.frontend.app import Frontend, FrontendConfig  # noqa: E402
 from kubemoe.frontend.embedded import expert_processes  # noqa: E402
 from kubemoe.routing_table import table_for_bundles  # noqa: E402
@@ -50,16 +50,16 @@ from kubemoe.synth import make_checkpoint  # noqa: E402
 @contextlib.contextmanager
 def dispatcher_spans(fe: Frontend):
     """Per remote layer: the dispatcher's pieces and, in the I/O loop, each call's hop and span (ms)."""
-    d, spans = fe.dispatcher, {"group_tokens": [], "_submit": [], "wait": [], "gather": [], "forward": [], "hop": []}
+    d, spans = fe.dispatcher, {"_run_sorted": [], "_submit": [], "wait": [], "gather": [], "forward": [], "hop": []}
     handed: list[float] = []
-    group_tokens, forward, gather, submit = dispatch.group_tokens, ExpertClient.forward, d._gather, d._submit
+    run_sorted, forward, gather, submit = d._run_sorted, ExpertClient.forward, d._gather, d._submit
 
-    def timed_group_tokens(*args, **kwargs):
+    def timed_run_sorted(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return group_tokens(*args, **kwargs)
+            return run_sorted(*args, **kwargs)
         finally:
-            spans["group_tokens"].append((time.perf_counter() - start) * 1e3)
+            spans["_run_sorted"].append((time.perf_counter() - start) * 1e3)
 
     def timed_submit(*args, **kwargs):
         start = time.perf_counter()
@@ -88,13 +88,13 @@ def dispatcher_spans(fe: Frontend):
         finally:
             spans["forward"].append((time.perf_counter() - start) * 1e3)
 
-    dispatch.group_tokens, ExpertClient.forward = timed_group_tokens, timed_forward
-    d._gather, d._submit = timed_gather, timed_submit
+    ExpertClient.forward = timed_forward
+    d._gather, d._submit, d._run_sorted = timed_gather, timed_submit, timed_run_sorted
     try:
         yield spans
     finally:
-        dispatch.group_tokens, ExpertClient.forward = group_tokens, forward
-        del d._gather, d._submit
+        ExpertClient.forward = forward
+        del d._gather, d._submit, d._run_sorted
 
 
 def engine_row(fe: Frontend, batch: int, args, vocab: int) -> dict:

@@ -20,6 +20,23 @@ from kubemoe.frontend.sampling import SamplingParams
 from .test_correctness import ARCHS, PROMPTS, generate_all, reference_greedy
 
 
+@pytest.fixture
+def replies_in_place(monkeypatch):
+    """Per expert call the frontend makes: whether its reply was copied straight into the layer's
+    buffer (`out=`: its rows are one run of the sorted rows) or handed back to be put in place."""
+    from kubemoe.expert_fn.client import ExpertClient
+
+    seen: list[bool] = []
+    forward = ExpertClient.forward
+
+    async def recorded(self, *args, out=None, **kwargs):
+        seen.append(out is not None)
+        return await forward(self, *args, out=out, **kwargs)
+
+    monkeypatch.setattr(ExpertClient, "forward", recorded)
+    return seen
+
+
 class ExpertServers:
     """Expert-function servers for a checkpoint's bundles, in this process, on a loop thread of their own."""
 
@@ -120,9 +137,11 @@ class FixedPrediction:
 
 
 @pytest.mark.parametrize("prediction", [None, 1000])
-def test_a_hot_experts_tokens_split_across_two_replicas_equal_the_in_process_path(prediction, tiny_checkpoint):
+def test_a_hot_experts_tokens_split_across_two_replicas_equal_the_in_process_path(prediction, tiny_checkpoint,
+                                                                                   replies_in_place):
     """One bundle, two real expert-function replicas: every expert's tokens of one step split over
-    both, and the combined output equal to the in-process experts' within float32 rounding."""
+    both, and the combined output equal to the in-process experts' within float32 rounding (a call
+    carrying parts of several experts is not one run of the sorted rows: its reply is scattered)."""
     path = tiny_checkpoint("mixtral")
     fe = Frontend(FrontendConfig(checkpoint=path, predictor="none", split_min_tokens=1))
     bundles = embedded_bundles(path, 1)
@@ -142,6 +161,7 @@ def test_a_hot_experts_tokens_split_across_two_replicas_equal_the_in_process_pat
         split = fe.dispatcher.run_layer(layer, hidden, index, weights)
         replicas = fe.dispatcher._replicas
         assert len(replicas) == 2 and all(r.picks == 1 and r.inflight_tokens == 0 for r in replicas.values())
+        assert replies_in_place == [False, False]
     finally:
         fe.close()
         servers.stop()
@@ -150,10 +170,12 @@ def test_a_hot_experts_tokens_split_across_two_replicas_equal_the_in_process_pat
 
 @pytest.mark.parametrize("calls_per_bundle", [False, True])
 def test_a_function_serving_many_bundles_gets_one_call_per_layer_equal_to_the_in_process_path(calls_per_bundle,
-                                                                                             tiny_checkpoint):
+                                                                                             tiny_checkpoint,
+                                                                                             replies_in_place):
     """Every expert its own bundle (as the planner makes them), all in one real expert function: one
     call per MoE layer carries them all; the per-bundle baseline makes one per expert. Both compute
-    what the in-process experts compute."""
+    what the in-process experts compute, and each call's rows are one run of the layer's sorted rows:
+    its reply goes straight into place."""
     import dataclasses
 
     from kubemoe.bundles import Bundle
@@ -182,6 +204,7 @@ def test_a_function_serving_many_bundles_gets_one_call_per_layer_equal_to_the_in
         fe.close()
         servers.stop()
     assert made == (len(index.unique()) if calls_per_bundle else 1)
+    assert replies_in_place == [True] * int(made)
     assert fe.dispatcher._replicas[address].picks == made
     torch.testing.assert_close(remote, in_process, rtol=1.3e-6, atol=1e-5)
 
