@@ -157,27 +157,32 @@ async def test_a_cuda_expert_function_captures_its_graphs_before_it_reports_read
         assert graphs.sizes == [1, 2, 4, 8, 16] and len(graphs) == 4 * 5
 
 
-def test_a_load_runs_beside_the_serving_stream_not_behind_it(tiny_checkpoint):
+@pytest.mark.parametrize("dtype, stacked", [(torch.float32, False), (torch.bfloat16, True)])
+def test_a_load_runs_beside_the_serving_stream_not_behind_it(dtype, stacked, tiny_checkpoint):
     """A Load (a re-plan moving experts in place) copies on a stream of its own: it finishes while work
-    queued on the serving stream is still running, and what it loaded equals what the CPU reads."""
+    queued on the serving stream is still running, and what it loaded equals what the CPU reads.
+    In bfloat16 the layer's experts are one stack, made anew by each Load and Unload."""
     from kubemoe.adapters import MoEAdapter
     from kubemoe.checkpoint import Checkpoint
     from kubemoe.expert_fn.store import ExpertStore
 
     checkpoint = Checkpoint(tiny_checkpoint(ARCH))
     adapter = MoEAdapter(checkpoint.config)
-    store = ExpertStore(checkpoint, adapter, [(LAYER, 0)], torch.float32, torch.device("cuda"))
+    store = ExpertStore(checkpoint, adapter, [(LAYER, 0)], dtype, torch.device("cuda"))
+    assert store.stacked == stacked
+    store.load([(LAYER, 2)])  # a stack to copy from, in the stacked case
     serving_done = torch.cuda.Event()
     torch.cuda._sleep(4_000_000_000)  # about two seconds of a round that is still running on the serving stream
     serving_done.record()
     store.load([(LAYER, e) for e in EXPERTS])
     assert not serving_done.query()  # the load did not wait for the serving stream
-    for e in EXPERTS:
-        want = adapter.load_expert(checkpoint, LAYER, e, torch.float32, "cpu")
+    for e in [2, *EXPERTS]:
+        want = adapter.load_expert(checkpoint, LAYER, e, dtype, "cpu")
         got = store.get(LAYER, e)
         assert torch.equal(got.gate_up.cpu(), want.gate_up) and torch.equal(got.down.cpu(), want.down)
+    assert (store.stack(LAYER) is not None) == stacked
     torch.cuda.synchronize()
     store.unload([(LAYER, e) for e in EXPERTS])
     store.load([(LAYER, EXPERTS[0])])  # the freed memory is reused safely once the serving stream is past it
-    assert torch.equal(store.get(LAYER, EXPERTS[0]).down.cpu(), adapter.load_expert(checkpoint, LAYER, EXPERTS[0],
-                                                                                     torch.float32, "cpu").down)
+    for e in (2, EXPERTS[0]):
+        assert torch.equal(store.get(LAYER, e).down.cpu(), adapter.load_expert(checkpoint, LAYER, e, dtype, "cpu").down)
