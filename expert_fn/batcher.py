@@ -1,9 +1,17 @@
-"""Micro-batching: requests for the same (layer, expert) from different calls run as ONE matrix product.
+"""Micro-batching: requests for the same (layer, expert) from different calls run as ONE FFN call,
+and a round's experts of one layer as ONE grouped computation where the store stacks them.
 
 A frontend sends each expert function one request per layer and step; several frontends (and the
 layers of several sequences) reach one expert function at once. Their tokens for one expert are
 concatenated, run through the expert once (one read of its weights: what bounds a small-batch
-expert on a GPU), and split back.
+expert on a GPU), and split back. Where the store holds a layer's experts as one stack (store.py)
+and a round has two or more of them, all their rows are gathered in the stack's order and run
+through moe.sorted_ffn: two grouped GEMMs for the layer instead of an FFN (or a graph launch) per
+expert, each of which cost 10-30 us of host time on the H200 host. A function holding 32 of
+Qwen3-30B-A3B's 128 experts of a layer gets ~32 of them per call at batch 32: with one FFN per
+expert a layer took 24 ms for 4 functions at 32 tokens, with tiny weights
+(benchmarks/results/dispatch_calls_h200.json). A lone expert of a layer still runs alone (its
+graph, graphs.py).
 
 When to run a batch (the same policy as Triton's dynamic batcher, plus a bounded wait):
 - compute runs one round at a time, on the event loop; requests that arrive meanwhile join the next;
@@ -13,13 +21,15 @@ When to run a batch (the same policy as Triton's dynamic batcher, plus a bounded
 - once arrivals overlap (a request arrived while others were pending or running), the next round
   waits up to `wait_s` from its oldest request's arrival for more to join, or until `max_tokens`.
 
-Shapes: T = tokens of one request, H = hidden size, N = tokens of one expert in a round.
+Shapes: T = tokens of one request, H = hidden size, N = tokens of one expert in a round, S = rows of
+a grouped layer in a round, E = experts of a layer's stack.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
@@ -32,6 +42,8 @@ from kubemoe.expert_fn.errors import ExpertFnError
 from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.round_graph import RoundGraph
 from kubemoe.expert_fn.shm import copy_into
+from kubemoe.expert_fn.store import LayerStack
+from kubemoe.moe import StackedExperts, sorted_ffn
 
 
 @dataclass(eq=False)
@@ -60,8 +72,9 @@ class Job:
 
 
 class Part(NamedTuple):
+    """Rows of one job: one of its groups, or (in a grouped layer) adjacent groups of it."""
+
     job: int  # index into the round's jobs
-    group: int  # index into that job's groups
     start: int  # first row in the job's x
     tokens: int
 
@@ -71,18 +84,54 @@ def plan_round(jobs: list[Job]) -> dict[ExpertKey, list[Part]]:
     plan: dict[ExpertKey, list[Part]] = {}
     for j, job in enumerate(jobs):
         start = 0
-        for g, (key, tokens) in enumerate(job.groups):
-            plan.setdefault(key, []).append(Part(j, g, start, tokens))
+        for key, tokens in job.groups:
+            plan.setdefault(key, []).append(Part(j, start, tokens))
             start += tokens
     return plan
 
 
+class GroupedLayer(NamedTuple):
+    """Experts of one layer in a round, run as one sorted_ffn over the stack that holds them."""
+
+    experts: StackedExperts
+    parts: list[Part]  # their rows in the stack's expert order, a job's adjacent rows as one part
+    ends: list[int]  # [E] end row, in the parts' rows one after another, of each expert of the stack
+
+
+def group_round(plan: dict[ExpertKey, list[Part]],
+                stacks: dict[int, LayerStack]) -> tuple[list[GroupedLayer], dict[ExpertKey, list[Part]]]:
+    """Split a round's plan: the experts of a layer that `stacks` holds, two or more, as one GroupedLayer;
+    the others (a lone one, one of a layer without a stack, one its stack lacks) one FFN each."""
+    stacked: dict[int, list[ExpertKey]] = {}
+    for key in plan:
+        stack = stacks.get(key[0])
+        if stack is not None and key[1] in stack.local:
+            stacked.setdefault(key[0], []).append(key)
+    grouped, alone = [], dict(plan)
+    for layer, keys in stacked.items():
+        if len(keys) < 2:
+            continue
+        stack = stacks[layer]
+        counts = [0] * stack.experts.num_experts  # [E]; an expert not in this round has no rows
+        parts: list[Part] = []
+        for local, key in sorted((stack.local[key[1]], key) for key in keys):
+            counts[local] = sum(part.tokens for part in plan[key])
+            for part in alone.pop(key):
+                last = parts[-1] if parts else None
+                if last is not None and last.job == part.job and last.start + last.tokens == part.start:
+                    parts[-1] = Part(part.job, last.start, last.tokens + part.tokens)  # one slice, one copy back
+                else:
+                    parts.append(part)
+        grouped.append(GroupedLayer(stack.experts, parts, list(itertools.accumulate(counts))))
+    return grouped, alone
+
+
 class ComputeClock:
-    """Times a round's FFNs. On a GPU with CUDA events around each expert's kernels, so copies and
-    kernels queue up without a synchronisation in between (one, at the end, of the serving stream
-    alone: a Load's copies on its own stream are no round's business), or with the events of the
-    round graphs it `include`s; on a CPU with the wall clock. One per device, reused round after
-    round (rounds run one at a time, on the device's current stream)."""
+    """Times a round's FFNs. On a GPU with CUDA events around each expert's (or grouped layer's)
+    kernels, so copies and kernels queue up without a synchronisation in between (one, at the end,
+    of the serving stream alone: a Load's copies on its own stream are no round's business), or
+    with the events of the round graphs it `include`s; on a CPU with the wall clock. One per
+    device, reused round after round (rounds run one at a time, on the device's current stream)."""
 
     def __init__(self, device: torch.device):
         self._cuda = device.type == "cuda"
@@ -129,6 +178,7 @@ class ComputeClock:
 
 
 _clock = functools.cache(ComputeClock)
+CPU = torch.device("cpu")
 
 
 def run_round(
@@ -138,20 +188,26 @@ def run_round(
     device: torch.device,
     dtype: torch.dtype,
     graphs: ExpertGraphs | None = None,
+    stack_of: Callable[[int], LayerStack | None] | None = None,
 ) -> dict[ExpertKey, int]:
-    """Run every job's groups, one FFN per expert; fills job.out / job.error. Returns tokens per key.
+    """Run every job's groups: the experts of a layer that `stack_of(layer)` holds (store.stack) as one
+    grouped computation, any other expert as one FFN; fills job.out / job.error. Returns tokens per key.
 
     Every step here is on the request's path, where a Python or torch call costs 10-30 us on a
     core whose caches the FFN just flushed: hence no inference_mode (neither weights nor requests
-    carry autograd history), a clock made once, and no slicing of a group that is the whole job.
+    carry autograd history), a clock made once, and no slicing of rows that are the whole job.
     """
     plan = plan_round(jobs)
     clock = _clock(device)
-    experts = _experts(plan, jobs, weights_of)
+    # Each layer's stack read once: a Load or Unload meanwhile makes a new one, and this round keeps the old
+    stacks = {} if stack_of is None else {
+        layer: stack for layer in {layer for layer, _ in plan} if (stack := stack_of(layer)) is not None}
+    grouped, alone = group_round(plan, stacks)
+    experts = _experts(alone, jobs, weights_of)
     if device.type == "cpu":
-        _cpu_round(jobs, experts, act, dtype, clock)
+        _cpu_round(jobs, grouped, experts, act, dtype, clock)
     else:
-        _device_round(jobs, experts, act, device, dtype, clock, graphs)
+        _device_round(jobs, grouped, experts, act, device, dtype, clock, graphs)
     compute = clock.seconds()
     for job in jobs:
         job.compute_seconds = compute
@@ -172,56 +228,77 @@ def _experts(plan: dict[ExpertKey, list[Part]], jobs: list[Job], weights_of: Cal
 
 def _rows(x: torch.Tensor, job: Job, part: Part) -> torch.Tensor:
     """The rows of `x` (a job's input or output) that `part` covers."""
-    return x if len(job.groups) == 1 else x[part.start:part.start + part.tokens]
+    return x if part.tokens == job.tokens else x[part.start:part.start + part.tokens]
 
 
-def _cpu_round(jobs: list[Job], experts, act, dtype: torch.dtype, clock: ComputeClock) -> None:
-    """A job whose input lies in its reply's region (shared memory, already in `dtype`) gets each
-    group's output written straight into that group's rows: the input rows of a group are read by
-    its own expert only, before its output exists. No copy of the reply is left."""
+def _gather(inputs: list[torch.Tensor], jobs: list[Job], parts: list[Part]) -> torch.Tensor:  # [N, H]
+    """The parts' rows of the jobs' `inputs`, one part after another."""
+    rows = [_rows(inputs[p.job], jobs[p.job], p) for p in parts]
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+def _scatter(y: torch.Tensor, jobs: list[Job], outs: list[torch.Tensor], parts: list[Part],
+             non_blocking: bool = False) -> None:
+    """y [N, H], the parts' outputs one after another, into each part's rows of its job's output."""
+    for part, piece in zip(parts, (y,) if len(parts) == 1 else y.split([p.tokens for p in parts])):  # split: ~15 us
+        copy_into(_rows(outs[part.job], jobs[part.job], part), piece, non_blocking=non_blocking)
+
+
+def _ends(layer: GroupedLayer, device: torch.device) -> torch.Tensor:  # [E] int32 on `device`
+    if device.type == "cpu":
+        return torch.tensor(layer.ends, dtype=torch.int32)
+    # From pinned memory, a DMA queued in stream order: from pageable memory torch waits for the stream.
+    return torch.tensor(layer.ends, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
+
+
+def _cpu_round(jobs: list[Job], grouped: list[GroupedLayer], experts, act, dtype: torch.dtype,
+               clock: ComputeClock) -> None:
+    """Each expert's (or grouped layer's) output goes into its rows of its job's output. A job whose
+    reply has a region (shared memory) in `dtype` gets it written there, even where the region is
+    its input: the input rows of a group are read by its own expert only, before its output exists."""
     inputs = [job.x if job.x.dtype == dtype else job.x.to(dtype) for job in jobs]
-    in_place = [job.out_buffer is not None and x is job.x for job, x in zip(jobs, inputs)]
-    pieces: list[list[torch.Tensor | None]] = [[None] * len(job.groups) for job in jobs]
+    outs = [job.out_buffer if job.out_buffer is not None and job.out_buffer.dtype == dtype else torch.empty_like(x)
+            for job, x in zip(jobs, inputs)]
     clock.start()
+    for layer in grouped:
+        _scatter(sorted_ffn(_gather(inputs, jobs, layer.parts), _ends(layer, CPU), layer.experts, act),
+                 jobs, outs, layer.parts)
     for key, parts, weights in experts:
-        if len(parts) == 1:
-            part = parts[0]
-            rows = _rows(inputs[part.job], jobs[part.job], part)
-            split = (expert_ffn(rows, weights, act, out=rows if in_place[part.job] else None),)
+        if len(parts) == 1:  # no copy: expert_ffn writes its output rows itself (reading its input first)
+            part, job = parts[0], jobs[parts[0].job]
+            expert_ffn(_rows(inputs[part.job], job, part), weights, act, out=_rows(outs[part.job], job, part))
         else:
-            rows = [_rows(inputs[p.job], jobs[p.job], p) for p in parts]
-            y = expert_ffn(torch.cat(rows), weights, act)  # [N, H]
-            split = y.split([p.tokens for p in parts])  # split costs ~15 us
-            for part, piece, target in zip(parts, split, rows):
-                if in_place[part.job]:
-                    copy_into(target, piece)
-        for part, piece in zip(parts, split):
-            pieces[part.job][part.group] = piece
+            _scatter(expert_ffn(_gather(inputs, jobs, parts), weights, act), jobs, outs, parts)
     clock.stop()
-    for job, job_pieces, x, direct in zip(jobs, pieces, inputs, in_place):
+    for job, out in zip(jobs, outs):
         if job.error is not None:
             continue
-        if direct:
-            job.out = job.out_buffer  # every group's rows hold its output already
-            continue
-        done = [piece for piece in job_pieces if piece is not None]
-        if len(done) < len(job_pieces):  # every group is some expert's part: a missing output is a bug
-            raise RuntimeError(f"{len(job_pieces) - len(done)} of a job's groups got no expert's output in this round")
-        out = x if not done else done[0] if len(done) == 1 else torch.cat(done)  # [T, H]
-        job.out = out.to(job.x.dtype) if job.out_buffer is None else copy_into(job.out_buffer, out)  # casts if need be
+        if out is job.out_buffer:
+            job.out = out  # every group's rows hold its output already
+        else:
+            job.out = out.to(job.x.dtype) if job.out_buffer is None else copy_into(job.out_buffer, out)  # casts
 
 
-def _device_round(jobs: list[Job], experts, act, device: torch.device, dtype: torch.dtype, clock: ComputeClock,
-                  graphs: ExpertGraphs | None) -> None:
-    """Per expert: its rows copied in, its FFN (a CUDA graph when `graphs` has one for its size), its
-    output copied out to each job's reply. A pinned job's rows go straight from and to its region,
-    each a DMA; any other job is copied to the device and back once, whole (from pageable memory
-    every copy is a synchronous, staged one). An expert whose rows all come from one pinned job is
-    one graph launch, copies included (graphs.run_pinned). Nothing waits for the GPU here: the
-    caller's clock.seconds() does, once."""
-    inputs = [job.x if job.pinned else job.x.to(device=device, dtype=dtype, non_blocking=True) for job in jobs]
+def _device_round(jobs: list[Job], grouped: list[GroupedLayer], experts, act, device: torch.device,
+                  dtype: torch.dtype, clock: ComputeClock, graphs: ExpertGraphs | None) -> None:
+    """A grouped layer: its rows gathered on the device, one sorted_ffn, its output copied out to
+    each job's reply. Any other expert: its rows copied in, its FFN (a CUDA graph when `graphs` has
+    one for its size), its output copied out. A pinned job's rows go straight from and to its
+    region, each a DMA (a job of a grouped layer: copied in whole, once); any other job is copied to
+    the device and back once, whole (from pageable memory every copy is a synchronous, staged one).
+    An expert whose rows all come from one pinned job is one graph launch, copies included
+    (graphs.run_pinned). Nothing waits for the GPU here: the caller's clock.seconds() does, once."""
+    whole = {part.job for layer in grouped for part in layer.parts}
+    inputs = [job.x if job.pinned and j not in whole else job.x.to(device=device, dtype=dtype, non_blocking=True)
+              for j, job in enumerate(jobs)]
     outs = [job.out_buffer if job.pinned and job.out_buffer is not None  # a pinned job always has one (Job checks)
             else torch.empty(job.x.shape, device=device, dtype=dtype) for job in jobs]
+    for layer in grouped:
+        x, ends = _gather(inputs, jobs, layer.parts), _ends(layer, device)
+        clock.start()
+        y = sorted_ffn(x, ends, layer.experts, act)  # [S, H]
+        clock.stop()
+        _scatter(y, jobs, outs, layer.parts, non_blocking=True)
     for key, parts, weights in experts:
         if graphs is not None and len(parts) == 1 and jobs[parts[0].job].pinned:
             job, part = jobs[parts[0].job], parts[0]
@@ -235,8 +312,7 @@ def _device_round(jobs: list[Job], experts, act, device: torch.device, dtype: to
             clock.start()
             y = expert_ffn(x, weights, act)  # [N, H]
             clock.stop()
-        for part, piece in zip(parts, (y,) if len(parts) == 1 else y.split([p.tokens for p in parts])):
-            copy_into(_rows(outs[part.job], jobs[part.job], part), piece, non_blocking=True)
+        _scatter(y, jobs, outs, parts, non_blocking=True)
     for job, out in zip(jobs, outs):
         if job.error is not None:
             continue

@@ -19,7 +19,8 @@ also comes as a RoundGraph (round_graph.py) around it, re-pointed at the call's 
 The expert function captures every bucket's graph of the experts it loads before it reports ready
 (prepare: a millisecond or so per graph); one missing, say after a reload raced a call, is captured
 when first called. A graph is replayed only with the weights it was captured with: it reads their
-memory by address, so an Unload (or a reload) retires it.
+memory by address, so an Unload (or a reload) retires it, and so does a new stack of its layer
+(store.py), which gives every expert of the layer new weights.
 """
 
 from __future__ import annotations

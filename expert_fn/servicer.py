@@ -89,7 +89,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     def _run_round(self, jobs: list[Job]) -> None:
         tokens = run_round(jobs, lambda key: self.store.get(*key), self.store.adapter.act,
-                           self.config.device, self.config.dtype, self._graphs)
+                           self.config.device, self.config.dtype, self._graphs, self.store.stack)
         # Off the requests' path: recorded in the loop's next turn (a lone request's reply is out by then).
         asyncio.get_running_loop().call_soon(self.metrics.round, tokens, jobs[0].compute_seconds,
                                              [job.queue_seconds for job in jobs])
@@ -283,14 +283,21 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     async def load(self, keys: Iterable[tuple[int, int]]) -> pb.LoadResponse:
         keys = list(keys)
         bytes_loaded, seconds = await asyncio.to_thread(self.store.load, keys)
-        if self._graphs is not None:  # before health says ready: no call should wait for a capture
-            started, experts = time.perf_counter(), self.store.held_weights(keys)
-            await self._graphs.prepare(experts)
-            log.info("CUDA graphs of %d experts x %d sizes ready in %.2fs", len(experts), len(self._graphs.sizes),
-                     time.perf_counter() - started)
+        await self._prepare_graphs(keys)  # before health says ready: no call should wait for a capture
         self.metrics.loaded(seconds, self.store.nbytes, len(self.store.held()))
         await self.report_health()
         return pb.LoadResponse(bytes_loaded=bytes_loaded, seconds=seconds, held=self._held())
+
+    async def _prepare_graphs(self, changed: list[tuple[int, int]]) -> None:
+        """Capture the graphs of the held experts of the layers `changed` touches: a layer the store
+        stacks is a new stack after a Load or Unload, which gives each of its experts new weights."""
+        if self._graphs is None:
+            return
+        layers = {layer for layer, _ in changed}
+        started, experts = time.perf_counter(), self.store.held_weights(k for k in self.store.held() if k[0] in layers)
+        await self._graphs.prepare(experts)  # graphs of weights still held are kept, not captured again
+        log.info("CUDA graphs of %d experts x %d sizes ready in %.2fs", len(experts), len(self._graphs.sizes),
+                 time.perf_counter() - started)
 
     def start_loading(self) -> asyncio.Task:
         """Read the whole bundle in the background; health turns SERVING when it is in."""
@@ -311,7 +318,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     async def _unload(self, request: pb.UnloadRequest) -> pb.UnloadResponse:
         self._check_model(request.model)
-        freed = await asyncio.to_thread(self.store.unload, [(k.layer, k.expert) for k in request.experts])
+        keys = [(k.layer, k.expert) for k in request.experts]
+        freed = await asyncio.to_thread(self.store.unload, keys)
+        await self._prepare_graphs(keys)
         self.metrics.held(self.store.nbytes, len(self.store.held()))
         await self.report_health()
         return pb.UnloadResponse(bytes_freed=freed, held=self._held())

@@ -9,12 +9,21 @@ which every round uses), a Load's copies (tens of milliseconds per Mixtral exper
 of the rounds that arrive meanwhile: a re-plan that loads experts in place would stall every call to
 this function until its copies were done. And they go through pinned memory (staging.py): a copy
 from the mapped file's pageable memory held up the function's rounds until it was done, stream or not.
+
+Where a layer's experts can run as one grouped computation (moe.can_group), the experts held of
+each layer are one stack (`LayerStack`) and each ExpertWeights handed out is a view of it: a round
+runs a layer's experts at once from the stack (batcher.py), anything else (graphs, a lone expert)
+from the views. A Load or Unload makes each layer it changes a new stack, the experts kept copied
+from the old one: while it does, that layer is held twice, and the old stack serves the rounds
+meanwhile. Reads take no lock: the store replaces its dicts, never mutates them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from dataclasses import dataclass
 from typing import Iterable
 
 import grpc
@@ -26,6 +35,15 @@ from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert import ExpertWeights
 from kubemoe.expert_fn.errors import ExpertFnError, invalid, not_found
 from kubemoe.expert_fn.staging import PinnedStaging
+from kubemoe.moe import StackedExperts, can_group
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """The experts held of one layer, in one StackedExperts: ascending expert ids at local indices 0, 1, ..."""
+
+    experts: StackedExperts
+    local: dict[int, int]  # expert id -> local index; replaced with the stack, never mutated
 
 
 class ExpertStore:
@@ -36,11 +54,14 @@ class ExpertStore:
         self.bundle_spec = format_bundle_spec(self.bundle)
         self.dtype, self.device = dtype, device
         self._weights: dict[ExpertKey, ExpertWeights] = {}  # replaced, never mutated: readers need no lock
+        self._stacks: dict[int, LayerStack] = {}  # by layer, where `stacked`; replaced, never mutated
+        self.stacked = can_group(dtype, device, adapter.hidden_size, adapter.expert_intermediate_size)
         self._lock = threading.Lock()  # one load/unload at a time
         self._loading: frozenset[ExpertKey] = frozenset()
         self._serving = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self._load_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._staging = PinnedStaging(self._load_stream) if self._load_stream is not None else None
+        self._copy = self._staging.copy if self._staging is not None else None  # how a read reaches the device
 
     # -- reads (hot path) ---------------------------------------------------------------------
 
@@ -50,6 +71,10 @@ class ExpertStore:
         if weights is None:
             raise self._refusal(layer, [(layer, expert)])
         return weights
+
+    def stack(self, layer: int) -> LayerStack | None:
+        """The experts held of `layer` as one stack; None if none are, or this store does not stack them."""
+        return self._stacks.get(layer)
 
     def check_held(self, layer: int, experts: Iterable[int]) -> None:
         """Refuse, in one error that names them all (`lacking`), the experts of `layer` not held."""
@@ -106,23 +131,18 @@ class ExpertStore:
         with self._lock:
             self._loading = frozenset(keys) - self._weights.keys()
             try:
-                new = {key: self._read(key) for key in keys if key in self._loading}
-                self._weights = {**self._weights, **new}
+                if self.stacked:
+                    for layer, experts in _by_layer(self._loading).items():
+                        self._restack(layer, self._held_of(layer) | experts)
+                else:
+                    with self._on_load_stream():
+                        new = {key: self._read(key) for key in self._loading}
+                    self._ready_for_serving(*(t for w in new.values() for t in (w.gate_up, w.down)))
+                    self._weights = {**self._weights, **new}
+                loaded = sum(self._weights[key].nbytes for key in self._loading)
             finally:
                 self._loading = frozenset()
-        return sum(w.nbytes for w in new.values()), time.perf_counter() - start
-
-    def _read(self, key: ExpertKey) -> ExpertWeights:
-        if self._load_stream is None or self._serving is None or self._staging is None:
-            return self.adapter.load_expert(self.checkpoint, *key, self.dtype, self.device)
-        with torch.cuda.stream(self._load_stream):
-            weights = self.adapter.load_expert(self.checkpoint, *key, self.dtype, self.device, self._staging.copy)
-        self._load_stream.synchronize()  # in before anyone can call it
-        for tensor in (weights.gate_up, weights.down):
-            # Allocated on the load stream, read on the serving one: once unloaded, their memory is reused
-            # only after the rounds queued on the serving stream by then are done with it.
-            tensor.record_stream(self._serving)
-        return weights
+        return loaded, time.perf_counter() - start
 
     def unload(self, keys: Iterable[ExpertKey]) -> int:
         """Drop the given experts (those not held are ignored); returns the bytes freed."""
@@ -130,6 +150,62 @@ class ExpertStore:
         for layer, expert in keys:
             self.check_in_model(layer, expert)
         with self._lock:
-            freed = sum(w.nbytes for k, w in self._weights.items() if k in keys)
-            self._weights = {k: w for k, w in self._weights.items() if k not in keys}
-        return freed
+            held = self._weights
+            gone = keys & held.keys()
+            if self.stacked:
+                for layer, experts in _by_layer(gone).items():
+                    self._restack(layer, self._held_of(layer) - experts)
+            else:
+                self._weights = {k: w for k, w in held.items() if k not in gone}
+        return sum(held[key].nbytes for key in gone)
+
+    def _held_of(self, layer: int) -> set[int]:
+        stack = self._stacks.get(layer)
+        return set() if stack is None else set(stack.local)
+
+    def _restack(self, layer: int, experts: set[int]) -> None:
+        """Hold exactly `experts` of `layer`, as a new stack: those held are copied from the old one, the
+        others read from the checkpoint. Rounds meanwhile use the old stack; it goes once they are done."""
+        ids = sorted(experts)
+        held = self._weights
+        stack = None
+        if ids:
+            with self._on_load_stream():
+                stack = StackedExperts.empty(len(ids), self.adapter.hidden_size, self.adapter.expert_intermediate_size,
+                                             self.dtype, self.device)
+                for i, expert in enumerate(ids):
+                    source = held.get((layer, expert)) or self._read((layer, expert))
+                    stack.gate_up[i].copy_(source.gate_up)
+                    stack.down[i].copy_(source.down)
+            self._ready_for_serving(stack.gate_up, stack.down)
+        weights = {k: w for k, w in held.items() if k[0] != layer}
+        stacks = {k: s for k, s in self._stacks.items() if k != layer}
+        if stack is not None:
+            weights.update({(layer, e): stack.expert(i) for i, e in enumerate(ids)})
+            stacks[layer] = LayerStack(stack, {e: i for i, e in enumerate(ids)})
+        # Each read alone is consistent: a round takes a layer's experts from its stack, or from the weights
+        self._stacks, self._weights = stacks, weights
+
+    def _read(self, key: ExpertKey) -> ExpertWeights:
+        """One expert from the checkpoint; on a GPU queued on the load stream (_ready_for_serving() them)."""
+        return self.adapter.load_expert(self.checkpoint, *key, self.dtype, self.device, self._copy)
+
+    def _on_load_stream(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self._load_stream) if self._load_stream is not None else contextlib.nullcontext()
+
+    def _ready_for_serving(self, *tensors: torch.Tensor) -> None:
+        """Wait for the load stream's copies into `tensors`, which the serving stream will read."""
+        if self._load_stream is None or self._serving is None:
+            return
+        self._load_stream.synchronize()  # in before anyone can call it
+        for tensor in tensors:
+            # Allocated on the load stream, read on the serving one: once dropped, their memory is reused
+            # only after the rounds queued on the serving stream by then are done with it.
+            tensor.record_stream(self._serving)
+
+
+def _by_layer(keys: Iterable[ExpertKey]) -> dict[int, set[int]]:
+    layers: dict[int, set[int]] = {}
+    for layer, expert in keys:
+        layers.setdefault(layer, set()).add(expert)
+    return layers

@@ -4,9 +4,10 @@ This is the part of an MoE layer that does not depend on where the experts run: 
 tokens by expert, and add each expert's output back to its tokens with the routing weight. The
 in-process experts, the expert-function server and the frontend's remote dispatcher all use it.
 Where a layer's experts all live in one process, `grouped_ffn` computes them at once from a
-`StackedExperts`, without a per-expert loop and without waiting for the device.
+`StackedExperts`, without a per-expert loop and without waiting for the device; its core,
+`sorted_ffn`, takes rows already sorted by expert (as an expert function's requests bring them).
 Shapes: T = tokens, H = hidden size, K = experts per token, N_e = tokens routed to expert e,
-E = experts, I = expert intermediate size.
+E = experts, I = expert intermediate size, S = rows sorted by expert.
 """
 
 from __future__ import annotations
@@ -110,8 +111,9 @@ def expert_counts(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor: 
 
 
 def can_group(dtype: torch.dtype, device: torch.device, hidden: int, intermediate: int) -> bool:
-    """Whether `grouped_ffn` runs here: torch's grouped GEMM, on CPU any dtype; on CUDA bfloat16 (its
-    kernels' dtype) on Ampere or newer, with rows of whole 16-byte units (the kernel's alignment)."""
+    """Whether `grouped_ffn` and `sorted_ffn` run here: torch's grouped GEMM, on CPU any dtype; on
+    CUDA bfloat16 (its kernels' dtype) on Ampere or newer, with rows of whole 16-byte units (the
+    kernel's alignment)."""
     device = torch.device(device)
     if not hasattr(F, "grouped_mm"):
         return False
@@ -199,6 +201,17 @@ def unsort_pairs(y: torch.Tensor, pairs: SortedPairs) -> torch.Tensor:  # [S, H]
     return unsorted.view(-1, pairs.k, y.shape[-1]).sum(dim=1)
 
 
+def sorted_ffn(
+    x: torch.Tensor,  # [S, H] rows sorted by expert
+    ends: torch.Tensor,  # [E] int32 end row of each expert's rows (cumulative: F.grouped_mm's offs), on x's device
+    experts: StackedExperts,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:  # [S, H]
+    """Each expert's FFN of its own rows, as two grouped GEMMs; an expert without rows costs nothing."""
+    gate, up = _grouped_mm(x, experts.gate_up, ends).chunk(2, dim=-1)  # [S, I] each
+    return _grouped_mm(act(gate) * up, experts.down, ends)
+
+
 def grouped_ffn(
     hidden: torch.Tensor,  # [T, H]
     top_k_index: torch.Tensor,  # [T, K]
@@ -215,8 +228,7 @@ def grouped_ffn(
     grouped_mm experts do.
     """
     pairs = sort_pairs(hidden, top_k_index, top_k_weights, experts.num_experts, weight_on_input, counts)
-    gate, up = _grouped_mm(pairs.x, experts.gate_up, pairs.ends).chunk(2, dim=-1)  # [S, I] each
-    y = _grouped_mm(act(gate) * up, experts.down, pairs.ends)  # [S, H]
+    y = sorted_ffn(pairs.x, pairs.ends, experts, act)  # [S, H]
     if not weight_on_input:
         y = y * pairs.weights  # float32, as `combine` weighs
     return unsort_pairs(y, pairs).to(hidden.dtype)

@@ -1,4 +1,4 @@
-"""Micro-batching without a server: round planning, merged compute, and when rounds run."""
+"""Micro-batching without a server: round planning, merged and grouped compute, and when rounds run."""
 
 from __future__ import annotations
 
@@ -11,31 +11,43 @@ import torch
 import torch.nn.functional as F
 
 from kubemoe.expert import ExpertWeights, expert_ffn
-from kubemoe.expert_fn.batcher import Job, MicroBatcher, Part, plan_round, run_round
+from kubemoe.expert_fn import batcher
+from kubemoe.expert_fn.batcher import Job, MicroBatcher, Part, group_round, plan_round, run_round
 from kubemoe.expert_fn.errors import ExpertFnError
+from kubemoe.expert_fn.store import LayerStack
+from kubemoe.moe import StackedExperts, can_group, sorted_ffn
 from kubemoe.verify import rel_err
 
 H, I = 16, 8
 CPU = torch.device("cpu")
 
 
-def make_job(*groups: tuple[int, int], dtype=torch.float32) -> Job:
-    """A job over layer 0: groups as (expert, tokens)."""
+def make_job(*groups: tuple[int, int], dtype=torch.float32, layer: int = 0) -> Job:
+    """A job over `layer`: groups as (expert, tokens)."""
     x = torch.randn(sum(t for _, t in groups), H).to(dtype)
-    return Job(x, [((0, e), t) for e, t in groups])
+    return Job(x, [((layer, e), t) for e, t in groups])
 
 
-def make_weights(n: int) -> dict[tuple[int, int], ExpertWeights]:
+def make_weights(n: int, layers=(0,)) -> dict[tuple[int, int], ExpertWeights]:
     gen = torch.Generator().manual_seed(0)
-    return {(0, e): ExpertWeights(torch.randn(2 * I, H, generator=gen), torch.randn(H, I, generator=gen)) for e in range(n)}
+    return {(layer, e): ExpertWeights(torch.randn(2 * I, H, generator=gen), torch.randn(H, I, generator=gen))
+            for layer in layers for e in range(n)}
+
+
+def stacked(weights: dict[tuple[int, int], ExpertWeights], layer: int) -> LayerStack:
+    """The experts of `layer` in `weights` as one stack, as the store holds them: ascending ids."""
+    ids = sorted(e for l, e in weights if l == layer)
+    experts = StackedExperts(torch.stack([weights[(layer, e)].gate_up for e in ids]),
+                             torch.stack([weights[(layer, e)].down for e in ids]))
+    return LayerStack(experts, {e: i for i, e in enumerate(ids)})
 
 
 def test_plan_groups_parts_of_all_jobs_by_expert():
     jobs = [make_job((1, 2), (3, 1)), make_job((3, 4)), make_job((1, 0), (2, 5))]
     assert plan_round(jobs) == {
-        (0, 1): [Part(0, 0, 0, 2), Part(2, 0, 0, 0)],
-        (0, 3): [Part(0, 1, 2, 1), Part(1, 0, 0, 4)],
-        (0, 2): [Part(2, 1, 0, 5)],
+        (0, 1): [Part(0, 0, 2), Part(2, 0, 0)],
+        (0, 3): [Part(0, 2, 1), Part(1, 0, 4)],
+        (0, 2): [Part(2, 0, 5)],
     }
 
 
@@ -72,6 +84,59 @@ def test_an_expert_gone_missing_fails_only_the_jobs_that_use_it():
     run_round([uses, spared], weights_of, F.silu, CPU, torch.float32)
     assert str(uses.error) == "unloaded" and uses.out is None
     assert spared.error is None and spared.out.shape == (3, H)
+
+
+def test_a_layers_stacked_experts_group_in_the_stacks_order_and_the_others_run_alone():
+    stack = LayerStack(StackedExperts(torch.zeros(4, 2, 1), torch.zeros(4, 1, 1)), {1: 0, 3: 1, 5: 2, 7: 3})
+    jobs = [make_job((5, 2), (1, 1), (3, 3)),  # not in the stack's order
+            make_job((1, 1), (3, 2), (9, 1)),  # 9: not in the stack (a Load raced the round)
+            make_job((5, 2), layer=1)]  # a layer without a stack
+    grouped, alone = group_round(plan_round(jobs), {0: stack})
+    assert len(grouped) == 1 and grouped[0].experts is stack.experts
+    # Expert 1's rows of jobs 0 and 1, then expert 3's, then expert 5's; expert 7 has none.
+    assert grouped[0].parts == [Part(0, 2, 1), Part(1, 0, 1), Part(0, 3, 3), Part(1, 1, 2), Part(0, 0, 2)]
+    assert grouped[0].ends == [2, 7, 9, 9]
+    assert alone == {(0, 9): [Part(1, 3, 1)], (1, 5): [Part(2, 0, 2)]}
+
+    in_order = [make_job((1, 2), (3, 0), (7, 4))]  # as a frontend sends them: ascending ids
+    grouped, alone = group_round(plan_round(in_order), {0: stack})
+    assert grouped[0].parts == [Part(0, 0, 6)] and grouped[0].ends == [2, 2, 2, 6] and not alone  # one slice: the job
+    lone = [make_job((3, 4))]
+    assert group_round(plan_round(lone), {0: stack}) == ([], plan_round(lone))  # a lone expert keeps its graph
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_round_over_stacked_layers_matches_the_per_expert_one(dtype, monkeypatch):
+    assert can_group(dtype, CPU, H, I)
+    weights = {key: ExpertWeights(w.gate_up.to(dtype), w.down.to(dtype))
+               for key, w in make_weights(6, layers=(0, 1, 2)).items()}
+    stacks = {layer: stacked(weights, layer) for layer in (0, 1, 2)}
+    grouped = []
+    monkeypatch.setattr(batcher, "sorted_ffn", lambda *args: grouped.append(args[0].shape[0]) or sorted_ffn(*args))
+    # Layer 0: two jobs over three experts, one in its reply's region (a shared-memory call); layer 1:
+    # two jobs micro-batched, in ascending order (one slice each); layer 2: one expert alone.
+    specs = [(0, ((4, 3), (1, 2), (3, 1)), False), (0, ((3, 4), (1, 1)), True), (1, ((0, 2), (5, 3)), False),
+             (1, ((0, 1), (2, 2)), False), (2, ((4, 5),), True)]
+    xs = [torch.randn(sum(t for _, t in groups), H, generator=torch.Generator().manual_seed(j)).to(dtype)
+          for j, (_, groups, _) in enumerate(specs)]
+
+    def jobs() -> list[Job]:
+        made = []
+        for (layer, groups, in_place), x in zip(specs, xs):
+            x = x.clone()
+            made.append(Job(x, [((layer, e), t) for e, t in groups], out_buffer=x if in_place else None))
+        return made
+
+    want, got = jobs(), jobs()
+    run_round(want, weights.__getitem__, F.silu, CPU, dtype)
+    assert not grouped
+    tokens = run_round(got, weights.__getitem__, F.silu, CPU, dtype, stack_of=stacks.get)
+    assert sorted(grouped) == [8, 11]  # layers 1 and 0, all their rows; layer 2's one expert ran alone
+    assert tokens == {(0, 4): 3, (0, 1): 3, (0, 3): 5, (1, 0): 3, (1, 5): 3, (1, 2): 2, (2, 4): 5}
+    for w, g in zip(want, got):
+        assert g.error is None and g.out.dtype == dtype and g.out.shape == g.x.shape
+        assert g.out_buffer is None or g.out is g.out_buffer  # written in place
+        torch.testing.assert_close(g.out, w.out)  # float32: within 1.3e-6 relative
 
 
 class Recorder:

@@ -1,5 +1,6 @@
 """On a GPU (run with -m gpu on the lent H200): the CUDA path computes what the CPU does, inline and
-through pinned shared memory, from CPU and from CUDA hidden states, with and without CUDA graphs."""
+through pinned shared memory, from CPU and from CUDA hidden states, with and without CUDA graphs, and
+a layer's stacked experts grouped as they are one by one."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kubemoe.expert import ExpertWeights
+from kubemoe.adapters import MoEAdapter
+from kubemoe.checkpoint import Checkpoint
+from kubemoe.expert import ExpertWeights, expert_ffn
+from kubemoe.expert_fn import batcher
 from kubemoe.expert_fn.batcher import Job, run_round
 from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.round_graph import RoundGraph
 from kubemoe.expert_fn.shm import HEADER_BYTES, Segment
+from kubemoe.expert_fn.store import ExpertStore, LayerStack
+from kubemoe.moe import StackedExperts, can_group, sorted_ffn
 from kubemoe.verify import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -151,33 +157,113 @@ def test_a_call_from_a_pinned_region_is_one_launch_per_expert_that_writes_only_i
     segment.unpin(), segment.unlink()
 
 
+def test_a_grouped_round_matches_the_per_expert_one_in_bfloat16_from_pinned_regions_too(tmpfs, monkeypatch):
+    cuda, H, I, dtype = torch.device("cuda"), 128, 64, torch.bfloat16
+    assert can_group(dtype, cuda, H, I)
+    gen = torch.Generator().manual_seed(0)
+    ids = [0, 2, 3, 5, 6]
+    stack = LayerStack(StackedExperts((torch.randn(len(ids), 2 * I, H, generator=gen) / 8).to(cuda, dtype),
+                                      (torch.randn(len(ids), H, I, generator=gen) / 8).to(cuda, dtype)),
+                       {e: i for i, e in enumerate(ids)})
+    weights = {(0, e): stack.experts.expert(i) for e, i in stack.local.items()}
+    graphs = ExpertGraphs(H, F.silu, cuda, dtype, max_tokens=8)
+    grouped = []
+    monkeypatch.setattr(batcher, "sorted_ffn", lambda *args: grouped.append(args[0].shape[0]) or sorted_ffn(*args))
+    segment = Segment.create(tmpfs, 1 << 20)
+    assert segment.pin()
+
+    def jobs(pinned: bool) -> list[Job]:  # jobs 0 and 2 in regions of the pinned segment, as the lane's calls are
+        gen = torch.Generator().manual_seed(1)
+        groups = (((5, 3), (0, 2), (6, 1)), ((0, 4), (2, 2)), ((2, 1), (3, 2), (5, 1)))  # the last in the stack's order
+        made = [Job(torch.randn(sum(t for _, t in g), H, generator=gen).to(dtype), [((0, e), t) for e, t in g])
+                for g in groups]
+        for j, offset in ((0, HEADER_BYTES), (2, HEADER_BYTES + (64 << 10))) if pinned else ():
+            region = segment.view(offset, dtype, list(made[j].x.shape))
+            region.copy_(made[j].x)
+            made[j] = Job(region, made[j].groups, out_buffer=region, pinned=True)
+        return made
+
+    want = jobs(pinned=False)
+    run_round(want, weights.__getitem__, F.silu, cuda, dtype)  # one expert after another, eagerly
+    for pinned in (False, True):
+        got = jobs(pinned)
+        run_round(got, weights.__getitem__, F.silu, cuda, dtype, graphs, {0: stack}.get)
+        for w, g in zip(want, got):
+            assert g.error is None and g.out.device.type == "cpu" and g.out.shape == g.x.shape
+            assert rel_err(g.out.float(), w.out.float()) < 2e-2, pinned  # Triton's kernel and cuBLAS: bfloat16 rounding
+            if g.pinned:
+                assert g.out.data_ptr() == g.x.data_ptr()  # the reply is in the request's region
+        assert 0 < got[0].compute_seconds < 1
+    assert grouped == [16, 16] and len(graphs) == 0  # every expert in the one grouped computation; no graph
+
+    lone = Job(torch.randn(4, H, generator=gen).to(dtype), [((0, 3), 4)])  # alone in its round: its graph
+    run_round([lone], weights.__getitem__, F.silu, cuda, dtype, graphs, {0: stack}.get)
+    assert grouped == [16, 16] and len(graphs) == 1
+    assert rel_err(lone.out.float(), expert_ffn(lone.x.cuda(), weights[(0, 3)], F.silu).cpu().float()) < 2e-2
+    segment.unpin(), segment.unlink()
+
+
+def test_a_restacked_layer_retires_the_graphs_of_its_old_stack(tiny_checkpoint):
+    """A Load makes the layer a new stack: an expert's graph captured on the old one (which is freed,
+    its memory free to be reused) is not replayed; one on the new stack is captured."""
+    cuda, dtype = torch.device("cuda"), torch.bfloat16
+    checkpoint = Checkpoint(tiny_checkpoint(ARCH))
+    adapter = MoEAdapter(checkpoint.config)
+    store = ExpertStore(checkpoint, adapter, [], dtype, cuda)
+    store.load([(LAYER, 0), (LAYER, 5)])
+    graphs = ExpertGraphs(adapter.hidden_size, adapter.act, cuda, dtype, max_tokens=8)
+    x = torch.randn(4, adapter.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want = expert_ffn(x.cuda(), adapter.load_expert(checkpoint, LAYER, 0, dtype, "cuda"), adapter.act).cpu()
+
+    def alone() -> torch.Tensor:  # expert 0 alone in a round: its graph
+        job = Job(x, [((LAYER, 0), 4)])
+        run_round([job], lambda key: store.get(*key), adapter.act, cuda, dtype, graphs, store.stack)
+        assert job.error is None
+        return job.out
+
+    assert rel_err(alone().float(), want.float()) < 1e-2 and len(graphs) == 1
+    old = store.stack(LAYER)
+    assert old is not None
+    store.load([(LAYER, 7)])
+    assert store.stack(LAYER) is not old
+    shapes = [old.experts.gate_up.shape, old.experts.down.shape]
+    del old  # nothing holds the old stack now: its memory is free
+    torch.cuda.synchronize()
+    with torch.cuda.stream(store._load_stream):  # the stream it was allocated on: these take its memory
+        junk = [torch.full(shape, float("nan"), dtype=dtype, device=cuda) for shape in shapes * 4]
+    assert rel_err(alone().float(), want.float()) < 1e-2  # a replay of the old graph would read NaNs
+    assert len(graphs) == 1  # the old stack's graph forgotten, one on the new stack made
+    del junk
+
+
 async def test_a_cuda_expert_function_captures_its_graphs_before_it_reports_ready(tiny_checkpoint, serve):
     async with serve(tiny_checkpoint(ARCH), "1:0-3", device="cuda", cuda_graph_tokens=16) as gpu:
         graphs = gpu.servicer._graphs
         assert graphs.sizes == [1, 2, 4, 8, 16] and len(graphs) == 4 * 5
 
 
-def test_a_load_runs_beside_the_serving_stream_not_behind_it(tiny_checkpoint):
+@pytest.mark.parametrize("dtype, stacked", [(torch.float32, False), (torch.bfloat16, True)])
+def test_a_load_runs_beside_the_serving_stream_not_behind_it(dtype, stacked, tiny_checkpoint):
     """A Load (a re-plan moving experts in place) copies on a stream of its own: it finishes while work
-    queued on the serving stream is still running, and what it loaded equals what the CPU reads."""
-    from kubemoe.adapters import MoEAdapter
-    from kubemoe.checkpoint import Checkpoint
-    from kubemoe.expert_fn.store import ExpertStore
-
+    queued on the serving stream is still running, and what it loaded equals what the CPU reads.
+    In bfloat16 the layer's experts are one stack, made anew by each Load and Unload."""
     checkpoint = Checkpoint(tiny_checkpoint(ARCH))
     adapter = MoEAdapter(checkpoint.config)
-    store = ExpertStore(checkpoint, adapter, [(LAYER, 0)], torch.float32, torch.device("cuda"))
+    store = ExpertStore(checkpoint, adapter, [(LAYER, 0)], dtype, torch.device("cuda"))
+    assert store.stacked == stacked
+    store.load([(LAYER, 2)])  # a stack to copy from, in the stacked case
     serving_done = torch.cuda.Event()
     torch.cuda._sleep(4_000_000_000)  # about two seconds of a round that is still running on the serving stream
     serving_done.record()
     store.load([(LAYER, e) for e in EXPERTS])
     assert not serving_done.query()  # the load did not wait for the serving stream
-    for e in EXPERTS:
-        want = adapter.load_expert(checkpoint, LAYER, e, torch.float32, "cpu")
+    for e in [2, *EXPERTS]:
+        want = adapter.load_expert(checkpoint, LAYER, e, dtype, "cpu")
         got = store.get(LAYER, e)
         assert torch.equal(got.gate_up.cpu(), want.gate_up) and torch.equal(got.down.cpu(), want.down)
+    assert (store.stack(LAYER) is not None) == stacked
     torch.cuda.synchronize()
     store.unload([(LAYER, e) for e in EXPERTS])
     store.load([(LAYER, EXPERTS[0])])  # the freed memory is reused safely once the serving stream is past it
-    assert torch.equal(store.get(LAYER, EXPERTS[0]).down.cpu(), adapter.load_expert(checkpoint, LAYER, EXPERTS[0],
-                                                                                     torch.float32, "cpu").down)
+    for e in (2, EXPERTS[0]):
+        assert torch.equal(store.get(LAYER, e).down.cpu(), adapter.load_expert(checkpoint, LAYER, e, dtype, "cpu").down)

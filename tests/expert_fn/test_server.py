@@ -13,6 +13,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kubemoe.adapters import MoEAdapter
 from kubemoe.expert import expert_ffn
 from kubemoe.checkpoint import Checkpoint
+from kubemoe.expert_fn import batcher
+from kubemoe.moe import sorted_ffn
 from kubemoe.proto import kubemoe_pb2 as pb
 
 ARCH, BUNDLE = "qwen3_moe", "0:0-3;1:5"  # tiny: 16 experts of 3 x 128 x 64 float32 each, hidden 128
@@ -88,6 +90,39 @@ async def test_concurrent_requests_for_one_expert_merge_into_fewer_matmuls(tiny_
     assert 1 <= runs <= calls // 2, f"{calls} concurrent requests ran as {runs} FFN calls"
     for x, out in zip(xs, outs):
         assert torch.allclose(out, expert_ffn(x, weights, adapter.act), rtol=1e-5, atol=1e-6)
+
+
+async def test_a_load_or_unload_in_place_restacks_the_layer_and_the_next_call_sees_it(tiny_checkpoint, serve,
+                                                                                      monkeypatch):
+    checkpoint = tiny_checkpoint(ARCH)
+    ckpt = Checkpoint(checkpoint)
+    adapter = MoEAdapter(ckpt.config)
+    grouped = []
+    monkeypatch.setattr(batcher, "sorted_ffn", lambda *args: grouped.append(args[0].shape[0]) or sorted_ffn(*args))
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
+
+    def expected(experts: list[int], counts: list[int]) -> torch.Tensor:  # each group through its expert, alone
+        return torch.cat([expert_ffn(rows, adapter.load_expert(ckpt, 0, e), adapter.act)
+                          for e, rows in zip(experts, x.split(counts))])
+
+    async with serve(checkpoint, BUNDLE) as server:
+        client, store = server.client(), server.servicer.store
+        before = store.stack(0)
+        assert before is not None and before.local == {0: 0, 1: 1, 2: 2, 3: 3}
+        await client.load([(0, 9)])
+        stack = store.stack(0)
+        assert stack is not None and stack is not before and stack.local == {0: 0, 1: 1, 2: 2, 3: 3, 9: 4}
+        torch.testing.assert_close(await client.forward(0, [9, 1, 3], [2, 3, 1], x), expected([9, 1, 3], [2, 3, 1]))
+        assert grouped == [6]  # the three experts as one computation
+
+        await client.unload([(0, 1)])
+        assert store.stack(0).local == {0: 0, 2: 1, 3: 2, 9: 3}
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.forward(0, [9, 1], [3, 3], x)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "expert 1 of layer 0" in refused.value.details()
+        torch.testing.assert_close(await client.forward(0, [3, 9], [4, 2], x), expected([3, 9], [4, 2]))
+        assert grouped == [6, 6]
+        await client.close()
 
 
 async def test_metrics_are_served_over_http(tiny_checkpoint, serve):

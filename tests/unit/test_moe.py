@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kubemoe.moe import LocalExperts, StackedExperts, can_group, expert_counts, group_tokens, grouped_ffn
+from kubemoe.expert import expert_ffn
+from kubemoe.moe import LocalExperts, StackedExperts, can_group, expert_counts, group_tokens, grouped_ffn, sorted_ffn
 
 E, H, I, T = 8, 32, 48, 19
 
@@ -38,6 +39,14 @@ def test_grouped_matches_the_loop_with_many_experts_per_token_in_any_order(dtype
     grouped = grouped_ffn(hidden, index, weights, stack, F.gelu, False)
     assert grouped.dtype == dtype
     torch.testing.assert_close(grouped.float(), loop.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_sorted_rows_go_through_their_own_expert_and_experts_without_rows_are_skipped():
+    _, stack, hidden = _layer(2)
+    counts = [3, 0, 5, 0, 0, 1, 10, 0]  # rows of each expert, in expert order: T in all
+    ends = torch.tensor(counts).cumsum(0, dtype=torch.int32)
+    want = torch.cat([expert_ffn(rows, stack.expert(e), F.silu) for e, rows in enumerate(hidden.split(counts))])
+    assert torch.equal(sorted_ffn(hidden, ends, stack, F.silu), want)
 
 
 def test_expert_counts_counts_every_choice_and_sizes_by_the_layer():

@@ -1,0 +1,81 @@
+"""The store without a server: each layer's experts held as one stack, handed out as views of it, and
+made anew by Load and Unload; per-expert weights where a layer cannot be grouped."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from kubemoe.adapters import MoEAdapter
+from kubemoe.checkpoint import Checkpoint
+from kubemoe.expert_fn import store as store_module
+from kubemoe.expert_fn.errors import ExpertFnError
+from kubemoe.expert_fn.store import ExpertStore
+
+ARCH = "qwen3_moe"  # tiny: MoE layers 0 and 1, 16 experts each, hidden 128
+
+
+def _store(tiny_checkpoint) -> tuple[Checkpoint, MoEAdapter, ExpertStore]:
+    checkpoint = Checkpoint(tiny_checkpoint(ARCH))
+    adapter = MoEAdapter(checkpoint.config)
+    return checkpoint, adapter, ExpertStore(checkpoint, adapter, [], torch.float32, torch.device("cpu"))
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _assert_holds(store: ExpertStore, checkpoint: Checkpoint, keys: list[tuple[int, int]]) -> None:
+    """`store` holds exactly `keys`, each with the checkpoint's weights."""
+    assert store.held() == sorted(keys)
+    for layer, expert in keys:
+        want, got = store.adapter.load_expert(checkpoint, layer, expert), store.get(layer, expert)
+        assert torch.equal(got.gate_up, want.gate_up) and torch.equal(got.down, want.down), (layer, expert)
+
+
+def test_a_layers_experts_are_views_of_one_stack_that_load_and_unload_make_anew(tiny_checkpoint):
+    checkpoint, adapter, store = _store(tiny_checkpoint)
+    first, second = adapter.moe_layers[:2]
+    assert store.stacked
+    store.load([(first, 5), (first, 1), (second, 2)])
+    stack = store.stack(first)
+    assert stack is not None and stack.local == {1: 0, 5: 1} and stack.experts.num_experts == 2
+    for expert, i in stack.local.items():
+        weights = store.get(first, expert)
+        assert _storage(weights.gate_up) == _storage(stack.experts.gate_up)
+        assert _storage(weights.down) == _storage(stack.experts.down)
+        assert torch.equal(weights.gate_up, stack.experts.gate_up[i])
+    _assert_holds(store, checkpoint, [(first, 1), (first, 5), (second, 2)])
+
+    untouched = store.stack(second)
+    old_one = store.get(first, 1)
+    assert store.load([(first, 3), (first, 1)])[0] == adapter.expert_bytes(torch.float32)  # 1 is held already
+    stack = store.stack(first)
+    assert stack is not None and stack.local == {1: 0, 3: 1, 5: 2}
+    assert _storage(store.get(first, 1).gate_up) == _storage(stack.experts.gate_up) != _storage(old_one.gate_up)
+    assert store.stack(second) is untouched  # only the layers a Load changes are made anew
+    _assert_holds(store, checkpoint, [(first, 1), (first, 3), (first, 5), (second, 2)])
+
+    assert store.unload([(first, 1), (first, 5), (first, 9)]) == 2 * adapter.expert_bytes(torch.float32)
+    stack = store.stack(first)
+    assert stack is not None and stack.local == {3: 0} and _storage(store.get(first, 3).down) == _storage(stack.experts.down)
+    _assert_holds(store, checkpoint, [(first, 3), (second, 2)])
+    with pytest.raises(ExpertFnError) as refused:
+        store.get(first, 5)
+    assert refused.value.code == grpc.StatusCode.NOT_FOUND
+
+    store.unload([(first, 3)])
+    assert store.stack(first) is None and store.nbytes == adapter.expert_bytes(torch.float32)
+
+
+def test_where_a_layer_cannot_be_grouped_each_expert_is_held_alone(tiny_checkpoint, monkeypatch):
+    monkeypatch.setattr(store_module, "can_group", lambda *_: False)  # as float32 on a GPU
+    checkpoint, adapter, store = _store(tiny_checkpoint)
+    layer = adapter.moe_layers[0]
+    assert not store.stacked
+    assert store.load([(layer, 4), (layer, 6)])[0] == 2 * adapter.expert_bytes(torch.float32)
+    assert store.stack(layer) is None
+    assert _storage(store.get(layer, 4).gate_up) != _storage(store.get(layer, 6).gate_up)
+    assert store.unload([(layer, 6)]) == adapter.expert_bytes(torch.float32)
+    _assert_holds(store, checkpoint, [(layer, 4)])
