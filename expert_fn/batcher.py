@@ -5,13 +5,13 @@ A frontend sends each expert function one request per layer and step; several fr
 layers of several sequences) reach one expert function at once. Their tokens for one expert are
 concatenated, run through the expert once (one read of its weights: what bounds a small-batch
 expert on a GPU), and split back. Where the store holds a layer's experts as one stack (store.py)
-and a round has two or more of them, all their rows are gathered in the stack's order and run
-through moe.sorted_ffn: two grouped GEMMs for the layer instead of an FFN (or a graph launch) per
-expert, each of which cost 10-30 us of host time on the H200 host. A function holding 32 of
-Qwen3-30B-A3B's 128 experts of a layer gets ~32 of them per call at batch 32: with one FFN per
-expert a layer took 24 ms for 4 functions at 32 tokens, with tiny weights
-(benchmarks/results/dispatch_calls_h200.json). A lone expert of a layer still runs alone (its
-graph, graphs.py).
+and a round has enough of them (the servicer's `group_min_experts`), their rows are gathered in the
+stack's order and run through moe.sorted_ffn: two grouped GEMMs for the layer instead of an FFN (or
+a graph launch) per expert, each of which cost 10-30 us of host time on the H200 host. A function
+holding 32 of Qwen3-30B-A3B's 128 experts of a layer gets ~32 of them per call at batch 32: one FFN
+per expert, a layer took 24 ms for 4 functions at 32 tokens; grouped, 8.8 ms
+(benchmarks/results/dispatch_calls_h200.json). Fewer experts of a layer still run one by one (their
+graphs, graphs.py): 2 Mixtral-size experts grouped took longer than their 2 graphs.
 
 When to run a batch (the same policy as Triton's dynamic batcher, plus a bounded wait):
 - compute runs one round at a time, on the event loop; requests that arrive meanwhile join the next;
@@ -98,10 +98,11 @@ class GroupedLayer(NamedTuple):
     ends: list[int]  # [E] end row, in the parts' rows one after another, of each expert of the stack
 
 
-def group_round(plan: dict[ExpertKey, list[Part]],
-                stacks: dict[int, LayerStack]) -> tuple[list[GroupedLayer], dict[ExpertKey, list[Part]]]:
-    """Split a round's plan: the experts of a layer that `stacks` holds, two or more, as one GroupedLayer;
-    the others (a lone one, one of a layer without a stack, one its stack lacks) one FFN each."""
+def group_round(plan: dict[ExpertKey, list[Part]], stacks: dict[int, LayerStack],
+                min_grouped: int = 2) -> tuple[list[GroupedLayer], dict[ExpertKey, list[Part]]]:
+    """Split a round's plan: the experts of a layer that `stacks` holds, `min_grouped` or more, as one
+    GroupedLayer; the others (too few of their layer, one of a layer without a stack, one its stack
+    lacks) one FFN each."""
     stacked: dict[int, list[ExpertKey]] = {}
     for key in plan:
         stack = stacks.get(key[0])
@@ -109,7 +110,7 @@ def group_round(plan: dict[ExpertKey, list[Part]],
             stacked.setdefault(key[0], []).append(key)
     grouped, alone = [], dict(plan)
     for layer, keys in stacked.items():
-        if len(keys) < 2:
+        if len(keys) < max(2, min_grouped):
             continue
         stack = stacks[layer]
         counts = [0] * stack.experts.num_experts  # [E]; an expert not in this round has no rows
@@ -189,9 +190,11 @@ def run_round(
     dtype: torch.dtype,
     graphs: ExpertGraphs | None = None,
     stack_of: Callable[[int], LayerStack | None] | None = None,
+    min_grouped: int = 2,
 ) -> dict[ExpertKey, int]:
-    """Run every job's groups: the experts of a layer that `stack_of(layer)` holds (store.stack) as one
-    grouped computation, any other expert as one FFN; fills job.out / job.error. Returns tokens per key.
+    """Run every job's groups: the experts of a layer that `stack_of(layer)` holds (store.stack), at least
+    `min_grouped` of them, as one grouped computation, any other expert as one FFN; fills job.out /
+    job.error. Returns tokens per key.
 
     Every step here is on the request's path, where a Python or torch call costs 10-30 us on a
     core whose caches the FFN just flushed: hence no inference_mode (neither weights nor requests
@@ -202,7 +205,7 @@ def run_round(
     # Each layer's stack read once: a Load or Unload meanwhile makes a new one, and this round keeps the old
     stacks = {} if stack_of is None else {
         layer: stack for layer in {layer for layer, _ in plan} if (stack := stack_of(layer)) is not None}
-    grouped, alone = group_round(plan, stacks)
+    grouped, alone = group_round(plan, stacks, min_grouped)
     experts = _experts(alone, jobs, weights_of)
     if device.type == "cpu":
         _cpu_round(jobs, grouped, experts, act, dtype, clock)

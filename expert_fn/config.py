@@ -33,6 +33,11 @@ class ExpertFnConfig:
     max_batch_tokens: int = 8192  # a batch stops waiting once it holds this many tokens
     # On a GPU, an expert's call of up to this many tokens replays a CUDA graph (graphs.py); 0: never.
     cuda_graph_tokens: int = DEFAULT_GRAPH_TOKENS
+    # A round runs a layer's experts as one grouped computation from this many of them (batcher.py); fewer
+    # run one graph each. On the H200 (dispatch_calls at 5cbc93c) grouping 2 Mixtral experts cost more than
+    # their 2 graphs (5.4 against 4.6 ms a layer at 32 tokens) and grouping ~32 Qwen3-30B-A3B experts a
+    # third of their graphs (8.8 against 25.9); 8 lies between, not measured.
+    group_min_experts: int = 8
     grace_seconds: float = 25.0  # below Knative's default 30 s terminationGracePeriod
     # A tmpfs folder shared with same-node frontends (see shm.py); None: tensors always travel inline.
     shm_dir: Path | None = None

@@ -89,7 +89,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     def _run_round(self, jobs: list[Job]) -> None:
         tokens = run_round(jobs, lambda key: self.store.get(*key), self.store.adapter.act,
-                           self.config.device, self.config.dtype, self._graphs, self.store.stack)
+                           self.config.device, self.config.dtype, self._graphs, self.store.stack,
+                           self.config.group_min_experts)
         # Off the requests' path: recorded in the loop's next turn (a lone request's reply is out by then).
         asyncio.get_running_loop().call_soon(self.metrics.round, tokens, jobs[0].compute_seconds,
                                              [job.queue_seconds for job in jobs])

@@ -103,6 +103,9 @@ def test_a_layers_stacked_experts_group_in_the_stacks_order_and_the_others_run_a
     assert grouped[0].parts == [Part(0, 0, 6)] and grouped[0].ends == [2, 2, 2, 6] and not alone  # one slice: the job
     lone = [make_job((3, 4))]
     assert group_round(plan_round(lone), {0: stack}) == ([], plan_round(lone))  # a lone expert keeps its graph
+    # Fewer of a layer's experts than min_grouped keep their graphs too (the servicer's group_min_experts)
+    assert group_round(plan_round(jobs), {0: stack}, min_grouped=4) == ([], plan_round(jobs))  # 3 of layer 0's
+    assert len(group_round(plan_round(jobs), {0: stack}, min_grouped=3)[0]) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -105,7 +105,7 @@ async def test_a_load_or_unload_in_place_restacks_the_layer_and_the_next_call_se
         return torch.cat([expert_ffn(rows, adapter.load_expert(ckpt, 0, e), adapter.act)
                           for e, rows in zip(experts, x.split(counts))])
 
-    async with serve(checkpoint, BUNDLE) as server:
+    async with serve(checkpoint, BUNDLE, group_min_experts=2) as server:  # as few as two experts: grouped
         client, store = server.client(), server.servicer.store
         before = store.stack(0)
         assert before is not None and before.local == {0: 0, 1: 1, 2: 2, 3: 3}
