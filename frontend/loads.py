@@ -27,7 +27,7 @@ class LoadRecorder:
         self._current: Counter = Counter()
         self._predicted: Counter = Counter()
         self._scores: dict[int, list[int]] = {}  # layer -> [source layer, tokens, hits, true choices]
-        self._tokens = 0
+        self._tokens = self._passes = 0
         self._last: pb.LoadReport | None = None
         self.predictor, self.prediction_distance = "", 0  # what predicts, set by the frontend
         self.offload_policy = ""  # set by a frontend in offload mode: the report then carries its counts
@@ -68,10 +68,12 @@ class LoadRecorder:
         return self._scores.setdefault(layer, [source, 0, 0, 0])
 
     def record_tokens(self, count: int) -> None:
-        """Tokens that went through the model (each counted once, not once per layer)."""
+        """One forward pass (a decode step, a prefill chunk) of `count` tokens (each counted once, not once
+        per layer)."""
         with self._lock:
             self._roll()
             self._tokens += count
+            self._passes += 1
 
     def refresh(self) -> None:
         """Bring in the counts still held on the device (a report or a metrics scrape is about to be read)."""
@@ -90,14 +92,15 @@ class LoadRecorder:
         now = self._clock()
         if now - self._start >= self.window_seconds:
             self._last = self._build(self.window_seconds)
-            self._start, self._current, self._predicted, self._scores, self._tokens = now, Counter(), Counter(), {}, 0
+            self._start, self._current, self._predicted, self._scores = now, Counter(), Counter(), {}
+            self._tokens = self._passes = 0
             self._offload = OffloadStats()
 
     def _build(self, seconds: float) -> pb.LoadReport:
         seconds = max(seconds, 1e-9)
         return pb.LoadReport(
             model=self.model, frontend=self.frontend, window_start=self._start, window_seconds=seconds,
-            tokens=self._tokens,
+            tokens=self._tokens, passes=self._passes,
             loads=[pb.ExpertLoad(layer=l, expert=e, tokens=self._current[(l, e)],
                                  tokens_per_second=self._current[(l, e)] / seconds,
                                  predicted_tokens=self._predicted[(l, e)],

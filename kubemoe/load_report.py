@@ -57,3 +57,8 @@ def rates(reports: Iterable[pb.LoadReport]) -> dict[ExpertKey, float]:
             key = (load.layer, load.expert)
             total[key] = total.get(key, 0.0) + expert_rate(load)
     return total
+
+
+def passes_per_second(reports: Iterable[pb.LoadReport]) -> float:
+    """Forward passes a second, summed over the reports (0 from frontends that do not report them)."""
+    return sum(r.passes / r.window_seconds for r in reports if r.window_seconds > 0)

@@ -53,10 +53,10 @@ def loads_matrix(rates: Mapping[tuple[int, int], float], moe_layers: Sequence[in
 
 
 def summarize(loads: Sequence[Sequence[float]], moe_layers: Sequence[int], expert_bytes: int, gpus: Sequence[GPU],
-              cv: float, max_per_expert: int, layer_memory_cap: int | None) -> PlanSummary:
+              cv: float, max_per_expert: int, layer_memory_cap: int | None, min_replica_load: float = 0.0) -> PlanSummary:
     """Pure: scale, then place, and what a person wants to see of it."""
-    replicas = scale(loads, expert_bytes, cv, layer_memory_cap, max_per_expert)
-    placement = place(replicas, loads, gpus, expert_bytes)
+    replicas = scale(loads, expert_bytes, cv, layer_memory_cap, max_per_expert, min_replica_load)
+    placement = place(replicas, loads, gpus, expert_bytes, min_replica_load=min_replica_load)
     rows = [LayerRow(layer, len(row), sum(counts), max(counts), layer_cv(row, [1] * len(row)), layer_cv(row, counts))
             for layer, row, counts in zip(moe_layers, loads, replicas)]
     return PlanSummary(rows, placement, len(gpus), tuple(moe_layers))
@@ -115,11 +115,13 @@ def plan_command(checkpoint: Path, loads_file: Path, nodes: int, gpus_per_node: 
     from kubemoe.adapters import MoEAdapter
     from kubemoe.checkpoint import Checkpoint
     from kubemoe.devices import resolve_dtype
-    from kubemoe.load_report import LoadReportError, parse_reports, rates
+    from kubemoe.load_report import LoadReportError, parse_reports, passes_per_second, rates
+    from kubemoe.planning.latency import min_replica_load
 
     ckpt = Checkpoint(checkpoint)
     adapter = MoEAdapter(ckpt.config)
-    expert_bytes = adapter.expert_bytes(resolve_dtype(None, ckpt.config))
+    dtype = resolve_dtype(None, ckpt.config)
+    expert_bytes = adapter.expert_bytes(dtype)
     try:
         reports = parse_reports(loads_file.read_text())
     except LoadReportError as e:
@@ -128,7 +130,8 @@ def plan_command(checkpoint: Path, loads_file: Path, nodes: int, gpus_per_node: 
     memory = _bytes(gpu_memory, "--gpu-memory")
     gpus = [GPU(f"node{n}/gpu{g}", f"node{n}", memory) for n in range(nodes) for g in range(gpus_per_node)]
     cap = _bytes(layer_memory_cap, "--layer-memory-cap") if layer_memory_cap else None
-    summary = summarize(loads, adapter.moe_layers, expert_bytes, gpus, cv, max_per_expert, cap)
+    least = min_replica_load(expert_bytes, dtype.itemsize, passes_per_second(reports))
+    summary = summarize(loads, adapter.moe_layers, expert_bytes, gpus, cv, max_per_expert, cap, least)
     click.echo(f"{adapter.arch.name}: {len(adapter.moe_layers)} MoE layers x {adapter.num_experts} experts of "
                f"{expert_bytes / 2**20:.1f} MiB; {sum(map(sum, loads)):.1f} tokens/s routed (from {len(reports)} "
                f"report{'s' if len(reports) != 1 else ''})")

@@ -15,7 +15,8 @@ from kubemoe.operator.schema import (DURATION_PATTERN, Duration, Integer, List, 
 
 MODES = ("distributed", "offload", "auto")
 RUNTIMES = ("knative", "deployment")
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}  # the weight dtypes a model may be served in
+DTYPES = tuple(DTYPE_BYTES)
 PREDICTORS = ("llapor", "frequency")
 # How a frontend and an expert function on one node exchange tensors (spec.dataPath.sameNode): tcp, the
 # TCP lane every pair uses (no node folder: restricted Pod Security holds); hostShm, shared memory and a

@@ -34,17 +34,19 @@ class LoadSource(Protocol):
 def aggregate(reports: Iterable[pb.LoadReport], model: str) -> Loads | None:
     """Sum tokens/s per (layer, expert) over the frontends' reports of `model` (predicted where sent)."""
     per_expert: dict[tuple[int, int], float] = {}
-    tokens, frontends = 0.0, 0
+    tokens, passes, frontends = 0.0, 0.0, 0
     for report in reports:
         if report.model and report.model != model:
             log.warning("frontend %s reports loads of model %r, expected %r: ignored", report.frontend, report.model, model)
             continue
         frontends += 1
-        tokens += report.tokens / report.window_seconds if report.window_seconds > 0 else 0.0
+        if report.window_seconds > 0:
+            tokens += report.tokens / report.window_seconds
+            passes += report.passes / report.window_seconds
         for load in report.loads:
             key = (load.layer, load.expert)
             per_expert[key] = per_expert.get(key, 0.0) + expert_rate(load)
-    return Loads(per_expert, tokens, frontends) if frontends else None
+    return Loads(per_expert, tokens, frontends, passes) if frontends else None
 
 
 class FrontendLoads:

@@ -49,9 +49,10 @@ from typing import Any, Mapping, Sequence
 from kubernetes.utils import parse_quantity
 
 from kubemoe.bundles import Bundle
+from kubemoe.operator.fields import DTYPE_BYTES
 from kubemoe.operator.mode import Refused, choose_mode
 from kubemoe.operator.spec import MoESpec, Placement
-from kubemoe.planning import placer
+from kubemoe.planning import latency, placer
 from kubemoe.planning.placer import WARM_SLACK
 from kubemoe.planning.scaler import layer_cv, scale
 
@@ -155,6 +156,7 @@ class Loads:
     per_expert: Mapping[tuple[int, int], float] = field(default_factory=dict)  # {(l, e): tokens/s}
     tokens_per_second: float = 0.0
     frontends: int = 0
+    passes_per_second: float = 0.0  # forward passes, each one call per MoE layer (0: not reported)
 
     # A plan asks for each bundle's rate several times (scaler, placer, hosting, summaries): summed once.
     _of: dict[tuple[tuple[int, int], ...], float] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -384,15 +386,23 @@ def _hosting_of(p: Plan) -> dict[str, tuple[ServiceKey, ...]]:
 def _replicas(spec: MoESpec, bundles: Sequence[Bundle], loads: Loads) -> dict[str, int]:
     """Replicas per bundle: the scaler over each layer's bundles, a bundle being the unit a replica
     loads (with one expert per bundle, as for Mixtral-sized experts, this is the scaler per expert).
-    The layer memory cap counts each bundle at the size of the layer's largest (conservative)."""
+    The layer memory cap counts each bundle at the size of the layer's largest (conservative), and so
+    does the least load worth a replica (`min_replica_load`)."""
     scaling = spec.experts.scaling
     counts: dict[str, int] = {}
     for layer_bundles in _by_layer(bundles).values():
-        largest = max(len(b.experts) for b in layer_bundles) * spec.layout.expert_bytes
-        [row] = scale([[loads.of(b) for b in layer_bundles]], largest, scaling.cv_threshold,
-                      scaling.layer_memory_cap, scaling.max_replicas_per_expert)
+        experts = max(len(b.experts) for b in layer_bundles)
+        [row] = scale([[loads.of(b) for b in layer_bundles]], experts * spec.layout.expert_bytes,
+                      scaling.cv_threshold, scaling.layer_memory_cap, scaling.max_replicas_per_expert,
+                      min_replica_load(spec, loads, experts))
         counts.update((b.name, r) for b, r in zip(layer_bundles, row))
     return counts
+
+
+def min_replica_load(spec: MoESpec, loads: Loads, experts: int = 1) -> float:
+    """The least load worth a replica of `experts` experts (`latency.min_replica_load`), by the frontends'
+    passes a second: 0 while none reports them."""
+    return latency.min_replica_load(spec.layout.expert_bytes, DTYPE_BYTES[spec.dtype], loads.passes_per_second, experts)
 
 
 def _check_fits(spec: MoESpec, bundles: Sequence[Bundle], eligible: Sequence[NodeInfo]) -> None:
@@ -472,7 +482,8 @@ def _place(spec: MoESpec, bundles: Sequence[Bundle], replicas: Mapping[str, int]
             warm_serving.setdefault(where[bundle], []).extend([site] * count)
     placement = placer.place([[replicas[b.name] for b in row] for row in rows],
                              [[loads.of(b) for b in row] for row in rows], gpus, item, warm_previous,
-                             warm_slack=WARM_SLACK, warm_held=True, warm_serving=warm_serving)
+                             warm_slack=WARM_SLACK, warm_held=True, warm_serving=warm_serving,
+                             min_replica_load=min_replica_load(spec, loads, max(len(b.experts) for b in bundles)))
     placed: dict[str, list[str]] = {}
     for (i, j, _), gpu in placement.gpu_of.items():
         placed.setdefault(rows[i][j].name, []).append(gpu)  # a bin's id is its site

@@ -207,7 +207,7 @@ class LayerPrediction(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., source_layer: _Optional[int] = ..., accuracy: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("model", "frontend", "window_start", "window_seconds", "tokens", "loads", "predictions", "predictor", "prediction_distance", "offload")
+    __slots__ = ("model", "frontend", "window_start", "window_seconds", "tokens", "loads", "predictions", "predictor", "prediction_distance", "offload", "passes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_FIELD_NUMBER: _ClassVar[int]
     WINDOW_START_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,7 @@ class LoadReport(_message.Message):
     PREDICTOR_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_DISTANCE_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
     model: str
     frontend: str
     window_start: float
@@ -228,7 +229,8 @@ class LoadReport(_message.Message):
     predictor: str
     prediction_distance: int
     offload: OffloadStats
-    def __init__(self, model: _Optional[str] = ..., frontend: _Optional[str] = ..., window_start: _Optional[float] = ..., window_seconds: _Optional[float] = ..., tokens: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., predictions: _Optional[_Iterable[_Union[LayerPrediction, _Mapping]]] = ..., predictor: _Optional[str] = ..., prediction_distance: _Optional[int] = ..., offload: _Optional[_Union[OffloadStats, _Mapping]] = ...) -> None: ...
+    passes: int
+    def __init__(self, model: _Optional[str] = ..., frontend: _Optional[str] = ..., window_start: _Optional[float] = ..., window_seconds: _Optional[float] = ..., tokens: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., predictions: _Optional[_Iterable[_Union[LayerPrediction, _Mapping]]] = ..., predictor: _Optional[str] = ..., prediction_distance: _Optional[int] = ..., offload: _Optional[_Union[OffloadStats, _Mapping]] = ..., passes: _Optional[int] = ...) -> None: ...
 
 class OffloadStats(_message.Message):
     __slots__ = ("activated", "hits", "prefetched", "prefetch_used", "loaded", "bytes_copied", "gpu_tokens", "cpu_tokens", "hit_rate", "prefetch_accuracy", "cpu_share", "policy", "cpu_experts")

@@ -41,6 +41,12 @@ class ExpertCurve:
     weight_bytes_per_s: float = H200_WEIGHT_BYTES_PER_S
     flops_per_s: float = H200_ACHIEVED_FLOPS
 
+    @classmethod
+    def of_weights(cls, weight_bytes: int, dtype_bytes: int) -> "ExpertCurve":
+        """An expert that uses each of its weights once per token (2 FLOPs a weight, `dtype_bytes` each):
+        its knee depends on the dtype alone (~220 tokens in bfloat16 on the H200)."""
+        return cls(weight_bytes, 2 * weight_bytes / dtype_bytes)
+
     @property
     def weight_read_s(self) -> float:
         return self.weight_bytes / self.weight_bytes_per_s
@@ -55,6 +61,16 @@ class ExpertCurve:
         tokens = np.asarray(tokens, dtype=np.float64)
         busy = np.maximum(self.weight_read_s, tokens * (self.flops_per_token / self.flops_per_s))
         return np.where(tokens > 0, busy, 0.0)
+
+
+def min_replica_load(weight_bytes: int, dtype_bytes: int, calls_per_second: float, experts: int = 1) -> float:
+    """The least load (tokens/s) worth a replica of `experts` experts of `weight_bytes` each: the curve's
+    knee per call, where a replica's part stops costing a whole read of its weights (a replica for less
+    costs a GPU what one for the knee costs; the simulator's scaler and split use this knee, the
+    frontend's split its own --split-min-tokens, 64 by default, the curve's measured flat region), times
+    the calls a second (the frontends' forward passes, each one call per MoE layer). 0 when the calls
+    are not known (0): then every part counts, as a scaler without a knee counts them."""
+    return ExpertCurve.of_weights(weight_bytes, dtype_bytes).knee_tokens * experts * calls_per_second
 
 
 @dataclass(frozen=True)

@@ -74,10 +74,13 @@ def test_load_windows_roll_over():
     rec = LoadRecorder("m", "fe", window_seconds=10, clock=lambda: now[0])
     rec.record(1, [(0, 6), (3, 2)])
     rec.record_tokens(4)
+    rec.record_tokens(1)  # a second pass
     report = rec.report()
     assert [(l.layer, l.expert, l.tokens) for l in report.loads] == [(1, 0, 6), (1, 3, 2)]
     now[0] = 112.0
     rec.record(1, [(0, 1)])
     last = rec.report()  # the completed window, not the one in progress
-    assert last.window_seconds == 10 and last.tokens == 4
+    assert last.window_seconds == 10 and last.tokens == 5 and last.passes == 2
+    now[0] = 123.0
+    assert rec.report().passes == 0  # the window after it: no pass ran
     assert last.loads[0].tokens_per_second == pytest.approx(0.6)

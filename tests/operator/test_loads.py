@@ -8,7 +8,7 @@ from kubemoe.proto import kubemoe_pb2 as pb
 
 
 def report(frontend: str, model: str = "tiny", **loads) -> pb.LoadReport:
-    return pb.LoadReport(model=model, frontend=frontend, window_seconds=10, tokens=100, loads=[
+    return pb.LoadReport(model=model, frontend=frontend, window_seconds=10, tokens=100, passes=30, loads=[
         pb.ExpertLoad(layer=int(k[1]), expert=int(k[3]), tokens_per_second=v) for k, v in loads.items()])
 
 
@@ -16,6 +16,7 @@ def test_aggregate_sums_frontends_and_ignores_other_models():
     loads = aggregate([report("a", l0e1=5.0), report("b", l0e1=3.0, l1e2=1.0), report("c", model="other", l0e1=99.0)],
                       "tiny")
     assert loads.per_expert == {(0, 1): 8.0, (1, 2): 1.0} and loads.frontends == 2 and loads.tokens_per_second == 20.0
+    assert loads.passes_per_second == 6.0  # each frontend's passes call the experts on their own
     assert aggregate([], "tiny") is None
 
 

@@ -1,7 +1,7 @@
 import pytest
 
-from kubemoe.operator.plan import (Loads, NodeInfo, Plan, PlanError, Retired, decisions, eligible_nodes, plan,
-                                   tolerated)
+from kubemoe.operator.plan import (Loads, NodeInfo, Plan, PlanError, Retired, decisions, eligible_nodes,
+                                   min_replica_load, plan, tolerated)
 from kubemoe.operator.spec import MoESpec
 
 NOW = 1_000_000.0
@@ -164,6 +164,19 @@ def test_a_hot_bundle_gets_more_replicas_on_different_nodes(f):
     # Layer 0's bundles carry 600 and 200 tokens/s: [300, 300, 200] has CV 0.18 <= 0.2.
     assert {b: len(n) for b, n in p.nodes.items()} == {"l0-e0-1": 2, "l0-e2-3": 1, "l1-e0-1": 1, "l1-e2-3": 1}
     assert set(p.nodes["l0-e0-1"]) == {"node-0", "node-1"} and p.cv == 0.1768
+
+
+def test_no_replica_is_made_for_less_than_the_knee_per_call(f):
+    """With the frontends' passes known, a replica must get at least the expert curve's knee (~220 tokens in
+    bfloat16, x2 for these two-expert bundles) per call: 1000 tokens/s over 1 pass/s make 2 parts of 500,
+    not 3 of 333; without passes every part counts, as before."""
+    spec = spec_of(f, experts={"scaling": {"maxReplicasPerExpert": 3}})
+    knee = min_replica_load(spec, Loads({}, 0.0, 1, 1.0), 1)
+    assert knee == 221 and min_replica_load(spec, Loads({}, 0.0, 1, 2.0), 2) == 4 * knee
+    assert min_replica_load(spec, Loads(), 2) == 0.0
+    skewed = {(0, 0): 1000.0, (0, 2): 1.0}
+    assert len(plan(spec, Loads(skewed, 10.0, 1, 1.0), f.gpu_nodes(2), None, NOW).nodes["l0-e0-1"]) == 2
+    assert len(plan(spec, Loads(skewed, 10.0, 1), f.gpu_nodes(2), None, NOW).nodes["l0-e0-1"]) == 3
 
 
 def test_scaling_obeys_the_spec_caps(f):
