@@ -317,15 +317,17 @@ class Dispatcher:
         return unsort_pairs(y if self.adapter.routing.weight_on_input else (y * pairs.weights).to(y.dtype), pairs)
 
     def _run_sorted(self, layer: int, pairs: SortedPairs, y: torch.Tensor, hidden: torch.Tensor,
-                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor | None:
+                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, counted: bool = False) -> torch.Tensor | None:
         """A layer's host work: each expert's rows of `pairs` through its expert, wherever it lives, into
         the same rows of `y` [S, H]. Remote experts go out first (one call per address, all at once),
         in-process ones run here meanwhile. Returns what the offload executor added for its experts
-        ([T, H], their rows of `y` untouched), or None. The one wait for the device: the group ends."""
+        ([T, H], their rows of `y` untouched), or None. The one wait for the device: the group ends.
+        `counted`: the layer's tokens per expert were counted on the device already (a decode graph)."""
         ends = pairs.ends.tolist()
         num_experts = self.adapter.num_experts
         spans = [(ends[e - 1] if e else 0, ends[e]) for e in range(num_experts)]  # a spare group (E) stays out
-        self._record_counts(layer, [(e, b - a) for e, (a, b) in enumerate(spans) if b > a])
+        if not counted:
+            self._record_counts(layer, [(e, b - a) for e, (a, b) in enumerate(spans) if b > a])
         self._observe(layer, hidden, top_k_index, top_k_weights)
         routes = self._table().routes
         local, remote = [], {}
@@ -379,16 +381,20 @@ class Dispatcher:
                                                                 top_k_weights[:rows]))
             return grouped_ffn(hidden, top_k_index, top_k_weights, stack, self.adapter.act,
                                self.adapter.routing.weight_on_input)
-        # Sorting the pairs and adding the outputs back are device work: captured on either side of the cut,
-        # whose host work is the calls alone. The spare rows' pairs sort last, to no expert: their rows of y
-        # stay 0, so the spare rows' next layers read a finite output.
+        # Sorting the pairs, counting the tokens per expert and adding the outputs back are device work:
+        # captured on either side of the cut, whose host work is the calls alone (a Prometheus counter a
+        # routed expert cost ~5 us of the cut). The spare rows' pairs sort last, to no expert: their rows
+        # of y stay 0, so the spare rows' next layers read a finite output.
+        real_rows = recorder.real_rows(hidden.device)
         pairs = sort_pairs(hidden, top_k_index, top_k_weights, self.adapter.num_experts,
-                           self.adapter.routing.weight_on_input, real_rows=recorder.real_rows(hidden.device))
+                           self.adapter.routing.weight_on_input, real_rows=real_rows)
+        self.tally.add_rows(layer, top_k_index, real_rows)
         y = torch.zeros_like(pairs.x)
         extra = torch.zeros_like(hidden) if self.offload is not None else None  # what its experts add
 
         def call(rows: int) -> None:
-            added = self._run_sorted(layer, pairs, y, hidden[:rows], top_k_index[:rows], top_k_weights[:rows])
+            added = self._run_sorted(layer, pairs, y, hidden[:rows], top_k_index[:rows], top_k_weights[:rows],
+                                     counted=True)
             if added is not None and extra is not None:
                 extra[:rows] = added
 
