@@ -382,8 +382,8 @@ class Dispatcher:
             return grouped_ffn(hidden, top_k_index, top_k_weights, stack, self.adapter.act,
                                self.adapter.routing.weight_on_input)
         # Sorting the pairs, counting the tokens per expert and adding the outputs back are device work:
-        # captured on either side of the cut, whose host work is the calls alone (a Prometheus counter a
-        # routed expert cost ~5 us of the cut). The spare rows' pairs sort last, to no expert: their rows
+        # captured on either side of the cut, whose host work is the calls alone (not a Prometheus counter
+        # and a load record per routed expert). The spare rows' pairs sort last, to no expert: their rows
         # of y stay 0, so the spare rows' next layers read a finite output.
         real_rows = recorder.real_rows(hidden.device)
         pairs = sort_pairs(hidden, top_k_index, top_k_weights, self.adapter.num_experts,
