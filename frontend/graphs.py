@@ -11,8 +11,10 @@ with *cuts* between them where the host must act when it is replayed.
   the real rows only: their number is a device scalar the program sets before each replay
   (`Recorder.real_rows`). Host work (routing records, the host's side of the counting) runs after
   the last segment, given the number of real rows (`Recorder.after`).
-- A layer whose experts run elsewhere is a cut (`Recorder.cut`): at replay the real rows go out
-  through the dispatcher's usual path, and the reply lands in the buffer the next segment reads.
+- A layer whose experts run elsewhere is a cut (`Recorder.cut`): the segment before it sorts the
+  layer's (token, choice) pairs by expert and counts them, at replay the cut sends the real rows'
+  pairs to their expert functions and the replies land in the buffer the next segment weighs and
+  sums (dispatch.py).
 A batch of 5 replays the program of 8 rows (ROW_BUCKETS); the 3 spare rows are one-token sequences
 in spare cache rows (batch.py) that nothing but the graph sees. Programs hold for one cache
 allocation and one set of in-process expert weights (`generation`): when either moves, they are
