@@ -20,7 +20,6 @@ from kubemoe.frontend.engine import Engine
 from kubemoe.frontend.graphs import DecodeGraphs
 from kubemoe.frontend.kv_cache import KVCacheConfig
 from kubemoe.frontend.loads import LoadRecorder
-from kubemoe.errors import KubemoeError
 from kubemoe.frontend.metrics import FrontendMetrics
 from kubemoe.frontend.offload.config import OffloadConfig
 from kubemoe.frontend.prediction import OnlinePredictor, RefreshConfig
@@ -50,8 +49,7 @@ class FrontendConfig:
     max_batch: int = 32
     max_waiting: int = 256
     max_step_tokens: int | None = None  # tokens one engine step computes (decode + prompt chunks); None: by device
-    micro_batches: int = 1  # 2: two-batch overlap of attention and remote expert calls
-    cuda_graphs: bool = True  # on a GPU, decode passes replayed as CUDA graphs (graphs.py; one micro-batch, not offload)
+    cuda_graphs: bool = True  # on a GPU, decode passes replayed as CUDA graphs (graphs.py; not in offload mode)
     lookahead: bool = True  # on a GPU with every expert here, a greedy batch's next pass launched ahead (engine.py)
     compile: bool = False  # decode passes through torch.compile, norms, rotary and routers fused (compiled.py)
     kv_cache_bytes: int | None = None  # the KV cache's budget; None: a fraction of free GPU memory, unbounded on CPU
@@ -120,7 +118,6 @@ class Frontend:
         self.engine = Engine(self.model, self.tokenizer, eos_ids, self.max_context,
                              SchedulerConfig(config.max_batch, config.max_waiting, step_tokens),
                              before_step=self.dispatcher.before_step, metrics=self.metrics, loads=self.loads,
-                             micro_batches=config.micro_batches,
                              kv_cache=KVCacheConfig(config.kv_cache_bytes, config.kv_cache_fraction),
                              on_forward=self.recorder.start_forward if self.recorder else None,
                              graphs=self._decode_graphs(), decode_model=self.decode_model,
@@ -133,10 +130,10 @@ class Frontend:
             self.set_routing_table(table_for_bundles(self.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
 
     def _decode_graphs(self) -> DecodeGraphs | None:
-        """CUDA graphs where they apply: on a GPU, one micro-batch, experts not offloaded (the offload
-        executor's streams and copies are decided on the host per layer)."""
+        """CUDA graphs where they apply: on a GPU, experts not offloaded (the offload executor's streams
+        and copies are decided on the host per layer)."""
         config = self.config
-        if not config.cuda_graphs or self.device.type != "cuda" or config.micro_batches > 1 or self.offload:
+        if not config.cuda_graphs or self.device.type != "cuda" or self.offload:
             return None
         return DecodeGraphs(self.decode_model, lambda: self.dispatcher.generation)
 
@@ -146,9 +143,6 @@ class Frontend:
         from kubemoe.frontend.offload.runtime import build_executor, check_budget, prefetch_slots_of
         from kubemoe.frontend.offload.store import HostExperts
 
-        if self.config.micro_batches != 1:
-            raise KubemoeError("offload mode decodes one batch at a time (its device slots follow one forward pass): "
-                               "use --micro-batches 1")
         # Settings first, before minutes of reading expert weights.
         check_budget(offload, self.adapter.expert_bytes(self.dtype),
                      prefetch_slots_of(offload, self.adapter.num_experts, self.adapter.top_k), self.device)

@@ -44,12 +44,9 @@ _SERVING_OPTIONS = (  # what both commands serve with, in --help order
                  help="Tokens one engine step computes: a decode token per running sequence, prompt chunks in "
                       "the rest (a longer prompt is prefilled over several steps, so the batch keeps decoding). "
                       "Default: 2048 on a GPU, 256 on CPU."),
-    click.option("--micro-batches", type=click.IntRange(1, 2), default=1, show_default=True,
-                 help="2 decodes two half-batches on two threads so one's attention overlaps the other's remote "
-                      "expert calls (experimental: slower than 1 in benchmarks/results/frontend_*.json so far)."),
     click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-                 help="On a GPU, replay each decode pass as a CUDA graph captured once per batch size (with "
-                      "--micro-batches 1, not in offload mode); off: every kernel launched one by one."),
+                 help="On a GPU, replay each decode pass as a CUDA graph captured once per batch size (not in "
+                      "offload mode); off: every kernel launched one by one."),
     click.option("--lookahead/--no-lookahead", default=True, show_default=True,
                  help="On a GPU with every expert in this process, launch a greedy batch's next decode pass from "
                       "this pass's argmax before reading its tokens, so the host's work overlaps the GPU's; off: "

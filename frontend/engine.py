@@ -10,7 +10,7 @@ running batch's cache rows (batch.py), so a chunk of C tokens in it would make e
 tokens wide (C - 1 of them padding, run through attention and the experts for nothing). Chunks of the same start and length (e.g. prompts of one length that
 arrived together) share one pass with no padding at all (`scheduler.chunk_groups`); a prefill
 continued in a later step keeps its own cache (`Sequence.partial`) until its last chunk, after which
-it joins a micro-batch and samples its first token.
+it joins the running batch and samples its first token.
 
 Look-ahead (`lookahead`, on a GPU where a decode pass never waits for the host: every expert in
 process): a greedy batch's next decode pass is launched from this pass's argmax on the device
@@ -27,7 +27,6 @@ import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -85,8 +84,8 @@ class Sequence:
 
 
 @dataclass
-class MicroBatch:
-    """A share of the running sequences with its own KV cache, decoded by its own forward pass."""
+class RunningBatch:
+    """The running sequences with their KV cache, decoded by one forward pass a step."""
 
     state: BatchState
     seqs: list[Sequence] = field(default_factory=list)
@@ -100,14 +99,13 @@ class MicroBatch:
 
 @dataclass(eq=False)
 class Ahead:
-    """A micro-batch's decode pass launched before the host read the previous pass's tokens."""
+    """The batch's decode pass launched before the host read the previous pass's tokens."""
 
-    mb: MicroBatch
-    seqs: list[Sequence]  # the micro-batch's sequences when it was launched, in row order
+    seqs: list[Sequence]  # the batch's sequences when it was launched, in row order
     logits: torch.Tensor  # [len(seqs), V] on the device, being computed
 
     def logits_of(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The rows of `seqs` (those still in the micro-batch, in its order now)."""
+        """The rows of `seqs` (those still in the batch, in its order now)."""
         if seqs == self.seqs:
             return self.logits
         row = {id(seq): i for i, seq in enumerate(self.seqs)}
@@ -117,7 +115,7 @@ class Ahead:
 class Engine:
     def __init__(self, model, tokenizer, eos_ids: set[int], max_context: int,
                  scheduler: SchedulerConfig = SchedulerConfig(), before_step=None, metrics=None, loads=None,
-                 micro_batches: int = 1, on_forward=None, kv_cache: KVCacheConfig = KVCacheConfig(),
+                 on_forward=None, kv_cache: KVCacheConfig = KVCacheConfig(),
                  graphs: DecodeGraphs | None = None, lookahead: Callable[[], bool] | None = None,
                  decode_model: Callable[..., Any] | None = None):
         self.model, self.tokenizer, self.eos_ids, self.max_context = model, tokenizer, eos_ids, max_context
@@ -127,8 +125,6 @@ class Engine:
         self.on_forward = on_forward  # callable(ForwardRows) before each forward pass: whose rows it computes
         self.device = next(model.parameters()).device
         self.kv_cache = kv_cache
-        if graphs is not None and micro_batches > 1:
-            raise ValueError("CUDA graphs decode one micro-batch: give micro_batches=1 or no graphs")
         self.graphs = graphs  # decode passes replayed as CUDA graphs (graphs.py); None: launched one by one
         # What a decode pass launched op by op calls: the model, or the model compiled (compiled.py; `graphs`
         # are built over the same). Prefill passes call the model.
@@ -140,21 +136,18 @@ class Engine:
         self.kv_budget: int | None = None  # bytes; None: unbounded
         self.scheduler.measuring = kv_cache.bounded(self.device)
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        # Two micro-batches overlap: while one waits for its remote experts, the other runs its
-        # attention (the two-batch overlap of DeepSeek-V3 and SGLang). One is plain batching.
         self.masks = DecodeMasks.of(model.config)
-        self.micro = [self._micro_batch() for _ in range(micro_batches)]
-        self._pool = ThreadPoolExecutor(micro_batches, thread_name_prefix="kubemoe-micro") if micro_batches > 1 else None
+        self.batch = self._new_batch()
         self._wake = threading.Condition()
         self._output = Output(metrics)  # sampled tokens -> text deltas, on a thread of its own
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="kubemoe-engine", daemon=True)
         self._thread.start()
 
-    def _micro_batch(self) -> MicroBatch:
+    def _new_batch(self) -> RunningBatch:
         state = BatchState(self.masks)
         state.budget = self.scheduler.kv_capacity
-        return MicroBatch(state)
+        return RunningBatch(state)
 
     # -- asyncio side ---------------------------------------------------------------------------
 
@@ -200,8 +193,6 @@ class Engine:
             self._wake.notify()
         self._thread.join(timeout=10)
         self._output.close()
-        if self._pool:
-            self._pool.shutdown(wait=False)
 
     # -- engine thread --------------------------------------------------------------------------
 
@@ -219,16 +210,16 @@ class Engine:
             try:
                 self.step(plan)
             except Exception as e:  # noqa: BLE001 - a fault outside any one forward pass (a bug): end the
-                # step's requests loudly, with fresh micro-batches, and keep serving the queue
+                # step's requests loudly, with a fresh batch, and keep serving the queue
                 log.exception("engine step failed")
                 with self._wake:
-                    self.micro = [self._micro_batch() for _ in self.micro]
+                    self.batch = self._new_batch()
                     self._ahead = None
                 self._fail([(seq, _message(e)) for seq in plan.decode + plan.prefill])
 
     @torch.inference_mode()
     def step(self, plan: StepPlan[Sequence]) -> None:
-        """Decode the running micro-batches, then prefill this step's prompt chunks. A forward pass that
+        """Decode the running batch, then prefill this step's prompt chunks. A forward pass that
         fails ends only the requests it names (`failed_rows`); the rest of a decode batch is rolled back
         and decodes again at the next step. Sampling that fails ends only its own request."""
         if self.before_step:
@@ -236,20 +227,19 @@ class Engine:
         finished, failed = [], [(seq, self._too_long(seq)) for seq in plan.rejected]
         if plan.preempted:
             self._leave_batch(plan.preempted)  # back in the queue; prefilled again (recompute) when there is room
-        if self._ahead is not None and not self._ahead.mb.seqs:
+        batch = self.batch
+        if self._ahead is not None and not batch.seqs:
             self._ahead = None  # its sequences all ended: nothing reads it
-        busy = [mb for mb in self.micro if mb.seqs]
-        if busy:
-            run = self._pool.map if self._pool and len(busy) > 1 else map
-            for mb, result in zip(busy, list(run(self._decode, busy))):
-                if isinstance(result, Exception):
-                    failed += self._decode_failed(mb, result)
-                    continue
+        if batch.seqs:
+            result = self._decode(batch)
+            if isinstance(result, Exception):
+                failed += self._decode_failed(batch, result)
+            else:
                 if self.loads:
-                    self.loads.record_tokens(len(mb.seqs))
+                    self.loads.record_tokens(len(batch.seqs))
                 # A step with prompt chunks joins sequences to the batch after this: nothing ahead of it.
-                greedy = None if plan.chunks else self._look_ahead(mb, result)
-                finished += self._advance_all(mb.seqs, result, mb, range(len(mb.seqs)), failed, greedy)
+                greedy = None if plan.chunks else self._look_ahead(batch, result)
+                finished += self._advance_all(batch.seqs, result, batch, range(len(batch.seqs)), failed, greedy)
         for group in chunk_groups(plan.chunks):
             finished += self._prefill_chunks(group, failed)
         if failed:
@@ -260,7 +250,7 @@ class Engine:
 
     def _prefill_chunks(self, group: list[Chunk[Sequence]], failed: list) -> list[Sequence]:  # -> the sequences that finished
         """One forward pass over chunks of one start and length, one row each, split into a cache per
-        sequence after it. A sequence whose last chunk ran joins a micro-batch and samples
+        sequence after it. A sequence whose last chunk ran joins the running batch and samples
         its first token. A failed pass ends the sequences whose rows it names; the others start their
         prefill over (their caches grew part-way), as after a preemption."""
         seqs, start, stop = [c.seq for c in group], group[0].start, group[0].stop
@@ -300,13 +290,13 @@ class Engine:
                 seq.partial = row
                 continue
             seq.partial = None
-            mb = min(self.micro, key=lambda m: len(m.seqs))
-            mb.state.join(row, seq.context_length)
-            mb.seqs.append(seq)
-            mb.tokens.append(0)
+            batch = self.batch
+            batch.state.join(row, seq.context_length)
+            batch.seqs.append(seq)
+            batch.tokens.append(0)
             if self.metrics and not seq.generated:  # a preempted sequence had its first token long ago
                 self.metrics.ttft.observe(time.monotonic() - seq.started)
-            finished += self._advance_all([seq], row_logits[None], mb, [len(mb.seqs) - 1], failed)
+            finished += self._advance_all([seq], row_logits[None], batch, [len(batch.seqs) - 1], failed)
         return finished
 
     # -- the KV cache's bound -------------------------------------------------------------------
@@ -320,8 +310,7 @@ class Engine:
             capacity = self.kv_budget // self.kv_bytes_per_token
             with self._wake:
                 self.scheduler.kv_capacity = capacity
-                for mb in self.micro:
-                    mb.state.budget = capacity
+                self.batch.state.budget = capacity
                 for seq in self.scheduler.running + self.scheduler.prefilling + list(self.scheduler.waiting):
                     self._cap_generation(seq)
             log.info("KV cache: %d bytes per token, budget %d bytes = %d token positions", self.kv_bytes_per_token,
@@ -345,8 +334,7 @@ class Engine:
             if self.kv_bytes_per_token is None or len(batch) < 2:
                 return False
             self.scheduler.kv_capacity = int(held * 0.9)
-            for mb in self.micro:
-                mb.state.budget = self.scheduler.kv_capacity
+            self.batch.state.budget = self.scheduler.kv_capacity
         log.warning("out of device memory with %d cached tokens (%s): the KV cache's capacity is now %d tokens",
                     held, error, self.scheduler.kv_capacity)
         if self.device.type == "cuda":
@@ -356,7 +344,7 @@ class Engine:
     def _record_cache(self, preempted: int) -> None:
         if not self.metrics or self.kv_bytes_per_token is None:
             return
-        used = sum(len(mb.state) * mb.state.width for mb in self.micro)
+        used = len(self.batch.state) * self.batch.state.width
         used += sum(self.scheduler.prefilled(seq) for seq in self.scheduler.prefilling)
         used *= self.kv_bytes_per_token
         self.metrics.kv_cache_used_bytes.set(used)
@@ -367,19 +355,18 @@ class Engine:
         return (f"the request needs {seq.context_length + 1} cache positions; this frontend's KV cache holds "
                 f"{self.scheduler.kv_capacity}: give the frontend a larger --kv-cache-bytes")
 
-    def _decode(self, mb: MicroBatch) -> torch.Tensor | Exception:  # -> logits [B, V] of the micro-batch
+    def _decode(self, batch: RunningBatch) -> torch.Tensor | Exception:  # -> logits [B, V] of the batch
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead.mb is mb:  # launched by the last step (_look_ahead); only joins come after
-            return ahead.logits_of(mb.seqs)
-        with torch.inference_mode():  # inference mode is per thread: micro-batches run on pool threads
-            if self.on_forward:  # each sequence feeds its last token, at position prompt + generated - 1
-                self.on_forward(ForwardRows(tuple(s.request_id for s in mb.seqs),
-                                            tuple(len(s.prompt_ids) + len(s.generated) - 1 for s in mb.seqs),
-                                            (1,) * len(mb.seqs)))
-            try:
-                return self._pass(mb.state, mb.tokens, self._rows(len(mb.seqs)))
-            except Exception as e:  # noqa: BLE001 - handed back: the step decides whom it ends
-                return e
+        if ahead is not None:  # launched by the last step (_look_ahead); only joins come after
+            return ahead.logits_of(batch.seqs)
+        if self.on_forward:  # each sequence feeds its last token, at position prompt + generated - 1
+            self.on_forward(ForwardRows(tuple(s.request_id for s in batch.seqs),
+                                        tuple(len(s.prompt_ids) + len(s.generated) - 1 for s in batch.seqs),
+                                        (1,) * len(batch.seqs)))
+        try:
+            return self._pass(batch.state, batch.tokens, self._rows(len(batch.seqs)))
+        except Exception as e:  # noqa: BLE001 - handed back: the step decides whom it ends
+            return e
 
     def _rows(self, sequences: int) -> int | None:
         """The rows a decode pass of `sequences` is prepared for: its graph program's; None: launched op by op."""
@@ -393,11 +380,11 @@ class Engine:
             return self.decode_model(**state.pass_inputs(len(state)), use_cache=True).logits[:, -1]
         return self.graphs.decode(state, rows, len(state))
 
-    def _look_ahead(self, mb: MicroBatch, logits: torch.Tensor) -> dict[int, int] | None:
-        """Launch the micro-batch's next decode pass from `logits`' argmax on the device, then read
+    def _look_ahead(self, batch: RunningBatch, logits: torch.Tensor) -> dict[int, int] | None:
+        """Launch the batch's next decode pass from `logits`' argmax on the device, then read
         that argmax -> {row: token} of every row (None: nothing launched, the caller samples)."""
-        seqs, state = mb.seqs, mb.state
-        if (self.lookahead is None or self.on_forward is not None or len(self.micro) > 1
+        seqs, state = batch.seqs, batch.state
+        if (self.lookahead is None or self.on_forward is not None
                 or any(seq.params.temperature != 0.0 or len(seq.generated) + 1 >= seq.max_new for seq in seqs)
                 or not self.lookahead()):
             return None
@@ -411,7 +398,7 @@ class Engine:
         if read is not None:
             read.record()
         try:
-            self._ahead = Ahead(mb, list(seqs), self._pass(state, tokens, rows))
+            self._ahead = Ahead(list(seqs), self._pass(state, tokens, rows))
         except Exception:  # noqa: BLE001 - the next step decodes as usual
             log.exception("a decode pass launched ahead failed; the next step runs it again")
             state.undo_decode()
@@ -419,25 +406,25 @@ class Engine:
             read.synchronize()
         return dict(enumerate(host.tolist()))
 
-    def _decode_failed(self, mb: MicroBatch, error: Exception) -> list[tuple[Sequence, str]]:
-        """Roll the micro-batch back to before the failed step; its named rows' requests fail (none
+    def _decode_failed(self, mb: RunningBatch, error: Exception) -> list[tuple[Sequence, str]]:
+        """Roll the batch back to before the failed step; its named rows' requests fail (none
         when the device ran out of memory and a smaller cache can make room: the scheduler preempts)."""
         if isinstance(error, torch.OutOfMemoryError) and self._out_of_memory(error):
             try:
                 mb.state.undo_decode()
                 return []
-            except Exception:  # noqa: BLE001 - falls through to ending the micro-batch
+            except Exception:  # noqa: BLE001 - falls through to ending the batch
                 log.exception("the failed step's cache could not be rolled back")
         log.error("decode of %d sequences failed: %s", len(mb.seqs), _message(error), exc_info=error)
         rows = failed_rows(error, len(mb.seqs), 1)
         try:
             mb.state.undo_decode()
-        except Exception:  # noqa: BLE001 - a cache that cannot be rolled back takes its whole micro-batch
-            log.exception("the failed step's cache could not be rolled back; its micro-batch ends")
+        except Exception:  # noqa: BLE001 - a cache that cannot be rolled back takes the whole batch
+            log.exception("the failed step's cache could not be rolled back; the batch ends")
             rows = range(len(mb.seqs))
         return [(mb.seqs[i], _message(error)) for i in sorted(set(rows))]
 
-    def _advance_all(self, seqs: list[Sequence], logits: torch.Tensor, mb: MicroBatch, indices,
+    def _advance_all(self, seqs: list[Sequence], logits: torch.Tensor, mb: RunningBatch, indices,
                      failed: list, greedy: dict[int, int] | None = None) -> list[Sequence]:
         """Each sequence's next token from logits [len(seqs), V] (`greedy`: those already read, by row)
         -> the sequences that finished."""
@@ -466,20 +453,20 @@ class Engine:
         return done
 
     def _remove(self, gone: list[Sequence]) -> None:
-        """Finished or aborted sequences leave their micro-batch and the scheduler."""
+        """Finished or aborted sequences leave the batch and the scheduler."""
         with self._wake:
             self._leave_batch(gone)
             self.scheduler.remove(gone)
 
     def _leave_batch(self, gone: list[Sequence], requeue: bool = False) -> None:
-        """Sequences leave their micro-batch (their cache is freed); `requeue`: back to the head of the queue."""
+        """Sequences leave the batch (their cache is freed); `requeue`: back to the head of the queue."""
         gone_ids = {id(s) for s in gone}
         for seq in gone:
             seq.partial = None  # a prefill that starts over (or never) starts from a new cache
         with self._wake:
-            for mb in self.micro:
-                if any(id(s) in gone_ids for s in mb.seqs):
-                    mb.keep([i for i, s in enumerate(mb.seqs) if id(s) not in gone_ids])
+            batch = self.batch
+            if any(id(s) in gone_ids for s in batch.seqs):
+                batch.keep([i for i, s in enumerate(batch.seqs) if id(s) not in gone_ids])
             if requeue:
                 self.scheduler.remove(gone)
                 self.scheduler.waiting.extendleft(reversed(gone))

@@ -107,7 +107,7 @@ class OnlinePredictor:
         # the predictor's device: a decode pass captured as a CUDA graph adds into it by address.
         self._tallies = torch.zeros(len(self._layers), predictor.shape.num_experts + 1, dtype=torch.int64,
                                     device=device)
-        self._lock = threading.Lock()  # tallies (micro-batches run passes on two threads) and head updates
+        self._lock = threading.Lock()  # tallies (flushed from the thread that reads /loads) and head updates
         self._passes = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kubemoe-predictor") if refresh else None
 

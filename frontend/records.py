@@ -69,7 +69,7 @@ class RoutingRecorder:
         self.out.mkdir(parents=True, exist_ok=True)
         if any(self.out.glob(SHARD_GLOB)):
             raise KubemoeError(f"{self.out} already holds routing records; choose an empty folder")
-        self._local = threading.local()  # micro-batches run forward passes on their own threads
+        self._local = threading.local()  # the pass in progress, per thread that runs passes
         self._lock = threading.Lock()
         self._rows: list[dict[str, torch.Tensor]] = []
         self._buffered = 0
@@ -113,7 +113,7 @@ class RoutingRecorder:
         tokens = done.hidden[0].shape[0]
         rows = {"hidden": torch.stack(done.hidden, 1), "experts": torch.stack(done.experts, 1),
                 "weights": torch.stack(done.weights, 1)}
-        with self._lock:  # micro-batches finish passes on two threads: request numbers are taken in turn
+        with self._lock:  # whichever thread finishes a pass: request numbers are taken in turn
             rows.update(self._row_ids(done.rows, tokens))
             size = sum(t.nbytes for t in rows.values())
             if self.written_bytes + self._buffered + size > self.max_bytes:

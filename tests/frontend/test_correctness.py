@@ -76,9 +76,8 @@ def test_frontend_never_loads_routed_expert_weights(tiny_checkpoint):
         fe.close()
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_requests_joining_mid_flight_decode_as_if_alone(micro_batches, tiny_checkpoint):
-    fe = local_frontend(tiny_checkpoint("mixtral"), max_batch=2, micro_batches=micro_batches)
+def test_requests_joining_mid_flight_decode_as_if_alone(tiny_checkpoint):
+    fe = local_frontend(tiny_checkpoint("mixtral"), max_batch=2)
     fe.engine.eos_ids = set()
     try:
         async def staggered():

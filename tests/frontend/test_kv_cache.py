@@ -30,7 +30,7 @@ def test_a_cache_too_small_for_the_batch_preempts_and_recomputes_with_the_same_t
     held = []
 
     def check(rows):  # before every forward pass: what the batch's cache holds
-        held.append(sum(len(mb.state) * mb.state.width for mb in fe.engine.micro))
+        held.append(len(fe.engine.batch.state) * fe.engine.batch.state.width)
 
     fe.engine.on_forward = check
     try:

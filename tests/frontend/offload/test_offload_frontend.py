@@ -144,9 +144,3 @@ def test_llapor_reads_the_file_in_the_checkpoint_folder_else_says_it_reuses_the_
 def test_a_named_predictor_file_that_is_missing_stops_the_start(tiny_checkpoint, tmp_path):
     with pytest.raises(KubemoeError, match="no LLaPor file at .*missing.safetensors.*kubemoe predictor train"):
         offload_frontend(tiny_checkpoint("mixtral"), predictor=str(tmp_path / "missing.safetensors"))
-
-
-def test_offload_refuses_two_micro_batches(tiny_checkpoint):
-    with pytest.raises(KubemoeError, match="--micro-batches 1"):
-        Frontend(FrontendConfig(checkpoint=tiny_checkpoint("mixtral"), micro_batches=2,
-                                offload=OffloadConfig(1 << 30)))
