@@ -16,7 +16,7 @@ from typing import Iterable, Protocol
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
-from kubemoe.load_report import PROTOBUF, expert_rate
+from kubemoe.load_report import PROTOBUF, passes_per_second, rates
 from kubemoe.operator.kube import Kube
 from kubemoe.operator.plan import Loads
 from kubemoe.operator.render import FRONTEND, selector
@@ -33,20 +33,16 @@ class LoadSource(Protocol):
 
 def aggregate(reports: Iterable[pb.LoadReport], model: str) -> Loads | None:
     """Sum tokens/s per (layer, expert) over the frontends' reports of `model` (predicted where sent)."""
-    per_expert: dict[tuple[int, int], float] = {}
-    tokens, passes, frontends = 0.0, 0.0, 0
+    mine = []
     for report in reports:
         if report.model and report.model != model:
             log.warning("frontend %s reports loads of model %r, expected %r: ignored", report.frontend, report.model, model)
             continue
-        frontends += 1
-        if report.window_seconds > 0:
-            tokens += report.tokens / report.window_seconds
-            passes += report.passes / report.window_seconds
-        for load in report.loads:
-            key = (load.layer, load.expert)
-            per_expert[key] = per_expert.get(key, 0.0) + expert_rate(load)
-    return Loads(per_expert, tokens, frontends, passes) if frontends else None
+        mine.append(report)
+    if not mine:
+        return None
+    tokens = sum(r.tokens / r.window_seconds for r in mine if r.window_seconds > 0)
+    return Loads(rates(mine), tokens, len(mine), passes_per_second(mine))
 
 
 class FrontendLoads:
