@@ -104,7 +104,7 @@ def test_graphed_rounds_match_eager_ones_from_pinned_regions_too_and_follow_relo
                 assert rel_err(g.out, w.out) < 1e-5, (pinned, with_graphs)
                 if g.pinned:
                     assert g.out.data_ptr() == g.x.data_ptr()  # the reply is in the request's region
-            assert 0 < got[0].compute_seconds < 1
+            assert got[0].compute_seconds > 0  # measured (no upper bound: a first round pays CUDA's warm-up)
 
     compare()
     assert len(graphs) == 2  # (expert 0, 4 rows) and (expert 1, 8 rows); expert 2 ran eagerly
@@ -193,7 +193,7 @@ def test_a_grouped_round_matches_the_per_expert_one_in_bfloat16_from_pinned_regi
             assert rel_err(g.out.float(), w.out.float()) < 2e-2, pinned  # Triton's kernel and cuBLAS: bfloat16 rounding
             if g.pinned:
                 assert g.out.data_ptr() == g.x.data_ptr()  # the reply is in the request's region
-        assert 0 < got[0].compute_seconds < 1
+        assert got[0].compute_seconds > 0  # measured (the first round also compiles Triton's kernel: no upper bound)
     assert grouped == [16, 16] and len(graphs) == 0  # every expert in the one grouped computation; no graph
 
     lone = Job(torch.randn(4, H, generator=gen).to(dtype), [((0, 3), 4)])  # alone in its round: its graph
