@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import dataclasses
 import os
 import pstats
 import statistics
@@ -286,7 +287,16 @@ def run_frontend(fe: Frontend, table, args, device, vocab, hw, profile: bool, co
     profiled = 32 if 32 in args.batch_list else args.batch_list[-1]
     for row in rows:
         b = row["batch"]
+        linked = fe.dispatcher.linked_layers
         row["engine"] = engine_decode(fe, b, args.prompt, args.steps, args.warmup, vocab)
+        row["engine"]["linked_layers"] = fe.dispatcher.linked_layers - linked  # through device links (device_link.py)
+        if row["engine"]["linked_layers"]:  # the same engine with every remote layer as calls through shared memory
+            config = fe.dispatcher.config
+            fe.dispatcher.config = dataclasses.replace(config, device_links=False)
+            try:
+                row["engine_calls"] = engine_decode(fe, b, args.prompt, args.steps, args.warmup, vocab)
+            finally:
+                fe.dispatcher.config = config
         if profile and b == profiled:  # cProfile slows the thread it watches: a run of its own, not the goal's
             row["engine_profiled"] = engine_decode(fe, b, args.prompt, args.steps, args.warmup, vocab, profile=True)
         graphs = fe.engine.graphs
@@ -299,7 +309,7 @@ def run_frontend(fe: Frontend, table, args, device, vocab, hw, profile: bool, co
                 row[mode] = engine_decode(fe, b, args.prompt, args.steps, args.warmup, vocab)
             if mode.startswith("engine_compiled"):
                 row[mode]["compiled"] = compiled.enabled  # False: a compile failed and it ran uncompiled
-        for mode in ("engine", *variants):
+        for mode in ("engine", "engine_calls", *variants):
             if hw["hbm_bytes_per_s"] and mode in row:
                 row[mode]["vs_roofline"] = row[mode]["tokens_per_s"] / row["roofline_tokens_per_s"]
     if profile:
@@ -453,7 +463,9 @@ def main() -> None:
                          "(torch.compile, frontend/compiled.py; the first passes compile in the warm-up run), "
                          "engine_compiled_eager the same without graphs; "
                          f"{args.experts} expert-function processes on the "
-                         "same device through shared memory; roofline = bytes per step / measured HBM read "
+                         "same device through shared memory, a decode graph's remote layers through device links "
+                         "(expert_fn/device_link.py; engine.linked_layers counts them) and engine_calls the same "
+                         "engine with those layers as calls; roofline = bytes per step / measured HBM read "
                          "bandwidth (uniform routing); prefill roofline = FLOPs / measured bf16 matmul rate")
 
 

@@ -409,6 +409,9 @@ class ExpertClient:
     async def describe(self) -> pb.DescribeResponse:
         return await self._stub.Describe(pb.DescribeRequest())
 
+    async def attach_device(self, request: pb.DeviceAttachRequest, timeout: float) -> pb.DeviceAttachResponse:
+        return await self._stub.AttachDevice(request, timeout=timeout)
+
     async def load(self, keys: Iterable[tuple[int, int]]) -> pb.LoadResponse:
         return await self._stub.Load(pb.LoadRequest(model=self.model, experts=_keys(keys)))
 

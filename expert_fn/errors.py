@@ -34,6 +34,10 @@ def invalid(message: str) -> ExpertFnError:
     return ExpertFnError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+def failed_precondition(message: str) -> ExpertFnError:
+    return ExpertFnError(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
 def not_found(message: str, lacking: Iterable[ExpertKey] = ()) -> ExpertFnError:
     return ExpertFnError(grpc.StatusCode.NOT_FOUND, message, lacking)
 

@@ -164,7 +164,7 @@ class Carrier(Protocol[_Sent]):
 
 
 @contextlib.contextmanager
-def _socket_address(path: Path):
+def socket_address(path: Path):
     """`path` as AF_UNIX takes it: at most 107 bytes, else through /proc/self/fd/ of its folder."""
     if len(os.fsencode(path)) < 108:
         yield str(path)
@@ -176,11 +176,12 @@ def _socket_address(path: Path):
         os.close(folder)
 
 
-def _listen(folder: Path) -> tuple[socket.socket, Path]:
-    path = Path(folder) / f"kubemoe-lane-{secrets.token_hex(16)}"
+def listen_socket(folder: Path, prefix: str = "kubemoe-lane") -> tuple[socket.socket, Path]:
+    """A SOCK_SEQPACKET socket listening for one connection on a fresh file of `folder` (mode 0600), non-blocking."""
+    path = Path(folder) / f"{prefix}-{secrets.token_hex(16)}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        with _socket_address(path) as address:
+        with socket_address(path) as address:
             sock.bind(address)
         os.chmod(path, 0o600)  # before listen(): nobody could connect in between
         sock.listen(1)
@@ -188,12 +189,12 @@ def _listen(folder: Path) -> tuple[socket.socket, Path]:
         sock.close()
         with contextlib.suppress(OSError):
             path.unlink()
-        raise SharedMemoryError(f"cannot listen on a lane in {folder}: {e.strerror or e}") from None
+        raise SharedMemoryError(f"cannot listen on a socket in {folder}: {e.strerror or e}") from None
     sock.setblocking(False)
     return sock, path
 
 
-def _peer_uid(sock: socket.socket) -> int:
+def peer_uid(sock: socket.socket) -> int:
     return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
 
 
@@ -224,7 +225,7 @@ class ServerLane:
                   spawn: Callable[[Coroutine], None], *,
                   answer_now: Callable[[pb.ForwardRequest], pb.ForwardResponse | None]) -> "ServerLane":
         """A lane on a fresh socket file in `folder` (its name is `.name`), for the client that sends `offer`."""
-        listener, path = _listen(folder)
+        listener, path = listen_socket(folder)
         lane = cls(path.name, answer, spawn, answer_now=answer_now)
         lane.connect_with(lane._accept_unix(listener, path, offer))
         return lane
@@ -252,7 +253,7 @@ class ServerLane:
         conn.setblocking(False)
         try:
             sent = (await asyncio.wait_for(loop.sock_recv(conn, 1024), ACCEPT_SECONDS)).decode("ascii", "replace")
-            if _peer_uid(conn) != os.geteuid():
+            if peer_uid(conn) != os.geteuid():
                 answer = f"{REFUSED}: the client runs as another user"
             elif sent != offer:
                 answer = f"{REFUSED}: the first packet is not this stream's offer"
@@ -338,7 +339,7 @@ class ClientLane:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.setblocking(False)
         try:
-            with _socket_address(Path(folder) / name) as address:
+            with socket_address(Path(folder) / name) as address:
                 await asyncio.wait_for(loop.sock_connect(sock, address), timeout)
             await loop.sock_sendall(sock, offer.encode())
             answer = (await asyncio.wait_for(loop.sock_recv(sock, 1024), timeout)).decode("ascii", "replace")

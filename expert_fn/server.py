@@ -60,6 +60,8 @@ class ExpertFunction:
         await self.server.stop(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self.servicer.data_port is not None:
             self.servicer.data_port.close()
+        for link in self.servicer.device_links:  # their frontends send the next layers on ForwardStream
+            link.close()
         await self.servicer.batcher.close()
 
 

@@ -21,6 +21,7 @@ import time
 from typing import Callable, Coroutine, Iterable
 
 import grpc
+import torch
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
@@ -28,7 +29,10 @@ from kubemoe import wire
 from kubemoe.expert_fn.batcher import Job, MicroBatcher, run_round
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.frames import TCP_LANE_METADATA_KEY, TCP_METADATA_KEY, DataPort, parse_offer, serve_lane
-from kubemoe.expert_fn.errors import ExpertFnError, code_of, invalid, not_found, status, status_metadata
+from kubemoe.expert_fn import device_link
+from kubemoe.expert_fn.device_link import ServerLink
+from kubemoe.expert_fn.errors import (ExpertFnError, code_of, failed_precondition, invalid, not_found, status,
+                                     status_metadata)
 from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.metrics import ExpertFnMetrics
 from kubemoe.expert_fn.lane import LANE_METADATA_KEY, ServerLane
@@ -59,6 +63,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self._no_open_streams.set()
         self.data_port: DataPort | None = None  # where TCP lanes connect (frames.py); None: no TCP lanes
         self._tcp_lanes = itertools.count()
+        self.device_links: list[ServerLink] = []  # frontends on this GPU (device_link.py)
 
     # -- Forward ------------------------------------------------------------------------------
 
@@ -335,6 +340,62 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     async def Unload(self, request, context):
         return await self._call("Unload", context, self._unload(request))
+
+    async def AttachDevice(self, request, context):
+        return await self._call("AttachDevice", context, asyncio.to_thread(self._attach_device, request))
+
+    def _attach_device(self, request: pb.DeviceAttachRequest) -> pb.DeviceAttachResponse:
+        """Open a frontend's device buffers (device_link.py); FAILED_PRECONDITION where this server cannot."""
+        self._check_model(request.model)
+        device, folder = self.config.device, self.config.shm_dir
+        if device.type != "cuda" or folder is None or not self.store.stacked:
+            raise failed_precondition("device links need this expert function on a GPU, with --shm-dir and its experts "
+                                      "stacked (bfloat16 on Ampere or newer): send tensors on ForwardStream")
+        if request.gpu_uuid != device_link.gpu_uuid(device):
+            raise failed_precondition("the frontend's GPU is not this expert function's: send tensors on ForwardStream")
+        if wire.FROM_WIRE.get(request.dtype) != self.config.dtype:
+            raise invalid(f"device buffers must be in this server's dtype {self.config.dtype}, got "
+                          f"{pb.DType.Name(request.dtype)}")
+        hidden, groups = self._hidden_size, self.store.adapter.num_experts + 1
+        try:
+            rows = device_link.open_buffer(request.rows, self.config.dtype, device)
+            ends = device_link.open_buffer(request.ends, torch.int32, device)
+            out = device_link.open_buffer(request.out, self.config.dtype, device)
+            ready = torch.cuda.Event.from_ipc_handle(device_link.indexed(device), request.ready_event)
+        except (RuntimeError, ValueError) as e:  # a bad handle: CUDA says so
+            raise invalid(f"cannot open the device buffers: {e}") from None
+        if rows.dim() != 2 or rows.shape[1] != hidden or list(ends.shape) != [groups] \
+                or list(out.shape) != [rows.shape[0] + 1, hidden]:
+            raise invalid(f"device buffers must be rows [R, {hidden}], ends [{groups}] and out [R + 1, {hidden}]; "
+                          f"got {list(rows.shape)}, {list(ends.shape)}, {list(out.shape)}")
+        link = device_link.ServerLink(folder, rows, ends, out, ready, groups - 1, self._run_linked)
+        self.device_links = [k for k in self.device_links if not k.closed] + [link]
+        log.info("device link %s attached: %d rows", link.path.name, rows.shape[0])
+        return pb.DeviceAttachResponse(socket=link.path.name, token=link.token, done_event=link.done.ipc_handle())
+
+    def _run_linked(self, layer: int, rows: int, experts: list[int], link: device_link.ServerLink) -> bytes:
+        """A linked frontend's layer queued on the serving stream (device_link.py) -> the answer packet."""
+        stack = self.store.stack(layer)
+        lacking = [e for e in experts if stack is None or e not in stack.local]
+        if lacking or stack is None:
+            return bytes([device_link.LACKING]) + device_link.experts_mask(lacking, link.num_experts)
+        try:
+            key = (layer, id(stack), tuple(experts))
+            table = link.tables.get(key)
+            if table is None:
+                link.tables = {k: v for k, v in link.tables.items() if k[1] == id(stack) or k[0] != layer}
+                table = link.tables[key] = device_link.expert_table({e: stack.local[e] for e in experts},
+                                                                    link.num_experts + 1, self.config.device)
+            stream = torch.cuda.current_stream(self.config.device)
+            with torch.inference_mode():
+                stream.wait_event(link.ready)
+                device_link.run_owned(link.rows[:rows], device_link.row_groups(link.ends, rows), table,
+                                      stack.experts, self.store.adapter.act, link.out)
+                link.done.record(stream)
+        except Exception as e:  # noqa: BLE001 - the frontend sends the layer another way
+            log.exception("device link %s: layer %d failed", link.path.name, layer)
+            return bytes([device_link.REFUSED]) + f"{type(e).__name__}: {e}".encode()[:1000]
+        return bytes([device_link.QUEUED])
 
     async def Describe(self, request, context):
         return pb.DescribeResponse(

@@ -42,6 +42,7 @@ from kubemoe.adapters import MoEAdapter
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert import ExpertWeights, expert_ffn
+from kubemoe.expert_fn.device_link import ClientLink, DeviceBuffers, LinkError, expert_table, row_groups
 from kubemoe.expert_fn.errors import lacking_of
 from kubemoe.frontend.graphs import Recorder, recording
 from kubemoe.frontend.loads import LoadRecorder
@@ -58,6 +59,8 @@ if TYPE_CHECKING:  # for its type only: the module is imported where the first c
 log = logging.getLogger(__name__)
 
 NOT_RETRYABLE = {grpc.StatusCode.INVALID_ARGUMENT}  # a malformed request fails the same everywhere
+LINK_RETRY_SECONDS = 60.0  # how long a function that could not link sees its layers as calls before the next try
+LINK_MIN_ROWS = 256  # device link buffers' rows at least (then powers of two): a few graph sizes share them
 
 
 class DispatchError(RuntimeError):
@@ -92,6 +95,9 @@ class DispatchConfig:
     # One call per (bundle, address) instead of one per address: the dispatch before calls were
     # merged, kept as the baseline benchmarks/dispatch_calls.py measures against. Not for serving.
     calls_per_bundle: bool = False
+    # Same GPU: lend expert functions device buffers (expert_fn/device_link.py) for the layers of decode
+    # graphs whose remote experts each have one replica, all of them linked; the others go as calls.
+    device_links: bool = True
 
 
 class Predictions(Protocol):
@@ -208,6 +214,12 @@ class Dispatcher:
         # Offload mode: experts routed here run from the offload executor's store (weights in host memory,
         # a device cache), not from weights loaded whole onto the device.
         self.offload = None
+        self._links: dict[str, ClientLink] = {}
+        self._link_retry: dict[str, float] = {}  # address -> not before then (its function could not link)
+        self._link_buffers: DeviceBuffers | None = None
+        self._link_plans: dict[tuple[int, int], dict[str, list[int]]] = {}  # (table version, layer) -> _link_plan
+        self._link_tables: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self.linked_layers = 0  # layers run through device links (a test and a benchmark read it)
 
     # -- routing table --------------------------------------------------------------------------
 
@@ -393,6 +405,9 @@ class Dispatcher:
         extra = torch.zeros_like(hidden) if self.offload is not None else None  # what its experts add
 
         def call(rows: int) -> None:
+            if extra is None and self._run_linked(layer, pairs, y, hidden[:rows], top_k_index[:rows],
+                                                  top_k_weights[:rows]):
+                return
             added = self._run_sorted(layer, pairs, y, hidden[:rows], top_k_index[:rows], top_k_weights[:rows],
                                      counted=True)
             if added is not None and extra is not None:
@@ -401,6 +416,121 @@ class Dispatcher:
         recorder.cut(call)
         out = self._combine(pairs, y)
         return out if extra is None else out + extra
+
+    # -- device links (expert_fn/device_link.py) ------------------------------------------------
+
+    def _run_linked(self, layer: int, pairs: SortedPairs, y: torch.Tensor, hidden: torch.Tensor,
+                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
+        """A cut's layer through device links, if every remote expert of it can go that way: the rows
+        staged in the shared buffers, each linked function told its experts, the stream made to wait
+        for each one's outputs, which land in y. False (nothing written to y): the caller sends the
+        layer as calls, which also covers a link that broke or a function that lacks an expert now."""
+        plan = self._link_plan(layer)
+        if not plan:
+            return False
+        rows = pairs.x.shape[0]
+        links: list[tuple[str, ClientLink, list[int]]] = []
+        for address, experts in plan.items():
+            link = self._link(address, rows)
+            if link is None:
+                return False
+            links.append((address, link, experts))
+        buffers = self._link_buffers
+        assert buffers is not None
+        buffers.stage(pairs.x, pairs.ends)
+        sent = []
+        for address, link, experts in links:
+            try:
+                link.send(layer, rows, experts)
+                sent.append((address, link, experts))
+            except LinkError as e:
+                self._unlink(address, e)
+        self._observe(layer, hidden, top_k_index, top_k_weights)  # its host work while the functions queue theirs
+        answered = True
+        for address, link, experts in sent:
+            try:
+                lacking = link.receive(self.config.call_timeout)
+            except LinkError as e:
+                self._unlink(address, e)
+                answered = False
+                continue
+            if lacking:  # the calls will hear NOT_FOUND and put those experts aside
+                log.info("%s lacks experts %s of layer %d: the layer goes as calls", address, lacking, layer)
+                answered = False
+        if not answered or len(sent) < len(links):
+            return False
+        groups = row_groups(pairs.ends, rows)
+        stream = torch.cuda.current_stream(y.device)
+        for address, link, experts in sent:
+            stream.wait_event(link.done)
+            table = self._link_tables.get((address, tuple(experts)))
+            if table is None:
+                table = self._link_tables[(address, tuple(experts))] = expert_table(
+                    dict.fromkeys(experts, 0), pairs.ends.shape[0], y.device)
+            torch.where((table[groups] >= 0)[:, None], link.out[:rows], y, out=y)
+        if self.metrics:
+            self.metrics.expert_calls.inc(len(sent))
+        self.linked_layers += 1
+        return True
+
+    def _link_plan(self, layer: int) -> dict[str, list[int]]:
+        """{address: its experts} for a layer whose experts are each remote on one replica; else {}."""
+        if not self.config.device_links or self.config.shm_dir is None or torch.device(self.device).type != "cuda":
+            return {}
+        routes = self._table()
+        key = (routes.version, layer)
+        if key not in self._link_plans:
+            plan: dict[str, list[int]] = {}
+            for e in range(self.adapter.num_experts):
+                route = routes.routes.get((layer, e))
+                if route is None or len(route.addresses) != 1 or route.addresses[0] == LOCAL:
+                    plan = {}  # not every expert of the layer can go through a link
+                    break
+                plan.setdefault(route.addresses[0], []).append(e)
+            self._link_plans = {k: v for k, v in self._link_plans.items() if k[0] == routes.version}
+            self._link_plans[key] = plan
+        plan = self._link_plans[key]
+        if any(self._replicas[a].failed_until > time.monotonic() for a in plan):
+            return {}  # the calls' retries know what to do with a replica that just failed
+        return plan
+
+    def _link(self, address: str, rows: int) -> ClientLink | None:
+        """The device link to `address` with room for `rows` rows, attached now if need be; None if it cannot be."""
+        link = self._links.get(address)
+        if link is not None and link.out.shape[0] > rows:
+            return link
+        folder = self.config.shm_dir
+        if folder is None or time.monotonic() < self._link_retry.get(address, 0.0):
+            return None
+        buffers = self._link_buffers
+        if buffers is None or buffers.rows.shape[0] < rows:  # bigger buffers: every link attaches again
+            for linked in list(self._links):
+                self._unlink(linked, None)
+            size = max(LINK_MIN_ROWS, 1 << (rows - 1).bit_length())
+            buffers = self._link_buffers = DeviceBuffers(size, self.adapter.hidden_size, self.adapter.num_experts + 1,
+                                                         self.dtype, torch.device(self.device))
+        out = torch.zeros(buffers.rows.shape[0] + 1, self.adapter.hidden_size, dtype=self.dtype, device=self.device)
+        try:
+            answer = self.io.run(self._client(address).attach_device(buffers.request(self.config.model, out),
+                                                                     timeout=self.config.call_timeout),
+                                 timeout=self.config.call_timeout + 1)
+            link = self._links[address] = ClientLink(folder, answer, out, torch.device(self.device),
+                                                     self.adapter.num_experts)
+        except (grpc.aio.AioRpcError, LinkError, RuntimeError, TimeoutError) as e:
+            why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            log.info("no device link to %s (%s): its layers go as calls", address, why)
+            self._link_retry[address] = time.monotonic() + LINK_RETRY_SECONDS
+            return None
+        log.info("device link to %s: %d rows", address, buffers.rows.shape[0])
+        return link
+
+    def _unlink(self, address: str, error: Exception | None) -> None:
+        link = self._links.pop(address, None)
+        if link is not None:
+            link.close()
+        if error is not None:
+            log.warning("device link to %s broke (%s): its layers go as calls", address, error)
+            self._link_retry[address] = time.monotonic() + LINK_RETRY_SECONDS
 
     def _count_captured(self, recorder: Recorder, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> None:
@@ -588,6 +718,8 @@ class Dispatcher:
         return client
 
     def close(self) -> None:
+        for address in list(self._links):
+            self._unlink(address, None)
         for client in self._clients.values():
             self.io.run(client.close(), timeout=5)
         self._clients.clear()

@@ -148,6 +148,54 @@ class DescribeResponse(_message.Message):
     max_message_bytes: int
     def __init__(self, model: _Optional[str] = ..., arch: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., hidden_size: _Optional[int] = ..., device: _Optional[str] = ..., held: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
+class CudaIpcBuffer(_message.Message):
+    __slots__ = ("shape", "handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class DeviceAttachRequest(_message.Message):
+    __slots__ = ("model", "gpu_uuid", "dtype", "rows", "ends", "out", "ready_event")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    gpu_uuid: str
+    dtype: DType
+    rows: CudaIpcBuffer
+    ends: CudaIpcBuffer
+    out: CudaIpcBuffer
+    ready_event: bytes
+    def __init__(self, model: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., rows: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ..., ends: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ..., out: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+
+class DeviceAttachResponse(_message.Message):
+    __slots__ = ("socket", "token", "done_event")
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
+    socket: str
+    token: bytes
+    done_event: bytes
+    def __init__(self, socket: _Optional[str] = ..., token: _Optional[bytes] = ..., done_event: _Optional[bytes] = ...) -> None: ...
+
 class Endpoint(_message.Message):
     __slots__ = ("address", "replicas", "weight")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]

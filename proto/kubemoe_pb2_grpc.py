@@ -59,6 +59,11 @@ class ExpertServiceStub:
                 request_serializer=kubemoe_dot_v1_dot_kubemoe__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=kubemoe_dot_v1_dot_kubemoe__pb2.DescribeResponse.FromString,
                 _registered_method=True)
+        self.AttachDevice = channel.unary_unary(
+                '/kubemoe.v1.ExpertService/AttachDevice',
+                request_serializer=kubemoe_dot_v1_dot_kubemoe__pb2.DeviceAttachRequest.SerializeToString,
+                response_deserializer=kubemoe_dot_v1_dot_kubemoe__pb2.DeviceAttachResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertServiceServicer:
@@ -123,6 +128,21 @@ class ExpertServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachDevice(self, request, context):
+        """Same GPU: attach a frontend's device buffers (above). The server answers with a socket; once the
+        client has connected and sent the token, each packet the client sends is a layer to run,
+        u32 layer, u32 rows (<= R), then one bit per expert of the model (bit e of byte e / 8: the experts
+        whose rows this server is to compute), and the server answers each with one packet: a status
+        byte, 0 = queued on the device after the ready event and before its done event (the client may
+        wait on done_event now), 1 = lacking, followed by the bitmask of requested experts it does not
+        hold (nothing was queued), 2 = refused, followed by UTF-8 text saying why. A packet that breaks
+        these rules ends the link. FAILED_PRECONDITION: not the same GPU, no --shm-dir, or experts not
+        stacked on this server (the client then sends its tensors on ForwardStream).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -150,6 +170,11 @@ def add_ExpertServiceServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=kubemoe_dot_v1_dot_kubemoe__pb2.DescribeRequest.FromString,
                     response_serializer=kubemoe_dot_v1_dot_kubemoe__pb2.DescribeResponse.SerializeToString,
+            ),
+            'AttachDevice': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachDevice,
+                    request_deserializer=kubemoe_dot_v1_dot_kubemoe__pb2.DeviceAttachRequest.FromString,
+                    response_serializer=kubemoe_dot_v1_dot_kubemoe__pb2.DeviceAttachResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -287,6 +312,33 @@ class ExpertService:
             '/kubemoe.v1.ExpertService/Describe',
             kubemoe_dot_v1_dot_kubemoe__pb2.DescribeRequest.SerializeToString,
             kubemoe_dot_v1_dot_kubemoe__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachDevice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kubemoe.v1.ExpertService/AttachDevice',
+            kubemoe_dot_v1_dot_kubemoe__pb2.DeviceAttachRequest.SerializeToString,
+            kubemoe_dot_v1_dot_kubemoe__pb2.DeviceAttachResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kubemoe import wire
-from kubemoe.expert_fn.lane import LANE_METADATA_KEY, MAX_PACKET_BYTES, ClientLane, _socket_address
+from kubemoe.expert_fn.lane import LANE_METADATA_KEY, MAX_PACKET_BYTES, ClientLane, socket_address
 from kubemoe.expert_fn.shm import ATTACHED, HEADER_BYTES, METADATA_KEY, Segment
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
@@ -128,14 +128,14 @@ async def test_the_lane_takes_only_its_streams_offer_and_only_once(shm_server, t
     loop = asyncio.get_running_loop()
     segment = Segment.create(tmp_path, 1 << 16)
     async with open_stream(shm_server, tmp_path, segment) as (_, name):
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock, _socket_address(tmp_path / name) as address:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock, socket_address(tmp_path / name) as address:
             sock.setblocking(False)
             await loop.sock_connect(sock, address)
             await loop.sock_sendall(sock, b"kubemoe-" + b"0" * 32 + b":" + b"0" * 32)  # another segment's offer
             answer = await asyncio.wait_for(loop.sock_recv(sock, 1024), 10)
             assert answer.startswith(b"refused: the first packet is not this stream's offer")
             assert await asyncio.wait_for(loop.sock_recv(sock, 1024), 10) == b""  # and the server hung up
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock, _socket_address(tmp_path / name) as address:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock, socket_address(tmp_path / name) as address:
             with pytest.raises(FileNotFoundError):
                 sock.connect(address)  # one connection per stream: the file went with the first
     segment.unlink()

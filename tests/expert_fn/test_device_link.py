@@ -1,0 +1,92 @@
+"""The device link's contract on CPU: its packets, whose rows are whose, and a server that cannot link
+saying so. The link itself (CUDA IPC, events) runs in tests/frontend/test_device_link_gpu.py."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kubemoe.expert_fn import device_link
+from kubemoe.expert_fn.config import ExpertFnConfig
+from kubemoe.expert_fn.server import build_server
+from kubemoe.frontend.loop_thread import LoopThread
+from kubemoe.moe import StackedExperts, sort_pairs, sorted_ffn
+from kubemoe.proto import kubemoe_pb2 as pb
+from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
+
+
+def test_a_layer_packet_round_trips_and_a_bad_one_says_what_is_wrong():
+    packet = device_link.pack_go(7, 96, [0, 3, 9], 10)
+    assert len(packet) == 8 + 2
+    assert device_link.unpack_go(packet, 10, 128) == (7, 96, [0, 3, 9])
+    with pytest.raises(ValueError, match="10 bytes, got 9"):
+        device_link.unpack_go(packet[:-1], 10, 128)
+    with pytest.raises(ValueError, match="exceed the attached buffers' 64"):
+        device_link.unpack_go(packet, 10, 64)
+    with pytest.raises(ValueError, match="beyond the model's 10"):
+        device_link.unpack_go(packet[:-1] + bytes([0b100]), 10, 128)
+    with pytest.raises(ValueError, match="at least one expert"):
+        device_link.unpack_go(device_link.pack_go(7, 96, [], 10), 10, 128)
+    assert device_link.mask_experts(device_link.experts_mask([1, 8, 15], 16), 16) == [1, 8, 15]
+
+
+def test_each_side_computes_only_its_experts_rows_and_together_they_equal_the_whole_layer():
+    """Six experts, two functions ({0, 2, 3} and {1, 4, 5}), a batch with spare rows (a graph's padding):
+    each writes its rows' outputs at their rows of its `out` and the rest to the scratch row; taking
+    each row from the function whose expert it is gives the layer computed over one stack."""
+    gen = torch.Generator().manual_seed(0)
+    T, K, H, I, E = 7, 2, 16, 8, 6
+    stack = StackedExperts(torch.randn(E, 2 * I, H, generator=gen) / 4, torch.randn(E, H, I, generator=gen) / 4)
+    hidden = torch.randn(T, H, generator=gen)
+    index = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    weights = torch.rand(T, K, generator=gen)
+    pairs = sort_pairs(hidden, index, weights, E, False, real_rows=torch.tensor(5))  # rows 5, 6: spare
+    rows = pairs.x.shape[0]
+    whole = sorted_ffn(pairs.x, pairs.ends[:E], stack, F.silu)
+    groups = device_link.row_groups(pairs.ends, rows)
+    assert groups[-2 * K:].tolist() == [E] * (2 * K)  # the spare rows' pairs: the group after the experts'
+    merged = torch.full_like(whole, float("nan"))
+    for held in ([0, 2, 3], [1, 4, 5]):
+        local = StackedExperts(stack.gate_up[held], stack.down[held])
+        table = device_link.expert_table({e: i for i, e in enumerate(held)}, E + 1, torch.device("cpu"))
+        assert table.tolist()[E:] == [-1, -1]  # the spare group's and anything past it: nobody's
+        out = torch.full((rows + 1, H), 7.0)
+        device_link.run_owned(pairs.x, groups, table, local, F.silu, out)
+        own = table[groups] >= 0
+        torch.testing.assert_close(out[:rows][own], whole[own])
+        assert (out[:rows][~own] == 7.0).all()  # the others' rows untouched
+        merged = torch.where(own[:, None], out[:rows], merged)
+    real = groups < E
+    torch.testing.assert_close(merged[real], whole[real])
+    assert merged[~real].isnan().all()  # no function took the spare rows
+
+
+def test_a_server_without_a_gpu_refuses_to_link_and_keeps_serving(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("mixtral")
+    loop = LoopThread("expert-server")
+    config = ExpertFnConfig.build(path, "0:0-1", device="cpu", metrics_port=None, shm_dir=tmp_path)
+    built = loop.run(build_server("127.0.0.1:0", config))
+    loop.run(built.server.start())
+    try:
+        async def attach_then_describe():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{built.port}") as channel:
+                stub = pb_grpc.ExpertServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.AttachDevice(pb.DeviceAttachRequest(model=config.model, gpu_uuid="GPU-0"))
+                wrong_model = None
+                try:
+                    await stub.AttachDevice(pb.DeviceAttachRequest(model="other"))
+                except grpc.aio.AioRpcError as e:
+                    wrong_model = e
+                return refused.value, wrong_model, await stub.Describe(pb.DescribeRequest())
+
+        refused, wrong_model, described = loop.run(attach_then_describe())
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "send tensors on ForwardStream" in refused.details()
+        assert wrong_model is not None and wrong_model.code() == grpc.StatusCode.NOT_FOUND
+        assert described.model == config.model
+    finally:
+        loop.run(built.stop(0))
+        loop.stop()

@@ -1,0 +1,80 @@
+"""On a GPU (-m gpu, the lent H200): expert functions on the frontend's GPU linked through CUDA IPC
+(expert_fn/device_link.py) compute what their calls compute, and a link that breaks costs no request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kubemoe.bundles import bundles_by_count
+from kubemoe.expert_fn.device_link import ClientLink, LinkError
+from kubemoe.frontend.app import Frontend, FrontendConfig
+from kubemoe.frontend.embedded import expert_processes
+from kubemoe.frontend.graphs import DecodeGraphs, padded_rows
+from kubemoe.routing_table import table_for_bundles
+
+from .test_correctness import PROMPTS
+from .test_graphs_gpu import _joined
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def linked(tiny_checkpoint, tmp_path):
+    """A bfloat16 frontend on the GPU with its experts in two expert-function processes on that GPU."""
+    path = tiny_checkpoint("mixtral")
+    fe = Frontend(FrontendConfig(checkpoint=path, device="cuda", dtype="bfloat16", predictor="none",
+                                 shm_dir=tmp_path, cuda_graphs=False))
+    bundles = bundles_by_count(fe.adapter.moe_layers, fe.adapter.num_experts, 2)
+    with expert_processes(path, bundles, fe.model_id, shm_dir=tmp_path, dtype="bfloat16") as experts:
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, experts.addresses))
+        fe.dispatcher.apply_pending()
+        try:
+            yield fe
+        finally:
+            fe.close()
+
+
+def _decode_twice(fe: Frontend, sync_free_replay: bool) -> None:
+    """Two decode steps of 3 sequences in a program of 4 rows (the eager first run, then a replay), each
+    against the same step as ordinary passes, whose remote layers go as calls."""
+    graphs = DecodeGraphs(fe.model, lambda: fe.dispatcher.generation)
+    plain, graphed = _joined(fe, PROMPTS[:3]), _joined(fe, PROMPTS[:3])
+    tokens, padded = [5, 6, 7], padded_rows(3)
+    with torch.inference_mode():
+        for step in range(2):
+            expected = fe.model(**plain.decode_inputs(tokens), use_cache=True).logits[:, -1]
+            graphed.advance(tokens, padded)
+            torch.cuda.synchronize()
+            if step and sync_free_replay:
+                torch.cuda.set_sync_debug_mode("error")  # neither the cuts nor the segments wait for the GPU
+            try:
+                got = graphs.decode(graphed, padded, 3)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            # Triton's grouped kernel in the functions against their per-expert graphs: bfloat16 rounding
+            torch.testing.assert_close(got.float(), expected.float(), rtol=3e-2, atol=3e-2)
+            tokens = expected.argmax(-1).tolist()
+    assert graphs.captures == 1 and graphs.enabled
+
+
+def test_linked_layers_equal_their_calls_and_the_replay_never_waits_for_the_gpu(linked):
+    fe = linked
+    _decode_twice(fe, sync_free_replay=True)
+    moe_layers = len(fe.adapter.moe_layers)
+    assert fe.dispatcher.linked_layers == 2 * moe_layers  # every remote layer of both steps went through links
+    assert len(fe.dispatcher._links) == 2
+
+
+def test_a_link_that_breaks_sends_its_layer_as_calls(linked, monkeypatch):
+    fe = linked
+    broken = []
+
+    def receive(self, timeout):
+        broken.append(self)
+        raise LinkError("device link: the expert function closed it")
+
+    monkeypatch.setattr(ClientLink, "receive", receive)
+    _decode_twice(fe, sync_free_replay=False)
+    assert broken and fe.dispatcher.linked_layers == 0 and not fe.dispatcher._links
+    assert set(fe.dispatcher._link_retry) == set(fe.dispatcher._replicas)  # each tried again only later
