@@ -322,7 +322,7 @@ def run_disaggregated(ckpt: Path, bundles, model_id: str, tmp: str, args, device
     # The folder frontend and expert functions share: tmpfs where there is one, as /dev/shm is in production.
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else tmp) as shm_folder, \
             expert_processes(ckpt, bundles, model_id, ready_timeout=600, shm_dir=Path(shm_folder)) as experts:
-        fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, shm_dir=Path(shm_folder),
+        fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, shm_dir=Path(shm_folder), device_links=True,
                                      predictor=args.predictor, max_batch=max(args.batch_list)))
         try:
             remote_table = table_for_bundles(model_id, bundles, experts.addresses, version=2)

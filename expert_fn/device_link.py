@@ -186,9 +186,7 @@ class ServerLink:
         self._listener.settimeout(ACCEPT_SECONDS)
         self._sock: socket.socket | None = None
         self.closed = False
-        # (layer, rows, experts, stack) -> (its work as a graph's replay or eager, the stack it reads)
-        self._work: dict[tuple, tuple[Callable[[], None], StackedExperts]] = {}
-        self._pool = None  # the graphs' memory, shared: they replay one after another on one stream
+        self.tables: dict[tuple, torch.Tensor] = {}  # (layer, stack, experts) -> expert_table, for the server's run
         self._thread = threading.Thread(target=self._serve, name=f"device-link-{self.path.name[-6:]}", daemon=True)
         self._thread.start()
 
@@ -231,50 +229,6 @@ class ServerLink:
         sock.settimeout(None)
         self._sock = sock
         return sock
-
-    def queue(self, layer: int, rows: int, experts: list[int], stack: StackedExperts, local: dict[int, int],
-              act: Callable) -> None:
-        """Queue a layer on this thread's stream: wait for the frontend's rows, compute this side's, record
-        `done`. Each (layer, rows, experts, stack) runs eagerly once (Triton compiles its kernel then)
-        and is captured as a CUDA graph for the next times: a replay is one launch where the ~25 kernels
-        cost ~0.3 ms of host time, which the frontend would wait for before its next layer."""
-        key = (layer, rows, tuple(experts), id(stack))
-        stream = torch.cuda.current_stream(self.rows.device)
-        with torch.inference_mode():
-            stream.wait_event(self.ready)
-            work = self._work.get(key)
-            if work is not None:
-                work[0]()
-            else:
-                # a layer's stack replaced (Load/Unload in place): its graphs go with the old one
-                self._work = {k: v for k, v in self._work.items() if k[0] != layer or k[3] == key[3]}
-                table = expert_table({e: local[e] for e in experts}, self.num_experts + 1, self.rows.device)
-
-                def run() -> None:
-                    run_owned(self.rows[:rows], row_groups(self.ends, rows), table, stack, act, self.out)
-
-                run()
-                self._work[key] = (self._capture(run, stream) or run, stack)
-            self.done.record(stream)
-
-    def _capture(self, run: Callable[[], None], stream: torch.cuda.Stream) -> Callable[[], None] | None:
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream(stream.device)
-        side.wait_stream(stream)
-        try:
-            with torch.cuda.stream(side):
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                try:
-                    run()
-                finally:
-                    graph.capture_end()
-        except RuntimeError as e:  # it runs eagerly: slower, as correct
-            log.warning("device link %s: a layer's work could not be captured (%s); it runs eagerly", self.path.name, e)
-            return None
-        finally:
-            stream.wait_stream(side)
-        self._pool = graph.pool()
-        return graph.replay
 
     def close(self) -> None:
         self.closed = True

@@ -380,7 +380,18 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         if lacking or stack is None:
             return bytes([device_link.LACKING]) + device_link.experts_mask(lacking, link.num_experts)
         try:
-            link.queue(layer, rows, experts, stack.experts, stack.local, self.store.adapter.act)
+            key = (layer, id(stack), tuple(experts))
+            table = link.tables.get(key)
+            if table is None:
+                link.tables = {k: v for k, v in link.tables.items() if k[1] == id(stack) or k[0] != layer}
+                table = link.tables[key] = device_link.expert_table({e: stack.local[e] for e in experts},
+                                                                    link.num_experts + 1, self.config.device)
+            stream = torch.cuda.current_stream(self.config.device)
+            with torch.inference_mode():
+                stream.wait_event(link.ready)
+                device_link.run_owned(link.rows[:rows], device_link.row_groups(link.ends, rows), table,
+                                      stack.experts, self.store.adapter.act, link.out)
+                link.done.record(stream)
         except Exception as e:  # noqa: BLE001 - the frontend sends the layer another way
             log.exception("device link %s: layer %d failed", link.path.name, layer)
             return bytes([device_link.REFUSED]) + f"{type(e).__name__}: {e}".encode()[:1000]

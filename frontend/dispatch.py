@@ -97,7 +97,9 @@ class DispatchConfig:
     calls_per_bundle: bool = False
     # Same GPU: lend expert functions device buffers (expert_fn/device_link.py) for the layers of decode
     # graphs whose remote experts each have one replica, all of them linked; the others go as calls.
-    device_links: bool = True
+    # Off by default: a function whose GPU context faults after it queued a layer leaves this
+    # frontend's stream waiting for an event that never comes (calls would have failed over).
+    device_links: bool = False
 
 
 class Predictions(Protocol):

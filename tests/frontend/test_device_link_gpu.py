@@ -24,7 +24,7 @@ def linked(tiny_checkpoint, tmp_path):
     """A bfloat16 frontend on the GPU with its experts in two expert-function processes on that GPU."""
     path = tiny_checkpoint("mixtral")
     fe = Frontend(FrontendConfig(checkpoint=path, device="cuda", dtype="bfloat16", predictor="none",
-                                 shm_dir=tmp_path, cuda_graphs=False))
+                                 shm_dir=tmp_path, cuda_graphs=False, device_links=True))
     bundles = bundles_by_count(fe.adapter.moe_layers, fe.adapter.num_experts, 2)
     with expert_processes(path, bundles, fe.model_id, shm_dir=tmp_path, dtype="bfloat16") as experts:
         fe.set_routing_table(table_for_bundles(fe.model_id, bundles, experts.addresses))
