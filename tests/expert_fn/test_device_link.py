@@ -3,6 +3,9 @@ saying so. The link itself (CUDA IPC, events) runs in tests/frontend/test_device
 
 from __future__ import annotations
 
+import socket
+import time
+
 import grpc
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch.nn.functional as F
 
 from kubemoe.expert_fn import device_link
 from kubemoe.expert_fn.config import ExpertFnConfig
+from kubemoe.expert_fn.lane import socket_address
 from kubemoe.expert_fn.server import build_server
 from kubemoe.frontend.loop_thread import LoopThread
 from kubemoe.moe import StackedExperts, sort_pairs, sorted_ffn
@@ -90,3 +94,55 @@ def test_a_server_without_a_gpu_refuses_to_link_and_keeps_serving(tiny_checkpoin
     finally:
         loop.run(built.stop(0))
         loop.stop()
+
+
+def _connect(link: device_link.ServerLink) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with socket_address(link.path) as address:
+        sock.connect(address)
+    sock.settimeout(10)
+    return sock
+
+
+def _ends(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(64) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _wait_closed(link: device_link.ServerLink) -> bool:
+    deadline = time.monotonic() + 10
+    while not link.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return link.closed
+
+
+def test_a_link_serves_the_client_with_its_token_alone_and_ends_on_a_packet_outside_the_protocol(tmp_path):
+    """The socket (no GPU needed): a client with a wrong token is refused and the link ends; the right
+    one gets each layer packet answered by the server's run; a packet that breaks the protocol ends the
+    link, and the socket file is gone from the folder once a client connected."""
+    taken = []
+
+    def run(layer, rows, experts, link):
+        taken.append((layer, rows, experts))
+        return bytes([device_link.QUEUED])
+
+    def link() -> device_link.ServerLink:
+        return device_link.ServerLink(tmp_path, torch.zeros(8, 4), torch.zeros(5, dtype=torch.int32),
+                                      torch.zeros(9, 4), None, 4, run)
+
+    wrong = link()
+    with _connect(wrong) as sock:
+        sock.send(bytes(device_link.TOKEN_BYTES))
+        assert _ends(sock) and _wait_closed(wrong)
+    right = link()
+    with _connect(right) as sock:
+        sock.send(right.token)
+        assert not right.path.exists()
+        sock.send(device_link.pack_go(3, 6, [1, 2], 4))
+        assert sock.recv(64) == bytes([device_link.QUEUED])
+        sock.send(device_link.pack_go(3, 9, [1], 4))  # more rows than the buffers hold
+        assert _ends(sock) and _wait_closed(right)
+    assert taken == [(3, 6, [1, 2])]
+    assert not list(tmp_path.iterdir())
