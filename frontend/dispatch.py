@@ -331,18 +331,21 @@ class Dispatcher:
         return unsort_pairs(y if self.adapter.routing.weight_on_input else (y * pairs.weights).to(y.dtype), pairs)
 
     def _run_sorted(self, layer: int, pairs: SortedPairs, y: torch.Tensor, hidden: torch.Tensor,
-                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, counted: bool = False) -> torch.Tensor | None:
+                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, counted: bool = False,
+                    observed: bool = False) -> torch.Tensor | None:
         """A layer's host work: each expert's rows of `pairs` through its expert, wherever it lives, into
         the same rows of `y` [S, H]. Remote experts go out first (one call per address, all at once),
         in-process ones run here meanwhile. Returns what the offload executor added for its experts
         ([T, H], their rows of `y` untouched), or None. The one wait for the device: the group ends.
-        `counted`: the layer's tokens per expert were counted on the device already (a decode graph)."""
+        `counted`: the layer's tokens per expert were counted on the device already (a decode graph);
+        `observed`: the observers saw the layer already."""
         ends = pairs.ends.tolist()
         num_experts = self.adapter.num_experts
         spans = [(ends[e - 1] if e else 0, ends[e]) for e in range(num_experts)]  # a spare group (E) stays out
         if not counted:
             self._record_counts(layer, [(e, b - a) for e, (a, b) in enumerate(spans) if b > a])
-        self._observe(layer, hidden, top_k_index, top_k_weights)
+        if not observed:
+            self._observe(layer, hidden, top_k_index, top_k_weights)
         routes = self._table().routes
         local, remote = [], {}
         for e, (a, b) in enumerate(spans):
@@ -407,11 +410,11 @@ class Dispatcher:
         extra = torch.zeros_like(hidden) if self.offload is not None else None  # what its experts add
 
         def call(rows: int) -> None:
-            if extra is None and self._run_linked(layer, pairs, y, hidden[:rows], top_k_index[:rows],
-                                                  top_k_weights[:rows]):
+            self._observe(layer, hidden[:rows], top_k_index[:rows], top_k_weights[:rows])
+            if extra is None and self._run_linked(layer, pairs, y):
                 return
             added = self._run_sorted(layer, pairs, y, hidden[:rows], top_k_index[:rows], top_k_weights[:rows],
-                                     counted=True)
+                                     counted=True, observed=True)
             if added is not None and extra is not None:
                 extra[:rows] = added
 
@@ -421,8 +424,7 @@ class Dispatcher:
 
     # -- device links (expert_fn/device_link.py) ------------------------------------------------
 
-    def _run_linked(self, layer: int, pairs: SortedPairs, y: torch.Tensor, hidden: torch.Tensor,
-                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
+    def _run_linked(self, layer: int, pairs: SortedPairs, y: torch.Tensor) -> bool:
         """A cut's layer through device links, if every remote expert of it can go that way: the rows
         staged in the shared buffers, each linked function told its experts, the stream made to wait
         for each one's outputs, which land in y. False (nothing written to y): the caller sends the
@@ -447,7 +449,6 @@ class Dispatcher:
                 sent.append((address, link, experts))
             except LinkError as e:
                 self._unlink(address, e)
-        self._observe(layer, hidden, top_k_index, top_k_weights)  # its host work while the functions queue theirs
         answered = True
         for address, link, experts in sent:
             try:
