@@ -139,9 +139,9 @@ def test_a_link_serves_the_client_with_its_token_alone_and_ends_on_a_packet_outs
     right = link()
     with _connect(right) as sock:
         sock.send(right.token)
-        assert not right.path.exists()
         sock.send(device_link.pack_go(3, 6, [1, 2], 4))
         assert sock.recv(64) == bytes([device_link.QUEUED])
+        assert not right.path.exists()  # gone once the server accepted (it answered: it had)
         sock.send(device_link.pack_go(3, 9, [1], 4))  # more rows than the buffers hold
         assert _ends(sock) and _wait_closed(right)
     assert taken == [(3, 6, [1, 2])]
