@@ -13,7 +13,9 @@ event, then sends each linked function one small packet (layer, rows, its expert
 queues, on its GPU stream, a wait for the ready event, the FFN of its own rows (found on the device
 from `ends`: nothing waits for the GPU) written to their rows of `out`, and its done event, and
 answers. The frontend's stream waits for each done event and takes each function's rows from its
-`out`. Neither side waits for the GPU; the host work of both overlaps the GPU's.
+`out`. Neither side waits for the GPU; the host work of both overlaps the GPU's. At 1f2c481 (same
+setup) the step took 4.4 ms at batch 32 through links, 7.3 ms as calls: each layer still waits
+about 0.4 ms for each function's answer (its ~25 launches), and about 1 ms a layer is not explained yet.
 
 What both sides must agree on lives here: the packets, the buffers' sharing, and which rows are
 whose (`owned_rows`, `row_groups`). Same GPU means same node: the socket lies in the shared
@@ -36,7 +38,8 @@ from typing import Callable, Sequence
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from kubemoe.expert_fn.lane import peer_uid, socket_address, listen_socket
+from kubemoe import wire
+from kubemoe.expert_fn.lane import listen_socket, peer_uid, socket_address
 from kubemoe.moe import StackedExperts, sorted_ffn
 from kubemoe.proto import kubemoe_pb2 as pb
 
@@ -255,8 +258,6 @@ class DeviceBuffers:
         self.device, self.dtype = device, dtype
 
     def request(self, model: str, out: torch.Tensor) -> pb.DeviceAttachRequest:
-        from kubemoe import wire
-
         return pb.DeviceAttachRequest(model=model, gpu_uuid=gpu_uuid(self.device), dtype=wire.TO_WIRE[self.dtype],
                                       rows=share(self.rows), ends=share(self.ends), out=share(out),
                                       ready_event=self.ready.ipc_handle())
