@@ -189,7 +189,7 @@ class ServerLink:
         self._listener.settimeout(ACCEPT_SECONDS)
         self._sock: socket.socket | None = None
         self.closed = False
-        self.tables: dict[tuple, torch.Tensor] = {}  # (layer, stack, experts) -> expert_table, for the server's run
+        self.tables: dict[tuple, torch.Tensor] = {}  # ((expert, local index), ...) -> expert_table, for the server's run
         self._thread = threading.Thread(target=self._serve, name=f"device-link-{self.path.name[-6:]}", daemon=True)
         self._thread.start()
 

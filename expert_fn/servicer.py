@@ -380,12 +380,14 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         if lacking or stack is None:
             return bytes([device_link.LACKING]) + device_link.experts_mask(lacking, link.num_experts)
         try:
-            key = (layer, id(stack), tuple(experts))
-            table = link.tables.get(key)
+            # by what the table holds (not the stack's id(), which a replaced stack's successor may reuse)
+            local = tuple((e, stack.local[e]) for e in experts)
+            table = link.tables.get(local)
             if table is None:
-                link.tables = {k: v for k, v in link.tables.items() if k[1] == id(stack) or k[0] != layer}
-                table = link.tables[key] = device_link.expert_table({e: stack.local[e] for e in experts},
-                                                                    link.num_experts + 1, self.config.device)
+                if len(link.tables) >= 1024:  # stacks replaced many times over: start again
+                    link.tables = {}
+                table = link.tables[local] = device_link.expert_table(dict(local), link.num_experts + 1,
+                                                                      self.config.device)
             stream = torch.cuda.current_stream(self.config.device)
             with torch.inference_mode():
                 stream.wait_event(link.ready)
