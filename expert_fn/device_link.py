@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import math
 import os
 import secrets
 import socket
@@ -106,10 +107,7 @@ def share(t: torch.Tensor) -> pb.CudaIpcBuffer:
 
 def open_buffer(shared: pb.CudaIpcBuffer, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     shape = list(shared.shape)
-    numel = 1
-    for n in shape:
-        numel *= n
-    if not shape or any(n <= 0 for n in shape) or numel * dtype.itemsize > shared.storage_bytes:
+    if not shape or any(n <= 0 for n in shape) or math.prod(shape) * dtype.itemsize > shared.storage_bytes:
         raise ValueError(f"a shared buffer of shape {shape} in {dtype} does not fit its {shared.storage_bytes} bytes")
     stride = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):

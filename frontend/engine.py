@@ -406,25 +406,25 @@ class Engine:
             read.synchronize()
         return dict(enumerate(host.tolist()))
 
-    def _decode_failed(self, mb: RunningBatch, error: Exception) -> list[tuple[Sequence, str]]:
+    def _decode_failed(self, batch: RunningBatch, error: Exception) -> list[tuple[Sequence, str]]:
         """Roll the batch back to before the failed step; its named rows' requests fail (none
         when the device ran out of memory and a smaller cache can make room: the scheduler preempts)."""
         if isinstance(error, torch.OutOfMemoryError) and self._out_of_memory(error):
             try:
-                mb.state.undo_decode()
+                batch.state.undo_decode()
                 return []
             except Exception:  # noqa: BLE001 - falls through to ending the batch
                 log.exception("the failed step's cache could not be rolled back")
-        log.error("decode of %d sequences failed: %s", len(mb.seqs), _message(error), exc_info=error)
-        rows = failed_rows(error, len(mb.seqs), 1)
+        log.error("decode of %d sequences failed: %s", len(batch.seqs), _message(error), exc_info=error)
+        rows = failed_rows(error, len(batch.seqs), 1)
         try:
-            mb.state.undo_decode()
+            batch.state.undo_decode()
         except Exception:  # noqa: BLE001 - a cache that cannot be rolled back takes the whole batch
             log.exception("the failed step's cache could not be rolled back; the batch ends")
-            rows = range(len(mb.seqs))
-        return [(mb.seqs[i], _message(error)) for i in sorted(set(rows))]
+            rows = range(len(batch.seqs))
+        return [(batch.seqs[i], _message(error)) for i in sorted(set(rows))]
 
-    def _advance_all(self, seqs: list[Sequence], logits: torch.Tensor, mb: RunningBatch, indices,
+    def _advance_all(self, seqs: list[Sequence], logits: torch.Tensor, batch: RunningBatch, indices,
                      failed: list, greedy: dict[int, int] | None = None) -> list[Sequence]:
         """Each sequence's next token from logits [len(seqs), V] (`greedy`: those already read, by row)
         -> the sequences that finished."""
@@ -439,7 +439,7 @@ class Engine:
                 log.exception("sampling for request %s failed", seq.request_id)
                 failed.append((seq, _message(e)))
                 continue
-            mb.tokens[index] = token
+            batch.tokens[index] = token
             if token in self.eos_ids:
                 sampled.append((seq, None, "stop"))
                 done.append(seq)

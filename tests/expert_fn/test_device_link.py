@@ -79,17 +79,14 @@ def test_a_server_without_a_gpu_refuses_to_link_and_keeps_serving(tiny_checkpoin
                 stub = pb_grpc.ExpertServiceStub(channel)
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await stub.AttachDevice(pb.DeviceAttachRequest(model=config.model, gpu_uuid="GPU-0"))
-                wrong_model = None
-                try:
+                with pytest.raises(grpc.aio.AioRpcError) as wrong_model:
                     await stub.AttachDevice(pb.DeviceAttachRequest(model="other"))
-                except grpc.aio.AioRpcError as e:
-                    wrong_model = e
-                return refused.value, wrong_model, await stub.Describe(pb.DescribeRequest())
+                return refused.value, wrong_model.value, await stub.Describe(pb.DescribeRequest())
 
         refused, wrong_model, described = loop.run(attach_then_describe())
         assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "send tensors on ForwardStream" in refused.details()
-        assert wrong_model is not None and wrong_model.code() == grpc.StatusCode.NOT_FOUND
+        assert wrong_model.code() == grpc.StatusCode.NOT_FOUND
         assert described.model == config.model
     finally:
         loop.run(built.stop(0))
