@@ -3,7 +3,8 @@
 Embeddings, attention, norms, routers, shared experts and the LM head are read from the
 checkpoint; each MoE layer's routed experts module is replaced, before any weight is read, by a
 module that computes them elsewhere (a dispatcher). Routed expert weights are never loaded here.
-On a GPU, decode attention and Llama-style RMSNorms run as kubemoe's kernels (attention.py, norms.py).
+On a GPU, decode attention, Llama-style RMSNorms and softmax top-k routers' selection run as kubemoe's
+kernels (attention.py, norms.py, routers.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from kubemoe.adapters import MoEAdapter, install_routed_experts
 from kubemoe.checkpoint import Checkpoint
-from kubemoe.frontend import attention, norms
+from kubemoe.frontend import attention, norms, routers
 
 
 def build_shell(
@@ -33,6 +34,7 @@ def build_shell(
         model = AutoModelForCausalLM.from_config(checkpoint.config, dtype=dtype)
     attention.use(model)
     norms.fuse(model)
+    routers.fuse(model)
     for layer in adapter.moe_layers:
         install_routed_experts(adapter, model, layer, routed_experts(layer))
     persistent = model.state_dict(keep_vars=True)

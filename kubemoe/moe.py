@@ -181,7 +181,7 @@ def sort_pairs(
         flat = torch.where(torch.arange(flat.shape[0], device=flat.device) < real_rows * k, flat, num_experts)
         num_experts, counts = num_experts + 1, None
     if _small(flat):  # one kernel for what a sort, the counts and their cumsum take several for
-        order, ends = moe_kernels.group_pairs(flat, num_experts)
+        order, ends, _ = moe_kernels.group_pairs(flat, num_experts)
     else:
         experts_sorted, order = flat.sort(stable=True)  # [S]
         if counts is None:
@@ -208,8 +208,20 @@ def sorted_ffn(
     act: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:  # [S, H]
     """Each expert's FFN of its own rows, as two grouped GEMMs; an expert without rows costs nothing."""
+    if _small(x) and is_silu(act):  # gate, up, silu and their product in one kernel
+        return _grouped_mm(moe_kernels.swiglu_grouped_mm(x, experts.gate_up, ends), experts.down, ends)
     gate, up = _grouped_mm(x, experts.gate_up, ends).chunk(2, dim=-1)  # [S, I] each
     return _grouped_mm(act(gate) * up, experts.down, ends)
+
+
+# What SiLU is called where an activation comes from: torch, and transformers' ACT2FN["silu"].
+SILU = frozenset({"SiLU", "SiLUActivation"})
+
+
+def is_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Whether `act` is SiLU (the SwiGLU experts of every seed architecture but GPT-OSS's), which
+    kubemoe's kernels fuse into the grouped GEMM."""
+    return act is F.silu or type(act).__name__ in SILU
 
 
 def grouped_ffn(
@@ -227,6 +239,12 @@ def grouped_ffn(
     weights are not read). The K outputs of a token are summed in float32, as transformers'
     grouped_mm experts do.
     """
+    if _small(top_k_index.reshape(-1)) and is_silu(act) and not weight_on_input:
+        # a decode-sized batch on a GPU: four kernels (grouping; the gather, gate, up and silu; down; the
+        # weighted sum), where the steps below take about a dozen
+        order, ends, positions = moe_kernels.group_pairs(top_k_index.reshape(-1), experts.num_experts)
+        h = moe_kernels.swiglu_grouped_mm(hidden, experts.gate_up, ends, grouping=(order, top_k_index.shape[1]))
+        return moe_kernels.combine_pairs(_grouped_mm(h, experts.down, ends), positions, top_k_weights, hidden.dtype)
     pairs = sort_pairs(hidden, top_k_index, top_k_weights, experts.num_experts, weight_on_input, counts)
     y = sorted_ffn(pairs.x, pairs.ends, experts, act)  # [S, H]
     if not weight_on_input:

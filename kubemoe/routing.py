@@ -15,6 +15,8 @@ from typing import Literal
 
 import torch
 
+from kubemoe import moe_kernels
+
 Scoring = Literal["softmax", "sigmoid", "sparsemixer"]
 GroupScore = Literal["max", "top2_sum"]
 
@@ -68,10 +70,13 @@ def select_experts(
     bias: torch.Tensor | None = None,  # [E]
 ) -> torch.Tensor:  # [T, K] int64, in no particular order within a token
     """The experts `route` picks, without their weights: for plain top-k, the top-k of the logits
-    themselves (softmax and sigmoid keep their order), one kernel where `route` takes several.
-    Load predictors need only this, on every layer of every step."""
+    themselves (softmax and sigmoid keep their order), one kernel where `route` takes several (on a
+    GPU kubemoe's, where torch's topk takes two). Load predictors need only this, on every layer of
+    every step."""
     if spec.scoring == "sparsemixer" or spec.n_group > 1 or bias is not None:
         return route(logits, spec, bias)[1]
+    if moe_kernels.available(logits.device) and not torch.compiler.is_compiling():
+        return moe_kernels.top_k(logits, spec.top_k, softmax=False, normalize=False)[1]
     return logits.topk(spec.top_k, dim=-1).indices
 
 

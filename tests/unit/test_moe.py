@@ -68,17 +68,64 @@ def test_group_tokens_gives_each_routed_expert_its_pairs_in_order_and_skips_the_
 
 
 def test_the_grouping_kernel_sorts_pairs_by_expert_stably_under_tritons_interpreter(triton_interpreted):
-    """moe_kernels.group_pairs (the GPU's grouping of decode-sized batches) gives a stable sort's order
-    and each expert's cumulative end row, also for experts without pairs and sizes of no whole block."""
+    """moe_kernels.group_pairs (the GPU's grouping of decode-sized batches) gives a stable sort's order,
+    each expert's cumulative end row and where each pair went, also for experts without pairs and sizes
+    of no whole block."""
     triton_interpreted("""
         import torch
         from kubemoe.moe_kernels import group_pairs
         g = torch.Generator().manual_seed(0)
         for pairs, experts in ((1, 8), (2, 8), (64, 8), (256, 128), (200, 256), (37, 60)):
             chosen = torch.randint(0, experts, (pairs,), generator=g)
-            order, ends = group_pairs(chosen, experts)
+            order, ends, positions = group_pairs(chosen, experts)
             want_ends = torch.zeros(experts, dtype=torch.int64).index_add_(0, chosen, torch.ones_like(chosen)).cumsum(0)
             assert torch.equal(order, chosen.sort(stable=True).indices), (pairs, experts)
             assert torch.equal(ends.long(), want_ends), (pairs, experts)
+            assert torch.equal(order[positions.long()], torch.arange(pairs)), (pairs, experts)
+        print("equal")
+    """)
+
+
+def test_the_fused_layer_kernels_compute_the_unfused_steps_under_tritons_interpreter(triton_interpreted):
+    """The kernels of a decode-sized layer on a GPU (moe_kernels): swiglu_grouped_mm is silu(gate) * up of
+    the sorted rows, gathered from the tokens or given sorted; combine_pairs is the weighted sum that
+    sort_pairs / unsort_pairs compute, with float32 weights and with weights of the outputs' dtype; top_k
+    is softmax, topk and the division, in either weights dtype, and topk of raw logits."""
+    triton_interpreted("""
+        import torch
+        import torch.nn.functional as F
+        from kubemoe import moe_kernels as mk
+        from kubemoe.moe import sort_pairs, unsort_pairs
+        g = torch.Generator().manual_seed(0)
+        for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-2)):
+            for tokens, k, experts, hidden_size, inter in ((5, 2, 4, 32, 24), (16, 8, 128, 64, 48), (1, 1, 3, 16, 16)):
+                hidden = torch.randn(tokens, hidden_size, generator=g).to(dtype)
+                index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+                order, ends, positions = mk.group_pairs(index.reshape(-1), experts)
+                gate_up = (torch.randn(experts, 2 * inter, hidden_size, generator=g) / hidden_size ** 0.5).to(dtype)
+                rows = hidden[order // k]
+                starts = [0] + ends.tolist()[:-1]
+                gate, up = torch.cat([rows[a:b] @ gate_up[e].T for e, (a, b) in enumerate(zip(starts, ends.tolist()))]
+                                     ).chunk(2, dim=-1)
+                gathered = mk.swiglu_grouped_mm(hidden, gate_up, ends, grouping=(order, k))
+                assert gathered.dtype == dtype and gathered.shape == (tokens * k, inter)
+                assert torch.allclose(gathered.float(), (F.silu(gate) * up).float(), atol=tolerance, rtol=tolerance)
+                assert torch.equal(mk.swiglu_grouped_mm(rows, gate_up, ends), gathered)
+                y = torch.randn(tokens * k, hidden_size, generator=g).to(dtype)
+                for weights_dtype in (torch.float32, dtype):
+                    weights = torch.randn(tokens, k, generator=g).softmax(-1).to(weights_dtype)
+                    pairs = sort_pairs(hidden, index, weights, experts, False)
+                    want = unsort_pairs(y * pairs.weights, pairs).to(dtype)
+                    got = mk.combine_pairs(y, positions, weights, dtype)
+                    assert got.dtype == dtype and torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+            logits = torch.randn(7, 60, generator=g).to(dtype)
+            for normalize in (True, False):
+                for weights_dtype in (torch.float32, dtype):
+                    weights, chosen = mk.top_k(logits, 4, softmax=True, normalize=normalize, dtype=weights_dtype)
+                    want, want_chosen = logits.float().softmax(-1).topk(4, dim=-1)
+                    want = want / want.sum(-1, keepdim=True) if normalize else want
+                    assert torch.equal(chosen, want_chosen) and weights.dtype == weights_dtype
+                    assert torch.allclose(weights.float(), want.to(weights_dtype).float(), atol=1e-6)
+            assert torch.equal(mk.top_k(logits, 3, softmax=False, normalize=False)[1], logits.topk(3, dim=-1).indices)
         print("equal")
     """)

@@ -37,7 +37,42 @@ def test_grouping_kernel_is_a_stable_sort_with_each_experts_end(pairs, experts):
     from kubemoe.moe_kernels import group_pairs
 
     chosen = torch.randint(0, experts, (pairs,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(pairs))
-    order, ends = group_pairs(chosen, experts)
+    order, ends, positions = group_pairs(chosen, experts)
     want_ends = torch.zeros(experts, dtype=torch.int64, device="cuda").index_add_(0, chosen, torch.ones_like(chosen))
     assert torch.equal(order, chosen.sort(stable=True).indices)
     assert torch.equal(ends.long(), want_ends.cumsum(0))
+    assert torch.equal(order[positions.long()], torch.arange(pairs, device="cuda"))
+
+
+@pytest.mark.parametrize("tokens,k,experts,hidden,inter", [(32, 8, 128, 2048, 768), (1, 2, 8, 4096, 14336),
+                                                           (5, 2, 8, 100, 72)])
+def test_a_decode_sized_layer_in_four_kernels_computes_the_layers_experts(tokens, k, experts, hidden, inter):
+    """grouped_ffn's fused path (grouping, gathered SwiGLU GEMM, down GEMM, weighted sum) against the
+    layer computed expert by expert in float64, at Qwen3-30B-A3B's and Mixtral's sizes and odd ones."""
+    from kubemoe.moe import StackedExperts, grouped_ffn
+
+    g = torch.Generator(device="cuda").manual_seed(tokens + experts)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    stack = StackedExperts(torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g).bfloat16() / hidden ** 0.5,
+                           torch.randn(experts, hidden, inter, device="cuda", generator=g).bfloat16() / inter ** 0.5)
+    weights, index = torch.randn(tokens, experts, device="cuda", generator=g).softmax(-1).topk(k, dim=-1)
+    exact = torch.zeros(tokens, hidden, dtype=torch.float64, device="cuda")
+    for t in range(tokens):
+        for j in range(k):
+            gate_up = stack.gate_up[index[t, j]].double() @ x[t].double()
+            exact[t] += weights[t, j].double() * (stack.down[index[t, j]].double() @ (F.silu(gate_up[:inter]) * gate_up[inter:]))
+    for weights_dtype in (torch.float32, torch.bfloat16):  # Mixtral's routers give float32 weights, Qwen3's bf16
+        got = grouped_ffn(x, index, weights.to(weights_dtype), stack, F.silu, weight_on_input=False)
+        assert got.dtype == torch.bfloat16 and got.shape == (tokens, hidden)
+        assert ((got.double() - exact).norm() / exact.norm()).item() < 1e-2
+
+
+def test_the_top_k_kernel_picks_torchs_experts_with_torchs_weights():
+    from kubemoe.moe_kernels import top_k
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(64, 128, device="cuda", generator=g)  # float32: no two scores of a row equal
+    weights, chosen = top_k(logits, 8, softmax=True, normalize=True, dtype=torch.bfloat16)
+    want, want_chosen = logits.float().softmax(-1).topk(8, dim=-1)
+    assert torch.equal(chosen, want_chosen)
+    torch.testing.assert_close(weights, (want / want.sum(-1, keepdim=True)).bfloat16())
