@@ -17,11 +17,10 @@ pass that TorchDynamo compiles (where Inductor fuses the norm itself), the modul
 from __future__ import annotations
 
 import functools
-import types
 
 import torch
 
-from kubemoe import moe_kernels
+from kubemoe.frontend import fusion
 
 # transformers' RMSNorm classes whose forward is: float32, x * rsqrt(mean(x^2) + eps), back to the input's
 # dtype, weight * that.
@@ -65,18 +64,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(*x.shape[:-1], n)
 
 
-def _fused_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    if moe_kernels.available(hidden_states.device) and not torch.compiler.is_compiling():
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
-    return type(self).forward(self, hidden_states)
-
-
 def fuse(model: torch.nn.Module) -> int:
     """Give every LLAMA_FORMULA norm of `model` the one-kernel forward (it falls back to its own off the
     GPU); returns how many."""
-    fused = 0
-    for module in model.modules():
-        if type(module).__name__ in LLAMA_FORMULA:
-            module.forward = types.MethodType(_fused_forward, module)
-            fused += 1
-    return fused
+    return fusion.swap_forward(model, LLAMA_FORMULA, lambda norm, x: rms_norm(x, norm.weight, norm.variance_epsilon))

@@ -15,12 +15,11 @@ pass that TorchDynamo compiles, the module's own forward runs.
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 
 from kubemoe import moe_kernels
+from kubemoe.frontend import fusion
 
 # transformers' routers whose forward is: logits = hidden @ weight^T; softmax in float32; top-k; the K
 # weights divided by their sum (always, or where `norm_topk_prob` says). Value: whether the weights are
@@ -29,22 +28,15 @@ SOFTMAX_TOP_K = {"MixtralTopKRouter": False, "Qwen3MoeTopKRouter": True, "Qwen2M
                  "OlmoeTopKRouter": True}
 
 
-def _fused_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
-    if not moe_kernels.available(hidden_states.device) or torch.compiler.is_compiling():
-        return type(self).forward(self, hidden_states)
-    logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)  # [T, E]
-    dtype = logits.dtype if SOFTMAX_TOP_K[type(self).__name__] else torch.float32
-    weights, index = moe_kernels.top_k(logits, self.top_k, softmax=True,
-                                       normalize=getattr(self, "norm_topk_prob", True), dtype=dtype)
+def _select(router: torch.nn.Module, hidden_states: torch.Tensor):
+    logits = F.linear(hidden_states.reshape(-1, router.hidden_dim), router.weight)  # [T, E]
+    dtype = logits.dtype if SOFTMAX_TOP_K[type(router).__name__] else torch.float32
+    weights, index = moe_kernels.top_k(logits, router.top_k, softmax=True,
+                                       normalize=getattr(router, "norm_topk_prob", True), dtype=dtype)
     return logits, weights, index
 
 
 def fuse(model: torch.nn.Module) -> int:
     """Give every SOFTMAX_TOP_K router of `model` the one-kernel selection (it falls back to its own
     forward off the GPU); returns how many."""
-    fused = 0
-    for module in model.modules():
-        if type(module).__name__ in SOFTMAX_TOP_K:
-            module.forward = types.MethodType(_fused_forward, module)
-            fused += 1
-    return fused
+    return fusion.swap_forward(model, SOFTMAX_TOP_K, _select)

@@ -75,7 +75,7 @@ def select_experts(
     every step."""
     if spec.scoring == "sparsemixer" or spec.n_group > 1 or bias is not None:
         return route(logits, spec, bias)[1]
-    if moe_kernels.available(logits.device) and not torch.compiler.is_compiling():
+    if moe_kernels.runs_here(logits.device):
         return moe_kernels.top_k(logits, spec.top_k, softmax=False, normalize=False)[1]
     return logits.topk(spec.top_k, dim=-1).indices
 

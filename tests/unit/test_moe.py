@@ -87,8 +87,9 @@ def test_the_grouping_kernel_sorts_pairs_by_expert_stably_under_tritons_interpre
 
 
 def test_the_fused_layer_kernels_compute_the_unfused_steps_under_tritons_interpreter(triton_interpreted):
-    """The kernels of a decode-sized layer on a GPU (moe_kernels): swiglu_grouped_mm is silu(gate) * up of
-    the sorted rows, gathered from the tokens or given sorted; combine_pairs is the weighted sum that
+    """The kernels of a decode-sized layer on a GPU (moe_kernels): grouped_mm_small is each row times its
+    expert's weights; swiglu_grouped_mm is silu(gate) * up of the sorted rows, gathered from the tokens or
+    given sorted; combine_pairs is the weighted sum that
     sort_pairs / unsort_pairs compute, with float32 weights and with weights of the outputs' dtype; top_k
     is softmax, topk and the division, in either weights dtype, and topk of raw logits."""
     triton_interpreted("""
@@ -107,6 +108,8 @@ def test_the_fused_layer_kernels_compute_the_unfused_steps_under_tritons_interpr
                 starts = [0] + ends.tolist()[:-1]
                 gate, up = torch.cat([rows[a:b] @ gate_up[e].T for e, (a, b) in enumerate(zip(starts, ends.tolist()))]
                                      ).chunk(2, dim=-1)
+                plain = mk.grouped_mm_small(rows, gate_up, ends)  # the same kernel without SwiGLU: both halves
+                assert torch.allclose(plain.float(), torch.cat([gate, up], dim=-1).float(), atol=tolerance, rtol=tolerance)
                 gathered = mk.swiglu_grouped_mm(hidden, gate_up, ends, grouping=(order, k))
                 assert gathered.dtype == dtype and gathered.shape == (tokens * k, inter)
                 assert torch.allclose(gathered.float(), (F.silu(gate) * up).float(), atol=tolerance, rtol=tolerance)
