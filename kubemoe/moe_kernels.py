@@ -38,45 +38,30 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def grouped_mm_small(x_ptr, order_ptr, w_ptr, ends_ptr, out_ptr, N, K, TOP_K, stride_xs, stride_we, stride_wn,
-                         stride_os, up_offset, GATHER: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def grouped_mm_small(x_ptr, w_ptr, ends_ptr, out_ptr, N, K, stride_xs, stride_we, stride_wn, stride_os,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         e = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
         end = tl.load(ends_ptr + e)
         start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
         w_base = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
-        up_base = w_base + up_offset  # SWIGLU: row N + n of gate_up, feature n's up projection
-        dt = out_ptr.dtype.element_ty
         for m0 in range(start, end, BLOCK_M):  # no iteration, no weight read, for an expert without rows
             rows = m0 + tl.arange(0, BLOCK_M)
             rmask = rows < end
-            if GATHER:  # row r is pair order[r]: token order[r] // TOP_K's hidden state
-                src = tl.load(order_ptr + rows, mask=rmask, other=0) // TOP_K
-            else:
-                src = rows
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 kmask = ks < K
-                x = tl.load(x_ptr + src[:, None].to(tl.int64) * stride_xs + ks[None, :],
+                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xs + ks[None, :],
                             mask=rmask[:, None] & kmask[None, :], other=0.0)
-                wmask = cmask[:, None] & kmask[None, :]
-                acc += tl.dot(x, tl.trans(tl.load(w_base + ks[None, :], mask=wmask, other=0.0)))  # [BN, BK]
-                if SWIGLU:
-                    up += tl.dot(x, tl.trans(tl.load(up_base + ks[None, :], mask=wmask, other=0.0)))
-            if SWIGLU:  # rounded where the unfused steps round: the GEMM's gate and up, silu(gate), the product
-                g = acc.to(dt).to(tl.float32)
-                act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-                out = (act * up.to(dt).to(tl.float32)).to(dt)
-            else:
-                out = acc.to(dt)
-            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_os + cols[None, :], out,
-                     mask=rmask[:, None] & cmask[None, :])
+                w = tl.load(w_base + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)  # [BN, BK]
+                acc += tl.dot(x, tl.trans(w))
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_os + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
     return grouped_mm_small
+
 
 
 def blocks(n: int, k: int) -> tuple[int, ...]:
@@ -100,39 +85,17 @@ def grouped_mm_small(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor,
     cumulative, as `F.grouped_mm`'s offs) -> [S, N] in x's dtype: row s times its expert's weights.
     `config`: (BLOCK_N, BLOCK_K, warps, stages[, BLOCK_M]), default `blocks(N, K)` and a BLOCK_M
     from the rows."""
-    n, k = weights.shape[1:]
-    return _launch(x, weights, ends, n, x.shape[0], None, False, config or blocks(n, k))
-
-
-def swiglu_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor, ends: torch.Tensor,
-                      grouping: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
-    """The first half of a SwiGLU expert, silu(x W_gate^T) * (x W_up^T), for rows sorted by expert in one
-    kernel: gate_up [E, 2I, K] (gate rows first, as StackedExperts holds them), ends [E] int32 -> [S, I]
-    in x's dtype, rounded where `grouped_mm_small` then silu and a product would round.
-    x: [S, K] the sorted rows; or, with `grouping` = (order [S], top_k), [T, K] the tokens, row r being
-    token order[r] // top_k (the gather of the sorted rows done in the kernel's loads)."""
-    two_i, k = gate_up.shape[1:]
-    # Each program streams a block of gate rows and the same block of up rows: half blocks()'s BLOCK_N
-    # for the whole gate_up, the same weight bytes per program.
-    block_n, *rest = blocks(two_i, k)
-    rows = grouping[0].shape[0] if grouping is not None else x.shape[0]
-    return _launch(x, gate_up, ends, two_i // 2, rows, grouping, True, (block_n // 2, *rest))
-
-
-def _launch(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor, n: int, rows: int,
-            grouping: tuple[torch.Tensor, int] | None, swiglu: bool, config: tuple[int, ...]) -> torch.Tensor:
     import triton
 
-    experts, _, k = weights.shape
-    block_n, block_k, num_warps, num_stages, *chosen_m = config
-    order, top_k = grouping if grouping is not None else (ends, 1)  # ends: any pointer, never read
+    rows, k = x.shape
+    experts, n, _ = weights.shape
+    block_n, block_k, num_warps, num_stages, *chosen_m = config or blocks(n, k)
     x, weights = x.contiguous(), weights.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_m = chosen_m[0] if chosen_m else min(64, max(16, triton.next_power_of_2(rows)))
-    _kernel()[(experts, triton.cdiv(n, block_n))](
-        x, order, weights, ends, out, n, k, top_k, x.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
-        n * weights.stride(1) if swiglu else 0, GATHER=grouping is not None, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages)
+    _kernel()[(experts, triton.cdiv(n, block_n))](x, weights, ends, out, n, k, x.stride(0), weights.stride(0),
+                                                  weights.stride(1), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                                                  BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -215,6 +178,76 @@ def group_pairs(experts: torch.Tensor, num_experts: int) -> Grouping:
     _group_kernel()[(1,)](experts.contiguous(), order, ends, positions, s, num_experts, BLOCK_S=GROUPED_SMALL_ROWS,
                           BLOCK_E=max(16, triton.next_power_of_2(num_experts)), CHUNK=32)
     return Grouping(order, ends, positions)
+
+
+@functools.cache
+def _swiglu_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def swiglu_grouped_mm(x_ptr, order_ptr, w_ptr, ends_ptr, out_ptr, I, K, TOP_K, stride_xs, stride_we, stride_wn,
+                          stride_os, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+        e = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < I
+        end = tl.load(ends_ptr + e)
+        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        gate_base = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        up_base = gate_base + I.to(tl.int64) * stride_wn  # row I + n of gate_up: feature n's up projection
+        dt = out_ptr.dtype.element_ty
+        for m0 in range(start, end, BLOCK_M):  # no iteration, no weight read, for an expert without rows
+            rows = m0 + tl.arange(0, BLOCK_M)
+            rmask = rows < end
+            if GATHER:  # row r is pair order[r]: token order[r] // TOP_K's hidden state
+                src = tl.load(order_ptr + rows, mask=rmask, other=0) // TOP_K
+            else:
+                src = rows
+            gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                kmask = ks < K
+                x = tl.load(x_ptr + src[:, None].to(tl.int64) * stride_xs + ks[None, :],
+                            mask=rmask[:, None] & kmask[None, :], other=0.0)
+                wmask = cmask[:, None] & kmask[None, :]
+                gate += tl.dot(x, tl.trans(tl.load(gate_base + ks[None, :], mask=wmask, other=0.0)))
+                up += tl.dot(x, tl.trans(tl.load(up_base + ks[None, :], mask=wmask, other=0.0)))
+            # rounded where the unfused path rounds: gate and up as the GEMM's output, silu(gate), the product
+            g = gate.to(dt).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            out = (act * up.to(dt).to(tl.float32)).to(dt)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_os + cols[None, :], out,
+                     mask=rmask[:, None] & cmask[None, :])
+
+    return swiglu_grouped_mm
+
+
+def swiglu_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor, ends: torch.Tensor,
+                      grouping: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+    """The first half of a SwiGLU expert, silu(x W_gate^T) * (x W_up^T), for rows sorted by expert in one
+    kernel: gate_up [E, 2I, K] (gate rows first, as StackedExperts holds them), ends [E] int32 -> [S, I]
+    in x's dtype, rounded where `grouped_mm_small` then silu and a product would round.
+    x: [S, K] the sorted rows; or, with `grouping` = (order [S], top_k), [T, K] the tokens, row r being
+    token order[r] // top_k (the gather of the sorted rows done in the kernel's loads)."""
+    import triton
+
+    experts, two_i, k = gate_up.shape
+    intermediate = two_i // 2
+    rows = grouping[0].shape[0] if grouping is not None else x.shape[0]
+    order, top_k = grouping if grouping is not None else (ends, 1)  # ends: any pointer, never read
+    # Each program streams a block of gate rows and the same block of up rows: half blocks.n of the unfused
+    # gate_up kernel's, the same weight bytes per program.
+    block_n, block_k, num_warps, num_stages, *chosen_m = blocks(two_i, k)
+    x, gate_up = x.contiguous(), gate_up.contiguous()
+    out = torch.empty(rows, intermediate, dtype=x.dtype, device=x.device)
+    block_m = chosen_m[0] if chosen_m else min(64, max(16, triton.next_power_of_2(rows)))
+    _swiglu_kernel()[(experts, triton.cdiv(intermediate, block_n // 2))](
+        x, order, gate_up, ends, out, intermediate, k, top_k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        out.stride(0), GATHER=grouping is not None, BLOCK_M=block_m, BLOCK_N=block_n // 2, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
 
 
 @functools.cache
