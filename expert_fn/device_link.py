@@ -14,8 +14,12 @@ queues, on its GPU stream, a wait for the ready event, the FFN of its own rows (
 from `ends`: nothing waits for the GPU) written to their rows of `out`, and its done event, and
 answers. The frontend's stream waits for each done event and takes each function's rows from its
 `out`. Neither side waits for the GPU; the host work of both overlaps the GPU's. At 1f2c481 (same
-setup) the step took 4.4 ms at batch 32 through links, 7.3 ms as calls: each layer still waits
+setup) the step took 4.4 ms at batch 32 through links, 7.3 ms as calls: each layer still waited
 about 0.4 ms for each function's answer (its ~25 launches), and about 1 ms a layer is not explained yet.
+Since then a function's side of a layer is four launches on a GPU (`owned_rows` one kernel, the rows'
+gather inside the first GEMM, the second GEMM, the copy into `out`) and the frontend takes each
+function's rows in one (`take_own_rows`): checked under Triton's CPU interpreter, not yet timed on
+the H200.
 
 What both sides must agree on lives here: the packets, the buffers' sharing, and which rows are
 whose (`owned_rows`, `row_groups`). Same GPU means same node: the socket lies in the shared
@@ -25,6 +29,7 @@ whose (`owned_rows`, `row_groups`). Same GPU means same node: the socket lies in
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import logging
 import math
@@ -39,7 +44,7 @@ from typing import Callable, Sequence
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from kubemoe import wire
+from kubemoe import moe_kernels, wire
 from kubemoe.expert_fn.lane import listen_socket, peer_uid, socket_address
 from kubemoe.moe import StackedExperts, sorted_ffn
 from kubemoe.proto import kubemoe_pb2 as pb
@@ -143,12 +148,16 @@ def expert_table(experts: dict[int, int], groups: int, device: torch.device) -> 
     return table.to(device)
 
 
-def owned_rows(groups: torch.Tensor, table: torch.Tensor, local_experts: int,
+def owned_rows(ends: torch.Tensor, rows: int, table: torch.Tensor, local_experts: int,
                scratch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows whose group `table` maps to a local expert, gathered to the front, without waiting for the
-    device: -> (src [S]: the sorted rows to read, own ones first in order; dst [S]: where each result
-    goes, `scratch` for the rows past the own ones; ends [local_experts] int32 of the gathered rows)."""
-    rows = groups.shape[0]
+    """Of the first `rows` sorted rows (their groups' cumulative `ends`), those whose group `table` maps
+    to a local expert, gathered to the front, without waiting for the device: -> (src [S]: the sorted
+    rows to read, own ones first in order, then 0; dst [S]: where each result goes, `scratch` for the
+    rows past the own ones; ends [local_experts] int32 of the gathered rows). On a GPU one kernel,
+    where these steps take about fifteen."""
+    if moe_kernels.runs_here(ends.device):
+        return _owned_rows_kernel(ends, rows, table, local_experts, scratch)
+    groups = row_groups(ends, rows)
     local = table[groups]  # [S]
     own = local >= 0
     rank = own.cumsum(0) - 1
@@ -162,12 +171,90 @@ def owned_rows(groups: torch.Tensor, table: torch.Tensor, local_experts: int,
     return src, dst, counts.cumsum(0, dtype=torch.int32)
 
 
-def run_owned(rows: torch.Tensor, groups: torch.Tensor, table: torch.Tensor, experts: StackedExperts,
+def run_owned(rows: torch.Tensor, ends: torch.Tensor, table: torch.Tensor, experts: StackedExperts,
               act: Callable, out: torch.Tensor) -> None:
-    """The FFN of the rows `table` makes this side's, each into its row of `out` [>= S + 1, H] (the
-    last row is scratch); the other rows of `out` are left as they are."""
-    src, dst, ends = owned_rows(groups, table, experts.num_experts, out.shape[0] - 1)
-    out.index_copy_(0, dst, sorted_ffn(rows[src], ends, experts, act).to(out.dtype))
+    """The FFN of the rows [S, H] `table` makes this side's (their groups' cumulative `ends`), each into
+    its row of `out` [>= S + 1, H] (the last row is scratch); the other rows of `out` are left as they are."""
+    src, dst, local_ends = owned_rows(ends, rows.shape[0], table, experts.num_experts, out.shape[0] - 1)
+    out.index_copy_(0, dst, sorted_ffn(rows, local_ends, experts, act, order=src).to(out.dtype))
+
+
+def take_own_rows(y: torch.Tensor, out: torch.Tensor, ends: torch.Tensor, table: torch.Tensor) -> None:
+    """Rows of y [S, H] whose group (cumulative `ends`) `table` maps to an expert, taken from `out`; on a
+    GPU in one kernel."""
+    rows = y.shape[0]
+    if not moe_kernels.runs_here(y.device):
+        torch.where((table[row_groups(ends, rows)] >= 0)[:, None], out[:rows], y, out=y)
+        return
+    import triton
+
+    hidden = y.shape[1]
+    block = min(1024, triton.next_power_of_2(hidden))
+    if rows:
+        _kernels()[1][(rows, triton.cdiv(hidden, block))](ends, table, out, y, ends.shape[0], hidden, out.stride(0),
+                                                          y.stride(0), BLOCK_H=block, CHUNK=32)
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def owned_rows(ends_ptr, table_ptr, src_ptr, dst_ptr, local_ends_ptr, S, G, L, scratch,
+                   BLOCK_S: tl.constexpr, CHUNK: tl.constexpr):
+        r = tl.arange(0, BLOCK_S)
+        live = r < S
+        g = tl.zeros_like(r)  # each row's group: how many group ends are <= the row
+        for g0 in range(0, G, CHUNK):
+            e = g0 + tl.arange(0, CHUNK)
+            g += tl.sum((tl.load(ends_ptr + e, mask=e < G, other=S)[None, :] <= r[:, None]).to(tl.int32), axis=1)
+        local = tl.load(table_ptr + g, mask=live, other=-1)
+        own = (local >= 0) & live
+        rank = tl.cumsum(own.to(tl.int32), axis=0) - 1
+        owned = tl.sum(own.to(tl.int32), axis=0)
+        rows = r.to(tl.int64)
+        tl.store(src_ptr + rank, rows, mask=own)  # own rows to the front, in order
+        tl.store(dst_ptr + rank, rows, mask=own)
+        rest = live & (r >= owned)
+        tl.store(src_ptr + r, rows * 0, mask=rest)
+        tl.store(dst_ptr + r, rows * 0 + scratch, mask=rest)
+        for l0 in range(0, L, CHUNK):  # each local expert's end: own rows of it or an earlier one
+            le = l0 + tl.arange(0, CHUNK)
+            counted = tl.sum(((local[None, :] <= le[:, None]) & own[None, :]).to(tl.int32), axis=1)
+            tl.store(local_ends_ptr + le, counted, mask=le < L)
+
+    @triton.jit
+    def take_own_rows(ends_ptr, table_ptr, out_ptr, y_ptr, G, H, stride_o, stride_y,
+                      BLOCK_H: tl.constexpr, CHUNK: tl.constexpr):
+        row = tl.program_id(0)
+        e = tl.arange(0, CHUNK)
+        g = tl.sum((tl.load(ends_ptr + e, mask=e < G, other=row + 1) <= row).to(tl.int32), axis=0)
+        for g0 in range(CHUNK, G, CHUNK):  # the row's group: how many group ends are <= it
+            e = g0 + tl.arange(0, CHUNK)
+            g += tl.sum((tl.load(ends_ptr + e, mask=e < G, other=row + 1) <= row).to(tl.int32), axis=0)
+        if tl.load(table_ptr + g) >= 0:
+            cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            live = cols < H
+            taken = tl.load(out_ptr + row.to(tl.int64) * stride_o + cols, mask=live)
+            tl.store(y_ptr + row.to(tl.int64) * stride_y + cols, taken, mask=live)
+
+    return owned_rows, take_own_rows
+
+
+def _owned_rows_kernel(ends: torch.Tensor, rows: int, table: torch.Tensor, local_experts: int,
+                       scratch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    import triton
+
+    src = torch.empty(rows, dtype=torch.int64, device=ends.device)
+    dst = torch.empty(rows, dtype=torch.int64, device=ends.device)
+    local_ends = torch.empty(local_experts, dtype=torch.int32, device=ends.device)
+    if rows:
+        _kernels()[0][(1,)](ends, table, src, dst, local_ends, rows, ends.shape[0], local_experts, scratch,
+                            BLOCK_S=max(16, triton.next_power_of_2(rows)), CHUNK=32, num_warps=4)
+    else:
+        local_ends.zero_()
+    return src, dst, local_ends
 
 
 # -- the function's side --------------------------------------------------------------------------

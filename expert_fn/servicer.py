@@ -391,8 +391,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             stream = torch.cuda.current_stream(self.config.device)
             with torch.inference_mode():
                 stream.wait_event(link.ready)
-                device_link.run_owned(link.rows[:rows], device_link.row_groups(link.ends, rows), table,
-                                      stack.experts, self.store.adapter.act, link.out)
+                device_link.run_owned(link.rows[:rows], link.ends, table, stack.experts, self.store.adapter.act,
+                                      link.out)
                 link.done.record(stream)
         except Exception as e:  # noqa: BLE001 - the frontend sends the layer another way
             log.exception("device link %s: layer %d failed", link.path.name, layer)

@@ -42,7 +42,7 @@ from kubemoe.adapters import MoEAdapter
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert import ExpertWeights, expert_ffn
-from kubemoe.expert_fn.device_link import ClientLink, DeviceBuffers, LinkError, expert_table, row_groups
+from kubemoe.expert_fn.device_link import ClientLink, DeviceBuffers, LinkError, expert_table, take_own_rows
 from kubemoe.expert_fn.errors import lacking_of
 from kubemoe.frontend.graphs import Recorder, recording
 from kubemoe.frontend.loads import LoadRecorder
@@ -462,7 +462,6 @@ class Dispatcher:
                 answered = False
         if not answered or len(sent) < len(links):
             return False
-        groups = row_groups(pairs.ends, rows)
         stream = torch.cuda.current_stream(y.device)
         for address, link, experts in sent:
             stream.wait_event(link.done)
@@ -470,7 +469,7 @@ class Dispatcher:
             if table is None:
                 table = self._link_tables[(address, tuple(experts))] = expert_table(
                     dict.fromkeys(experts, 0), pairs.ends.shape[0], y.device)
-            torch.where((table[groups] >= 0)[:, None], link.out[:rows], y, out=y)
+            take_own_rows(y, link.out, pairs.ends, table)
         if self.metrics:
             self.metrics.expert_calls.inc(len(sent))
         self.linked_layers += 1

@@ -206,10 +206,16 @@ def sorted_ffn(
     ends: torch.Tensor,  # [E] int32 end row of each expert's rows (cumulative: F.grouped_mm's offs), on x's device
     experts: StackedExperts,
     act: Callable[[torch.Tensor], torch.Tensor],
+    order: torch.Tensor | None = None,  # [S] int64: row r is x[order[r]] (x then any number of rows)
 ) -> torch.Tensor:  # [S, H]
-    """Each expert's FFN of its own rows, as two grouped GEMMs; an expert without rows costs nothing."""
-    if _small(x) and is_silu(act):  # gate, up, silu and their product in one kernel
-        return _grouped_mm(moe_kernels.swiglu_grouped_mm(x, experts.gate_up, ends), experts.down, ends)
+    """Each expert's FFN of its own rows, as two grouped GEMMs; an expert without rows costs nothing.
+    With `order`, the rows are gathered from x as the first GEMM reads them, where the kernel can."""
+    sorted_rows = x if order is None else order
+    if _small(sorted_rows) and is_silu(act):  # gate, up, silu and their product in one kernel
+        h = moe_kernels.swiglu_grouped_mm(x, experts.gate_up, ends, grouping=None if order is None else (order, 1))
+        return _grouped_mm(h, experts.down, ends)
+    if order is not None:
+        x = x[order]
     gate, up = _grouped_mm(x, experts.gate_up, ends).chunk(2, dim=-1)  # [S, I] each
     return _grouped_mm(act(gate) * up, experts.down, ends)
 

@@ -57,11 +57,11 @@ def test_each_side_computes_only_its_experts_rows_and_together_they_equal_the_wh
         table = device_link.expert_table({e: i for i, e in enumerate(held)}, E + 1, torch.device("cpu"))
         assert table.tolist()[E:] == [-1, -1]  # the spare group's and anything past it: nobody's
         out = torch.full((rows + 1, H), 7.0)
-        device_link.run_owned(pairs.x, groups, table, local, F.silu, out)
+        device_link.run_owned(pairs.x, pairs.ends, table, local, F.silu, out)
         own = table[groups] >= 0
         torch.testing.assert_close(out[:rows][own], whole[own])
         assert (out[:rows][~own] == 7.0).all()  # the others' rows untouched
-        merged = torch.where(own[:, None], out[:rows], merged)
+        device_link.take_own_rows(merged, out, pairs.ends, table)
     real = groups < E
     torch.testing.assert_close(merged[real], whole[real])
     assert merged[~real].isnan().all()  # no function took the spare rows
@@ -143,3 +143,38 @@ def test_a_link_serves_the_client_with_its_token_alone_and_ends_on_a_packet_outs
         assert _ends(sock) and _wait_closed(right)
     assert taken == [(3, 6, [1, 2])]
     assert not list(tmp_path.iterdir())
+
+
+def test_the_row_kernels_compute_what_the_torch_steps_compute_under_tritons_interpreter(triton_interpreted):
+    """On a GPU owned_rows and take_own_rows are one kernel each (`moe_kernels.runs_here`): under Triton's
+    CPU interpreter they give the torch steps' src, dst and local ends, and the same merged rows, for
+    functions holding some experts, none of a layer's, or all, with spare rows and empty experts."""
+    triton_interpreted("""
+        import torch
+        from kubemoe import moe_kernels
+        from kubemoe.expert_fn import device_link
+        g = torch.Generator().manual_seed(0)
+        for experts, tokens, k, held in ((6, 7, 2, [0, 2, 3]), (6, 7, 2, [1, 4, 5]), (8, 1, 2, [7]),
+                                         (128, 32, 8, list(range(0, 128, 3))), (16, 40, 4, list(range(16))),
+                                         (8, 3, 2, [])):
+            chosen = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).reshape(-1)
+            spare = torch.arange(chosen.shape[0]) >= (tokens - 1) * k  # the last token's pairs: a graph's padding
+            chosen = torch.where(spare, experts, chosen)
+            ends = torch.zeros(experts + 1, dtype=torch.int64).index_add_(0, chosen, torch.ones_like(chosen))
+            ends = ends.cumsum(0).to(torch.int32)
+            rows = chosen.shape[0]
+            table = device_link.expert_table({e: i for i, e in enumerate(held)}, experts + 1, torch.device("cpu"))
+            local = max(len(held), 1)
+            moe_kernels.runs_here = lambda device: False
+            want = device_link.owned_rows(ends, rows, table, local, rows)
+            y, out = torch.randn(rows, 24, generator=g), torch.randn(rows + 1, 24, generator=g)
+            want_y = y.clone()
+            device_link.take_own_rows(want_y, out, ends, table)
+            moe_kernels.runs_here = lambda device: True
+            got = device_link.owned_rows(ends, rows, table, local, rows)
+            for w, o in zip(want, got):
+                assert w.dtype == o.dtype and torch.equal(w, o), (experts, held, w, o)
+            device_link.take_own_rows(y, out, ends, table)
+            assert torch.equal(y, want_y), (experts, held)
+        print("equal")
+    """)
