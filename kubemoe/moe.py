@@ -245,10 +245,11 @@ def grouped_ffn(
     weights are not read). The K outputs of a token are summed in float32, as transformers'
     grouped_mm experts do.
     """
-    if _small(top_k_index.reshape(-1)) and is_silu(act) and not weight_on_input:
+    flat = top_k_index.reshape(-1)  # [S]
+    if _small(flat) and is_silu(act) and not weight_on_input:
         # a decode-sized batch on a GPU: four kernels (grouping; the gather, gate, up and silu; down; the
         # weighted sum), where the steps below take about a dozen
-        order, ends, positions = moe_kernels.group_pairs(top_k_index.reshape(-1), experts.num_experts)
+        order, ends, positions = moe_kernels.group_pairs(flat, experts.num_experts)
         h = moe_kernels.swiglu_grouped_mm(hidden, experts.gate_up, ends, grouping=(order, top_k_index.shape[1]))
         return moe_kernels.combine_pairs(_grouped_mm(h, experts.down, ends), positions, top_k_weights, hidden.dtype)
     pairs = sort_pairs(hidden, top_k_index, top_k_weights, experts.num_experts, weight_on_input, counts)
