@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
-import dataclasses
 import os
 import pstats
 import statistics
@@ -291,12 +290,11 @@ def run_frontend(fe: Frontend, table, args, device, vocab, hw, profile: bool, co
         row["engine"] = engine_decode(fe, b, args.prompt, args.steps, args.warmup, vocab)
         row["engine"]["linked_layers"] = fe.dispatcher.linked_layers - linked  # through device links (device_link.py)
         if row["engine"]["linked_layers"]:  # the same engine with every remote layer as calls through shared memory
-            config = fe.dispatcher.config
-            fe.dispatcher.config = dataclasses.replace(config, device_links=False)
+            fe.dispatcher.use_device_links(False)
             try:
                 row["engine_calls"] = engine_decode(fe, b, args.prompt, args.steps, args.warmup, vocab)
             finally:
-                fe.dispatcher.config = config
+                fe.dispatcher.use_device_links(True)
         if profile and b == profiled:  # cProfile slows the thread it watches: a run of its own, not the goal's
             row["engine_profiled"] = engine_decode(fe, b, args.prompt, args.steps, args.warmup, vocab, profile=True)
         graphs = fe.engine.graphs

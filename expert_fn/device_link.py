@@ -1,28 +1,30 @@
-"""The device link: a frontend and an expert function on the same GPU share a layer's rows there.
+"""The device link: a frontend and an expert function on the same GPU hand a decode step's layers to
+each other on the GPU alone.
 
 Through shared memory and the lane (shm.py, lane.py) a remote layer's rows still go device -> host ->
 device and back, and the frontend waits for its GPU before each layer's calls and for the calls
 before it launches anything more. On the H200 at 1bfb8e1 a 2-layer Mixtral decode step with its
-experts in 2 expert functions on the frontend's GPU took 8.0 ms at batch 32 (MPS; 9.5 time-sliced)
-against 2.2 ms in process: about 3 ms a remote layer, of which the experts' weights need 0.35.
+experts in 2 expert functions on the frontend's GPU took 8.0 ms at batch 32 (MPS) against 2.2 ms in
+process. Linking each layer through CUDA IPC events (1f2c481 to 486e2e6) took it to 4.4 ms: the host
+still made a round trip to each function per layer, to learn that its done event was recorded.
 
-Here the frontend lends the function device buffers through CUDA IPC (AttachDevice in the proto):
-`rows` (a layer's rows sorted by expert), `ends` (where each expert's rows end) and one `out` per
-function. Per layer the frontend queues its copies into `rows` and `ends` and records the ready
-event, then sends each linked function one small packet (layer, rows, its experts); the function
-queues, on its GPU stream, a wait for the ready event, the FFN of its own rows (found on the device
-from `ends`: nothing waits for the GPU) written to their rows of `out`, and its done event, and
-answers. The frontend's stream waits for each done event and takes each function's rows from its
-`out`. Neither side waits for the GPU; the host work of both overlaps the GPU's. At 1f2c481 (same
-setup) the step took 4.4 ms at batch 32 through links, 7.3 ms as calls: each layer still waited
-about 0.4 ms for each function's answer (its ~25 launches), and about 1 ms a layer is not explained yet.
-Since then a function's side of a layer is four launches on a GPU (`owned_rows` one kernel, the rows'
-gather inside the first GEMM, the second GEMM, the copy into `out`) and the frontend takes each
-function's rows in one (`take_own_rows`): checked under Triton's CPU interpreter, not yet timed on
-the H200.
+Here the frontend lends each function device buffers through CUDA IPC (AttachDevice in the proto):
+`rows` (a layer's rows sorted by expert) and `ends` (where each expert's rows end), shared by every
+link, and per link `out` (its rows' outputs) and `flags` (gpu_flags.py: go[layer], done[layer], void).
+A captured decode program (frontend/graphs.py) queues, per linked layer, the copies into `rows` and
+`ends`, go[layer] for each function of the layer, then per function a wait for done[layer] and the
+take of its rows from its `out`. Before each replay the frontend sends each linked function one step
+packet (the rows and, per layer, the experts it expects there); the function replays its own program
+for that packet, captured on first sight: per layer, wait for go, the FFN of its own rows (found on the
+device from `ends`), done. Neither side's host waits for anything within a step; the frontend waits for
+the step's end (bounded: a function that never signals voids the step, which runs again as calls).
 
-What both sides must agree on lives here: the packets, the buffers' sharing, and which rows are
-whose (`owned_rows`, `row_groups`). Same GPU means same node: the socket lies in the shared
+A function that ends a link while a step may still wait on it (shutdown, a frontend gone) first sets
+`void`, then every go flag: its program runs out on whatever is in `rows`, and the frontend, which
+reads `void` after each step, throws that step away.
+
+What both sides must agree on lives here: the packets, the buffers' sharing and layout, and which rows
+are whose (`owned_rows`, `row_groups`). Same GPU means same node: the socket lies in the shared
 `--shm-dir`, and torch's IPC bookkeeping in the host's /dev/shm.
 """
 
@@ -38,13 +40,16 @@ import secrets
 import socket
 import struct
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from kubemoe import moe_kernels, wire
+from kubemoe.expert_fn import gpu_flags
 from kubemoe.expert_fn.lane import listen_socket, peer_uid, socket_address
 from kubemoe.moe import StackedExperts, sorted_ffn
 from kubemoe.proto import kubemoe_pb2 as pb
@@ -53,14 +58,15 @@ log = logging.getLogger(__name__)
 
 SOCKET_PREFIX = "kubemoe-device"
 TOKEN_BYTES = 16
-QUEUED, LACKING, REFUSED = 0, 1, 2
-_GO = struct.Struct("<II")  # layer, rows
-MAX_PACKET_BYTES = 4096
+QUEUED, REFUSED = 0, 1  # a step packet's answer: its first byte (REFUSED: then why, in UTF-8)
+_STEP = struct.Struct("<II")  # rows, layers; then per layer its id (uint32) and the experts' bitmask
+_LAYER = struct.Struct("<I")
 ACCEPT_SECONDS = 10.0
+DRAIN_SECONDS = 5.0  # how long a closing link lets a step in flight finish before it voids it
 
 
 class LinkError(ConnectionError):
-    """The link cannot serve (closed, refused, timed out): the caller sends the layer another way."""
+    """The link cannot serve (closed, refused, timed out): the caller sends the layers another way."""
 
 
 # -- packets --------------------------------------------------------------------------------------
@@ -77,24 +83,43 @@ def mask_experts(mask: bytes, num_experts: int) -> list[int]:
     return [e for e in range(num_experts) if mask[e // 8] >> (e % 8) & 1]
 
 
-def pack_go(layer: int, rows: int, experts: Sequence[int], num_experts: int) -> bytes:
-    return _GO.pack(layer, rows) + experts_mask(experts, num_experts)
+def max_packet_bytes(num_layers: int, num_experts: int) -> int:
+    return _STEP.size + num_layers * (_LAYER.size + (num_experts + 7) // 8)
 
 
-def unpack_go(packet: bytes, num_experts: int, max_rows: int) -> tuple[int, int, list[int]]:
-    """-> (layer, rows, experts); ValueError saying what is wrong with the packet."""
-    if len(packet) != _GO.size + (num_experts + 7) // 8:
-        raise ValueError(f"a layer packet of this model is {_GO.size + (num_experts + 7) // 8} bytes, got {len(packet)}")
-    layer, rows = _GO.unpack_from(packet)
-    if rows > max_rows:
-        raise ValueError(f"rows {rows} exceed the attached buffers' {max_rows}")
-    mask = packet[_GO.size:]
-    if num_experts % 8 and mask[-1] >> (num_experts % 8):
-        raise ValueError(f"the experts' bitmask names experts beyond the model's {num_experts}")
-    experts = mask_experts(mask, num_experts)
-    if not experts:
-        raise ValueError("a layer packet must name at least one expert")
-    return layer, rows, experts
+def pack_step(rows: int, plan: Mapping[int, Sequence[int]], num_experts: int) -> bytes:
+    """A step packet: its rows, and per linked layer (in the order the step runs them) the experts the
+    frontend takes from this function."""
+    return _STEP.pack(rows, len(plan)) + b"".join(_LAYER.pack(layer) + experts_mask(experts, num_experts)
+                                                  for layer, experts in plan.items())
+
+
+def unpack_step(packet: bytes, num_experts: int, max_rows: int, layers: Sequence[int]) -> tuple[int, dict[int, list[int]]]:
+    """-> (rows, {layer: experts}); ValueError saying what is wrong with the packet. `layers`: the model's MoE layers."""
+    mask_bytes = (num_experts + 7) // 8
+    if len(packet) < _STEP.size:
+        raise ValueError(f"a step packet starts with {_STEP.size} bytes (rows, layers), got {len(packet)}")
+    rows, count = _STEP.unpack_from(packet)
+    if len(packet) != _STEP.size + count * (_LAYER.size + mask_bytes):
+        raise ValueError(f"a step packet of {count} layers of this model is "
+                         f"{_STEP.size + count * (_LAYER.size + mask_bytes)} bytes, got {len(packet)}")
+    if not 0 < rows <= max_rows:
+        raise ValueError(f"rows {rows} must be 1..{max_rows} (the attached buffers' rows)")
+    plan: dict[int, list[int]] = {}
+    for i in range(count):
+        at = _STEP.size + i * (_LAYER.size + mask_bytes)
+        (layer,) = _LAYER.unpack_from(packet, at)
+        mask = packet[at + _LAYER.size:at + _LAYER.size + mask_bytes]
+        if layer not in layers or layer in plan:
+            raise ValueError(f"layer {layer} is not an MoE layer of this model, or named twice")
+        if num_experts % 8 and mask[-1] >> (num_experts % 8):
+            raise ValueError(f"the experts' bitmask of layer {layer} names experts beyond the model's {num_experts}")
+        plan[layer] = mask_experts(mask, num_experts)
+        if not plan[layer]:
+            raise ValueError(f"layer {layer} names no expert")
+    if not plan:
+        raise ValueError("a step packet must name at least one layer")
+    return rows, plan
 
 
 # -- buffers --------------------------------------------------------------------------------------
@@ -257,24 +282,61 @@ def _owned_rows_kernel(ends: torch.Tensor, rows: int, table: torch.Tensor, local
     return src, dst, local_ends
 
 
+# -- the flags ----------------------------------------------------------------------------------
+
+
+def flag_count(num_layers: int) -> int:
+    """A link's flags: go[layer] (the frontend signals, the function waits), done[layer] (the other way),
+    then void (set by a function that ran a step out without its rows: that step's outputs are void)."""
+    return 2 * num_layers + 1
+
+
+def go_flag(flags: torch.Tensor, layer: int) -> torch.Tensor:
+    return flags[layer:layer + 1]
+
+
+def done_flag(flags: torch.Tensor, layer: int) -> torch.Tensor:
+    at = (flags.shape[0] - 1) // 2 + layer
+    return flags[at:at + 1]
+
+
+def void_flag(flags: torch.Tensor) -> torch.Tensor:
+    return flags[-1:]
+
+
 # -- the function's side --------------------------------------------------------------------------
 
 
-class ServerLink:
-    """One attached frontend: its buffers opened here, a thread answering its socket's packets."""
+@dataclass
+class _StepProgram:
+    """A function's side of one step packet, captured: per layer wait for go, its rows' FFN, done."""
 
-    def __init__(self, folder: Path, rows: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
-                 ready: torch.cuda.Event, num_experts: int, run: Callable[[int, int, list[int], "ServerLink"], bytes]):
-        self.rows, self.ends, self.out, self.ready = rows, ends, out, ready
-        self.done = torch.cuda.Event(interprocess=True)
-        self.num_experts, self._run = num_experts, run
+    graph: torch.cuda.CUDAGraph
+    stacks: list[tuple[int, object]]  # (layer, the LayerStack it read): a replaced stack makes it stale
+    tables: list[torch.Tensor]  # read by the graph: kept alive with it
+
+
+class ServerLink:
+    """One attached frontend: its buffers opened here, a thread answering its socket's step packets by
+    replaying (capturing on first sight) the function's side of each step on a stream of its own."""
+
+    def __init__(self, folder: Path, rows: torch.Tensor, ends: torch.Tensor, out: torch.Tensor, flags: torch.Tensor,
+                 num_experts: int, layers: Sequence[int], stack_of: Callable, act: Callable,
+                 flag_ops: gpu_flags.Flags | None):
+        self.rows, self.ends, self.out, self.flags = rows, ends, out, flags
+        self.num_experts, self.layers, self._stack_of, self._act = num_experts, tuple(layers), stack_of, act
+        self._flag_ops = flag_ops
+        self.programs: dict[bytes, _StepProgram] = {}
+        self.stream = torch.cuda.Stream(rows.device) if rows.is_cuda else None
+        self._pool = None
+        self._ran = False  # a step was queued: closing must let it finish or void it
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._listener, self.path = listen_socket(Path(folder), SOCKET_PREFIX)
         self._listener.setblocking(True)
         self._listener.settimeout(ACCEPT_SECONDS)
         self._sock: socket.socket | None = None
         self.closed = False
-        self.tables: dict[tuple, torch.Tensor] = {}  # ((expert, local index), ...) -> expert_table, for the server's run
+        self._close_lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name=f"device-link-{self.path.name[-6:]}", daemon=True)
         self._thread.start()
 
@@ -283,21 +345,71 @@ class ServerLink:
             sock = self._accept()
             if sock is None:
                 return
+            max_bytes = max_packet_bytes(len(self.layers), self.num_experts)
             while not self.closed:
-                packet = sock.recv(MAX_PACKET_BYTES)
+                packet = sock.recv(max_bytes + 1)
                 if not packet:
                     return
-                try:
-                    layer, rows, experts = unpack_go(packet, self.num_experts, self.rows.shape[0])
-                except ValueError as e:
-                    log.warning("device link %s: %s; ending it", self.path.name, e)
-                    return
-                sock.send(self._run(layer, rows, experts, self))
+                sock.send(self.run_step(packet))
         except OSError as e:
             if not self.closed:
                 log.info("device link %s ended: %s", self.path.name, e)
         finally:
             self.close()
+
+    def run_step(self, packet: bytes) -> bytes:
+        """Queue the function's side of the step `packet` describes -> the answer packet."""
+        program = self.programs.get(packet)
+        if program is None or any(self._stack_of(layer) is not stack for layer, stack in program.stacks):
+            try:
+                rows, plan = unpack_step(packet, self.num_experts, self.rows.shape[0], self.layers)
+                program = self._capture(rows, plan)
+            except Exception as e:  # noqa: BLE001 - the frontend voids the step and sends its layers as calls
+                log.warning("device link %s: a step refused: %s", self.path.name, e)
+                return bytes([REFUSED]) + f"{type(e).__name__}: {e}".encode()[:1000]
+            if len(self.programs) >= 64:  # stacks replaced many times over, or many row sizes: start again
+                self.programs = {}
+            self.programs[packet] = program
+        with torch.cuda.stream(self.stream):
+            program.graph.replay()
+        self._ran = True
+        return bytes([QUEUED])
+
+    def _capture(self, rows: int, plan: dict[int, list[int]]) -> _StepProgram:
+        stacks, tables = [], []
+        for layer, experts in plan.items():
+            stack = self._stack_of(layer)
+            lacking = [e for e in experts if stack is None or e not in stack.local]
+            if lacking:
+                raise LookupError(f"this function lacks experts {lacking} of layer {layer}")
+            stacks.append((layer, stack))
+            tables.append(expert_table({e: stack.local[e] for e in experts}, self.num_experts + 1, self.rows.device))
+        flags, stream = self._flag_ops, self.stream
+        if flags is None or stream is None:
+            raise RuntimeError("device links need a GPU")
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+
+        def step(wait: bool) -> None:
+            for (layer, stack), table in zip(stacks, tables):
+                if wait:
+                    flags.wait(go_flag(self.flags, layer))
+                run_owned(self.rows[:rows], self.ends, table, stack.experts, self._act, self.out)
+                if wait:
+                    flags.signal(done_flag(self.flags, layer))
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            # Once without the flags, outside the capture (kernels compiled, the allocator warm): what it
+            # writes to `out` nobody reads before this step's done flags, which only the replay sets.
+            step(wait=False)
+            stream.synchronize()
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                step(wait=True)
+            finally:
+                graph.capture_end()
+        return _StepProgram(graph, stacks, tables)
 
     def _accept(self) -> socket.socket | None:
         try:
@@ -319,7 +431,12 @@ class ServerLink:
         return sock
 
     def close(self) -> None:
-        self.closed = True
+        """End the link. A step still queued gets DRAIN_SECONDS to finish; one still waiting for its rows
+        then (the frontend gone or stuck) is voided and run out, so this function's stream goes on."""
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
         for s in (self._sock, self._listener):
             if s is not None:
                 with contextlib.suppress(OSError):
@@ -328,6 +445,17 @@ class ServerLink:
                     s.close()
         with contextlib.suppress(OSError):
             self.path.unlink()
+        if self._ran and self.stream is not None:
+            drained = torch.cuda.Event()
+            drained.record(self.stream)
+            deadline = time.monotonic() + DRAIN_SECONDS
+            while not drained.query() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if not drained.query():
+                log.warning("device link %s: a step still waits for its frontend after %.0f s; voided",
+                            self.path.name, DRAIN_SECONDS)
+                gpu_flags.release(void_flag(self.flags))  # first: the frontend must see it before any done
+                gpu_flags.release(self.flags[:(len(self.flags) - 1) // 2])  # every go
 
 
 # -- the frontend's side --------------------------------------------------------------------------
@@ -339,30 +467,25 @@ class DeviceBuffers:
     def __init__(self, max_rows: int, hidden: int, groups: int, dtype: torch.dtype, device: torch.device):
         self.rows = torch.zeros(max_rows, hidden, dtype=dtype, device=device)
         self.ends = torch.zeros(groups, dtype=torch.int32, device=device)
-        self.ready = torch.cuda.Event(interprocess=True)
         self.device, self.dtype = device, dtype
 
-    def request(self, model: str, out: torch.Tensor) -> pb.DeviceAttachRequest:
+    def request(self, model: str, out: torch.Tensor, flags: torch.Tensor) -> pb.DeviceAttachRequest:
         return pb.DeviceAttachRequest(model=model, gpu_uuid=gpu_uuid(self.device), dtype=wire.TO_WIRE[self.dtype],
-                                      rows=share(self.rows), ends=share(self.ends), out=share(out),
-                                      ready_event=self.ready.ipc_handle())
+                                      rows=share(self.rows), ends=share(self.ends), out=share(out), flags=share(flags))
 
     def stage(self, rows: torch.Tensor, ends: torch.Tensor) -> None:
-        """Queue a layer's rows and ends into the shared buffers, then the ready event, on this stream."""
+        """Queue a layer's rows and ends into the shared buffers, on this stream."""
         self.rows[:rows.shape[0]].copy_(rows)
         self.ends[:ends.shape[0]].copy_(ends)
-        self.ready.record()
 
 
 class ClientLink:
-    """A connected link to one expert function: its `out` buffer and done event."""
+    """A connected link to one expert function: its `out` and `flags` buffers and its socket."""
 
-    def __init__(self, folder: Path, answer: pb.DeviceAttachResponse, out: torch.Tensor, device: torch.device,
-                 num_experts: int):
+    def __init__(self, folder: Path, answer: pb.DeviceAttachResponse, out: torch.Tensor, flags: torch.Tensor):
         if not answer.socket.startswith(SOCKET_PREFIX + "-") or "/" in answer.socket:
             raise LinkError(f"the server named a device socket {answer.socket!r} outside the protocol")
-        self.out, self.num_experts = out, num_experts
-        self.done = torch.cuda.Event.from_ipc_handle(indexed(device), answer.done_event)
+        self.out, self.flags = out, flags
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with socket_address(Path(folder) / answer.socket) as address:
@@ -372,27 +495,117 @@ class ClientLink:
             self.sock.close()
             raise LinkError(f"cannot connect to the device link {answer.socket}: {e}") from None
 
-    def send(self, layer: int, rows: int, experts: Sequence[int]) -> None:
+    def send(self, packet: bytes) -> None:
         try:
-            self.sock.send(pack_go(layer, rows, experts, self.num_experts))
+            self.sock.send(packet)
         except OSError as e:
             raise LinkError(f"device link: {e}") from None
 
-    def receive(self, timeout: float) -> list[int]:
-        """-> the experts the function lacks (nothing was queued), [] when it queued the layer."""
+    def receive(self, timeout: float) -> None:
+        """Return once the function queued the step; LinkError if it refused it, closed, or took too long."""
         self.sock.settimeout(timeout)
         try:
-            answer = self.sock.recv(MAX_PACKET_BYTES)
+            answer = self.sock.recv(1024)
         except OSError as e:  # a timeout too
             raise LinkError(f"device link: {e or 'no answer in time'}") from None
         if not answer:
             raise LinkError("device link: the expert function closed it")
-        if answer[0] == QUEUED:
-            return []
-        if answer[0] == LACKING:
-            return mask_experts(answer[1:], self.num_experts)
-        raise LinkError(f"device link refused the layer: {answer[1:].decode('utf-8', 'replace')}")
+        if answer[0] != QUEUED:
+            raise LinkError(f"device link refused the step: {answer[1:].decode('utf-8', 'replace')}")
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+class StepLinks:
+    """The device links of one captured decode program (frontend/graphs.py): the layers it runs through
+    them, queued while it is captured (`run_layer`), and the host's part of each replay: `start` sends
+    each function its step packet, `finish` waits for its answers and for the step's end."""
+
+    def __init__(self, buffers: DeviceBuffers, links: dict[str, ClientLink], plans: dict[int, dict[str, list[int]]],
+                 flags: gpu_flags.Flags, num_experts: int, timeout: float,
+                 on_finish: Callable[["StepLinks", dict[str, str]], None]):
+        self.buffers, self.links, self.plans, self.flags = buffers, links, plans, flags
+        self.num_experts, self.timeout, self._on_finish = num_experts, timeout, on_finish
+        self._rows = 0
+        self._tables: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # the program reads them
+        self._void = torch.zeros(len(links), dtype=torch.int32, pin_memory=True)  # each link's, after a replay
+        self._packets: dict[str, bytes] = {}
+        self._failed: dict[str, str] = {}
+
+    def covers(self, layer: int) -> bool:
+        return layer in self.plans
+
+    def run_layer(self, layer: int, rows: torch.Tensor, ends: torch.Tensor, y: torch.Tensor) -> None:
+        """Queue a layer (while the program is captured): its sorted rows and group ends staged, each of its
+        functions' go, then each one's done and its rows taken into y."""
+        self.buffers.stage(rows, ends)
+        plan = self.plans[layer]
+        for address in plan:
+            self.flags.signal(go_flag(self.links[address].flags, layer))
+        for address, experts in plan.items():
+            link = self.links[address]
+            self.flags.wait(done_flag(link.flags, layer))
+            key = (address, tuple(experts))
+            if key not in self._tables:
+                self._tables[key] = expert_table(dict.fromkeys(experts, 0), ends.shape[0], y.device)
+            take_own_rows(y, link.out, ends, self._tables[key])
+        self._rows = rows.shape[0]
+
+    def capture_end(self) -> None:
+        """The program's last work: each link's void flag read back to the host."""
+        for i, link in enumerate(self.links.values()):
+            self._void[i:i + 1].copy_(void_flag(link.flags), non_blocking=True)
+        for address in self.links:
+            layers = {layer: plan[address] for layer, plan in self.plans.items() if address in plan}
+            self._packets[address] = pack_step(self._rows, layers, self.num_experts)
+
+    def start(self) -> None:
+        self._failed = {}
+        for address, packet in self._packets.items():
+            try:
+                self.links[address].send(packet)
+            except LinkError as e:
+                self._failed[address] = str(e)
+
+    def finish(self) -> bool:
+        """After the replay was queued: each function's answer, then the step's end, waited for at most
+        `timeout` each. -> whether the step's outputs hold; when not, every wait of it was released."""
+        failed = self._failed
+        for address, link in self.links.items():
+            if address not in failed:
+                try:
+                    link.receive(self.timeout)
+                except LinkError as e:
+                    failed[address] = str(e)
+        end = torch.cuda.Event()
+        end.record()
+        for address in failed:  # nothing will signal their done flags: release them
+            gpu_flags.release(self._done_flags(address))
+        if not _wait(end, self.timeout):
+            for address in self.links.keys() - failed.keys():
+                failed[address] = f"the step did not finish in {self.timeout:.0f} s"
+                gpu_flags.release(self._done_flags(address))
+            if not _wait(end, self.timeout):
+                raise RuntimeError("a device-linked step did not finish even with every wait of it released")
+        for i, address in enumerate(self.links):
+            if self._void[i] and address not in failed:
+                failed[address] = "the expert function voided the step (it ended the link)"
+        self._on_finish(self, failed)
+        return not failed
+
+    def _done_flags(self, address: str) -> torch.Tensor:
+        flags = self.links[address].flags
+        layers = (flags.shape[0] - 1) // 2
+        return flags[layers:2 * layers]
+
+
+def _wait(event: torch.cuda.Event, timeout: float) -> bool:
+    """Whether `event` completed within `timeout` s; polled, the GIL let go between polls."""
+    deadline = time.monotonic() + timeout
+    while not event.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0)
+    return True

@@ -60,8 +60,8 @@ class ExpertFunction:
         await self.server.stop(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self.servicer.data_port is not None:
             self.servicer.data_port.close()
-        for link in self.servicer.device_links:  # their frontends send the next layers on ForwardStream
-            link.close()
+        for link in self.servicer.device_links:  # their frontends send the next steps' layers on ForwardStream
+            await asyncio.to_thread(link.close)  # a step in flight may take a moment to finish
         await self.servicer.batcher.close()
 
 

@@ -29,7 +29,7 @@ from kubemoe import wire
 from kubemoe.expert_fn.batcher import Job, MicroBatcher, run_round
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.frames import TCP_LANE_METADATA_KEY, TCP_METADATA_KEY, DataPort, parse_offer, serve_lane
-from kubemoe.expert_fn import device_link
+from kubemoe.expert_fn import device_link, gpu_flags
 from kubemoe.expert_fn.device_link import ServerLink
 from kubemoe.expert_fn.errors import (ExpertFnError, code_of, failed_precondition, invalid, not_found, status,
                                      status_metadata)
@@ -64,6 +64,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self.data_port: DataPort | None = None  # where TCP lanes connect (frames.py); None: no TCP lanes
         self._tcp_lanes = itertools.count()
         self.device_links: list[ServerLink] = []  # frontends on this GPU (device_link.py)
+        self._flags: gpu_flags.Flags | None = None  # how the links' streams wait (made at the first link)
 
     # -- Forward ------------------------------------------------------------------------------
 
@@ -356,48 +357,27 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         if wire.FROM_WIRE.get(request.dtype) != self.config.dtype:
             raise invalid(f"device buffers must be in this server's dtype {self.config.dtype}, got "
                           f"{pb.DType.Name(request.dtype)}")
-        hidden, groups = self._hidden_size, self.store.adapter.num_experts + 1
+        adapter = self.store.adapter
+        hidden, groups, flags = self._hidden_size, adapter.num_experts + 1, device_link.flag_count(adapter.num_layers)
         try:
             rows = device_link.open_buffer(request.rows, self.config.dtype, device)
             ends = device_link.open_buffer(request.ends, torch.int32, device)
             out = device_link.open_buffer(request.out, self.config.dtype, device)
-            ready = torch.cuda.Event.from_ipc_handle(device_link.indexed(device), request.ready_event)
+            flag_buffer = device_link.open_buffer(request.flags, torch.int32, device)
         except (RuntimeError, ValueError) as e:  # a bad handle: CUDA says so
             raise invalid(f"cannot open the device buffers: {e}") from None
         if rows.dim() != 2 or rows.shape[1] != hidden or list(ends.shape) != [groups] \
-                or list(out.shape) != [rows.shape[0] + 1, hidden]:
-            raise invalid(f"device buffers must be rows [R, {hidden}], ends [{groups}] and out [R + 1, {hidden}]; "
-                          f"got {list(rows.shape)}, {list(ends.shape)}, {list(out.shape)}")
-        link = device_link.ServerLink(folder, rows, ends, out, ready, groups - 1, self._run_linked)
+                or list(out.shape) != [rows.shape[0] + 1, hidden] or list(flag_buffer.shape) != [flags]:
+            raise invalid(f"device buffers must be rows [R, {hidden}], ends [{groups}], out [R + 1, {hidden}] and "
+                          f"flags [{flags}]; got {list(rows.shape)}, {list(ends.shape)}, {list(out.shape)}, "
+                          f"{list(flag_buffer.shape)}")
+        if self._flags is None:
+            self._flags = gpu_flags.Flags(device)
+        link = device_link.ServerLink(folder, rows, ends, out, flag_buffer, adapter.num_experts, adapter.moe_layers,
+                                      self.store.stack, adapter.act, self._flags)
         self.device_links = [k for k in self.device_links if not k.closed] + [link]
         log.info("device link %s attached: %d rows", link.path.name, rows.shape[0])
-        return pb.DeviceAttachResponse(socket=link.path.name, token=link.token, done_event=link.done.ipc_handle())
-
-    def _run_linked(self, layer: int, rows: int, experts: list[int], link: device_link.ServerLink) -> bytes:
-        """A linked frontend's layer queued on the serving stream (device_link.py) -> the answer packet."""
-        stack = self.store.stack(layer)
-        lacking = [e for e in experts if stack is None or e not in stack.local]
-        if lacking or stack is None:
-            return bytes([device_link.LACKING]) + device_link.experts_mask(lacking, link.num_experts)
-        try:
-            # by what the table holds (not the stack's id(), which a replaced stack's successor may reuse)
-            local = tuple((e, stack.local[e]) for e in experts)
-            table = link.tables.get(local)
-            if table is None:
-                if len(link.tables) >= 1024:  # stacks replaced many times over: start again
-                    link.tables = {}
-                table = link.tables[local] = device_link.expert_table(dict(local), link.num_experts + 1,
-                                                                      self.config.device)
-            stream = torch.cuda.current_stream(self.config.device)
-            with torch.inference_mode():
-                stream.wait_event(link.ready)
-                device_link.run_owned(link.rows[:rows], link.ends, table, stack.experts, self.store.adapter.act,
-                                      link.out)
-                link.done.record(stream)
-        except Exception as e:  # noqa: BLE001 - the frontend sends the layer another way
-            log.exception("device link %s: layer %d failed", link.path.name, layer)
-            return bytes([device_link.REFUSED]) + f"{type(e).__name__}: {e}".encode()[:1000]
-        return bytes([device_link.QUEUED])
+        return pb.DeviceAttachResponse(socket=link.path.name, token=link.token)
 
     async def Describe(self, request, context):
         return pb.DescribeResponse(

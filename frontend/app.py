@@ -137,7 +137,7 @@ class Frontend:
         config = self.config
         if not config.cuda_graphs or self.device.type != "cuda" or self.offload:
             return None
-        return DecodeGraphs(self.decode_model, lambda: self.dispatcher.generation)
+        return DecodeGraphs(self.decode_model, lambda: self.dispatcher.generation, links=self.dispatcher.link_step)
 
     def _start_offload(self, offload: OffloadConfig):
         """The offload executor; bad settings (budget, predictor of another model) stop the start with a message."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import itertools
 import logging
@@ -42,7 +43,8 @@ from kubemoe.adapters import MoEAdapter
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert import ExpertWeights, expert_ffn
-from kubemoe.expert_fn.device_link import ClientLink, DeviceBuffers, LinkError, expert_table, take_own_rows
+from kubemoe.expert_fn import gpu_flags
+from kubemoe.expert_fn.device_link import ClientLink, DeviceBuffers, LinkError, StepLinks, flag_count
 from kubemoe.expert_fn.errors import lacking_of
 from kubemoe.frontend.graphs import Recorder, recording
 from kubemoe.frontend.loads import LoadRecorder
@@ -95,10 +97,8 @@ class DispatchConfig:
     # One call per (bundle, address) instead of one per address: the dispatch before calls were
     # merged, kept as the baseline benchmarks/dispatch_calls.py measures against. Not for serving.
     calls_per_bundle: bool = False
-    # Same GPU: lend expert functions device buffers (expert_fn/device_link.py) for the layers of decode
-    # graphs whose remote experts each have one replica, all of them linked; the others go as calls.
-    # Off by default: a function whose GPU context faults after it queued a layer leaves this
-    # frontend's stream waiting for an event that never comes (calls would have failed over).
+    # Same GPU: lend expert functions device buffers (expert_fn/device_link.py) and run decode graphs
+    # whose every remote expert has one replica, on a linked function, with no host work within a step.
     device_links: bool = False
 
 
@@ -200,7 +200,7 @@ class Dispatcher:
         self._local: dict[tuple[int, int], ExpertWeights] = {}
         # Layers with every expert in this process: their weights stacked for one grouped computation.
         self._stacked: dict[int, StackedExperts] = {}
-        self.generation = 0  # bumped when _stacked changes: a captured decode graph reads those weights
+        self.generation = 0  # bumped when _stacked or the links change: a captured decode graph reads them
         self.tally = DeviceTally(adapter.moe_layers, adapter.num_experts, self._record_counts)
         loads.before_report.append(self.tally.flush)
         self._replicas: dict[str, Replica] = {}
@@ -220,7 +220,7 @@ class Dispatcher:
         self._link_retry: dict[str, float] = {}  # address -> not before then (its function could not link)
         self._link_buffers: DeviceBuffers | None = None
         self._link_plans: dict[tuple[int, int], dict[str, list[int]]] = {}  # (table version, layer) -> _link_plan
-        self._link_tables: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._flags: gpu_flags.Flags | None = None  # how this side's streams wait on the links' flags
         self.linked_layers = 0  # layers run through device links (a test and a benchmark read it)
 
     # -- routing table --------------------------------------------------------------------------
@@ -409,71 +409,63 @@ class Dispatcher:
         y = torch.zeros_like(pairs.x)
         extra = torch.zeros_like(hidden) if self.offload is not None else None  # what its experts add
 
-        def call(rows: int) -> None:
-            self._observe(layer, hidden[:rows], top_k_index[:rows], top_k_weights[:rows])
-            if extra is None and self._run_linked(layer, pairs, y):
-                return
-            added = self._run_sorted(layer, pairs, y, hidden[:rows], top_k_index[:rows], top_k_weights[:rows],
-                                     counted=True, observed=True)
-            if added is not None and extra is not None:
-                extra[:rows] = added
+        links = recorder.links
+        if links is not None and links.covers(layer) and extra is None:  # handed to linked functions on the GPU
+            links.run_layer(layer, pairs.x, pairs.ends, y)
+            recorder.after(lambda rows: self._observe(layer, hidden[:rows], top_k_index[:rows], top_k_weights[:rows]))
+        else:
+            def call(rows: int) -> None:
+                self._observe(layer, hidden[:rows], top_k_index[:rows], top_k_weights[:rows])
+                added = self._run_sorted(layer, pairs, y, hidden[:rows], top_k_index[:rows], top_k_weights[:rows],
+                                         counted=True, observed=True)
+                if added is not None and extra is not None:
+                    extra[:rows] = added
 
-        recorder.cut(call)
+            recorder.cut(call)
         out = self._combine(pairs, y)
         return out if extra is None else out + extra
 
     # -- device links (expert_fn/device_link.py) ------------------------------------------------
 
-    def _run_linked(self, layer: int, pairs: SortedPairs, y: torch.Tensor) -> bool:
-        """A cut's layer through device links, if every remote expert of it can go that way: the rows
-        staged in the shared buffers, each linked function told its experts, the stream made to wait
-        for each one's outputs, which land in y. False (nothing written to y): the caller sends the
-        layer as calls, which also covers a link that broke or a function that lacks an expert now."""
-        plan = self._link_plan(layer)
-        if not plan:
-            return False
-        rows = pairs.x.shape[0]
-        links: list[tuple[str, ClientLink, list[int]]] = []
-        for address, experts in plan.items():
+    def use_device_links(self, on: bool) -> None:
+        """Device links on or off from the next decode step (programs that ran through them are captured again)."""
+        self.config = dataclasses.replace(self.config, device_links=on)
+        for address in list(self._links):
+            self._unlink(address, None)
+        self.generation += 1
+
+    def link_step(self, padded: int) -> StepLinks | None:
+        """The device links a decode program of `padded` rows runs its remote layers through: all of them
+        or none (a cut's host work would wait for the GPU, unbounded, behind a link that failed)."""
+        remote = [layer for layer in self.adapter.moe_layers if layer not in self._stacked]
+        if not remote or self.offload is not None:
+            return None
+        plans = {}
+        for layer in remote:
+            plan = self._link_plan(layer)
+            if not plan:
+                return None
+            plans[layer] = plan
+        rows = padded * self.adapter.top_k  # a layer's (token, choice) pairs
+        links = {}
+        for address in sorted({a for plan in plans.values() for a in plan}):
             link = self._link(address, rows)
             if link is None:
-                return False
-            links.append((address, link, experts))
-        buffers = self._link_buffers
-        assert buffers is not None
-        buffers.stage(pairs.x, pairs.ends)
-        sent = []
-        for address, link, experts in links:
-            try:
-                link.send(layer, rows, experts)
-                sent.append((address, link, experts))
-            except LinkError as e:
-                self._unlink(address, e)
-        answered = True
-        for address, link, experts in sent:
-            try:
-                lacking = link.receive(self.config.call_timeout)
-            except LinkError as e:
-                self._unlink(address, e)
-                answered = False
-                continue
-            if lacking:  # the calls will hear NOT_FOUND and put those experts aside
-                log.info("%s lacks experts %s of layer %d: the layer goes as calls", address, lacking, layer)
-                answered = False
-        if not answered or len(sent) < len(links):
-            return False
-        stream = torch.cuda.current_stream(y.device)
-        for address, link, experts in sent:
-            stream.wait_event(link.done)
-            table = self._link_tables.get((address, tuple(experts)))
-            if table is None:
-                table = self._link_tables[(address, tuple(experts))] = expert_table(
-                    dict.fromkeys(experts, 0), pairs.ends.shape[0], y.device)
-            take_own_rows(y, link.out, pairs.ends, table)
-        if self.metrics:
-            self.metrics.expert_calls.inc(len(sent))
-        self.linked_layers += 1
-        return True
+                return None
+            links[address] = link
+        if any(a not in self._links for a in links):  # a later attach grew the buffers: the earlier ones went
+            return None
+        assert self._link_buffers is not None and self._flags is not None
+        return StepLinks(self._link_buffers, links, plans, self._flags, self.adapter.num_experts,
+                         self.config.call_timeout, self._step_linked)
+
+    def _step_linked(self, links: StepLinks, failed: dict[str, str]) -> None:
+        for address, why in failed.items():
+            self._unlink(address, why)
+        if not failed:
+            self.linked_layers += len(links.plans)
+            if self.metrics:
+                self.metrics.expert_calls.inc(sum(len(plan) for plan in links.plans.values()))
 
     def _link_plan(self, layer: int) -> dict[str, list[int]]:
         """{address: its experts} for a layer whose experts are each remote on one replica; else {}."""
@@ -512,12 +504,14 @@ class Dispatcher:
             buffers = self._link_buffers = DeviceBuffers(size, self.adapter.hidden_size, self.adapter.num_experts + 1,
                                                          self.dtype, torch.device(self.device))
         out = torch.zeros(buffers.rows.shape[0] + 1, self.adapter.hidden_size, dtype=self.dtype, device=self.device)
+        flags = torch.zeros(flag_count(self.adapter.num_layers), dtype=torch.int32, device=self.device)
         try:
-            answer = self.io.run(self._client(address).attach_device(buffers.request(self.config.model, out),
+            if self._flags is None:
+                self._flags = gpu_flags.Flags(torch.device(self.device))
+            answer = self.io.run(self._client(address).attach_device(buffers.request(self.config.model, out, flags),
                                                                      timeout=self.config.call_timeout),
                                  timeout=self.config.call_timeout + 1)
-            link = self._links[address] = ClientLink(folder, answer, out, torch.device(self.device),
-                                                     self.adapter.num_experts)
+            link = self._links[address] = ClientLink(folder, answer, out, flags)
         except (grpc.aio.AioRpcError, LinkError, RuntimeError, TimeoutError) as e:
             why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
             log.info("no device link to %s (%s): its layers go as calls", address, why)
@@ -526,10 +520,11 @@ class Dispatcher:
         log.info("device link to %s: %d rows", address, buffers.rows.shape[0])
         return link
 
-    def _unlink(self, address: str, error: Exception | None) -> None:
+    def _unlink(self, address: str, error: Exception | str | None) -> None:
         link = self._links.pop(address, None)
         if link is not None:
             link.close()
+            self.generation += 1  # programs that run through it are captured again
         if error is not None:
             log.warning("device link to %s broke (%s): its layers go as calls", address, error)
             self._link_retry[address] = time.monotonic() + LINK_RETRY_SECONDS

@@ -14,7 +14,10 @@ with *cuts* between them where the host must act when it is replayed.
 - A layer whose experts run elsewhere is a cut (`Recorder.cut`): the segment before it sorts the
   layer's (token, choice) pairs by expert and counts them, at replay the cut sends the real rows'
   pairs to their expert functions and the replies land in the buffer the next segment weighs and
-  sums (dispatch.py).
+  sums (dispatch.py). Where every such layer's functions are on this GPU and linked (`links`,
+  expert_fn/device_link.py), there are no cuts: the program hands each layer to them and takes their
+  outputs on the GPU, and its replay tells them the step started and waits for its end (bounded:
+  a replay whose functions failed it raises VoidStep, and the step runs again eagerly, as calls).
 A batch of 5 replays the program of 8 rows (ROW_BUCKETS); the 3 spare rows are one-token sequences
 in spare cache rows (batch.py) that nothing but the graph sees. Programs hold for one cache
 allocation and one set of in-process expert weights (`generation`): when either moves, they are
@@ -32,7 +35,7 @@ import bisect
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Protocol
 
 import torch
 
@@ -43,6 +46,18 @@ log = logging.getLogger(__name__)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 Cut = Callable[[int], None]  # host work in a program, given the number of real rows
+
+
+class ProgramLinks(Protocol):
+    """A program's device links (expert_fn/device_link.py's StepLinks)."""
+
+    def capture_end(self) -> None: ...  # queue the program's last work (captured)
+    def start(self) -> None: ...  # before each replay
+    def finish(self) -> bool: ...  # after it: whether its outputs hold
+
+
+class VoidStep(RuntimeError):
+    """A replay whose outputs do not hold (a linked expert function failed it): run the step again."""
 
 _current = threading.local()
 
@@ -57,8 +72,10 @@ class Recorder:
     `after` at the end of the pass. Capturing: a cut ends the segment being captured and starts the
     next; both are kept for the replays."""
 
-    def __init__(self, rows: int, pool=None, capturing: bool = False, rows_on_device: torch.Tensor | None = None):
+    def __init__(self, rows: int, pool=None, capturing: bool = False, rows_on_device: torch.Tensor | None = None,
+                 links=None):
         self.rows, self.pool, self.capturing = rows, pool, capturing
+        self.links = links  # device links the captured layers may run through (dispatch.py), or None
         self.segments: list[torch.cuda.CUDAGraph] = []
         self.cuts: list[Cut] = []
         self.afters: list[Cut] = []
@@ -115,13 +132,18 @@ class Program:
     afters: list[Cut]
     logits: torch.Tensor  # [rows, V], written by the last segment
     rows_on_device: torch.Tensor  # what the captured work reads as the number of real rows
+    links: ProgramLinks | None = None
 
     def replay(self, rows: int) -> torch.Tensor:  # -> logits of the real rows [rows, V]
         self.rows_on_device.fill_(rows)
+        if self.links is not None:
+            self.links.start()
         for i, graph in enumerate(self.segments):
             if i:
                 self.cuts[i - 1](rows)
             graph.replay()
+        if self.links is not None and not self.links.finish():  # before the afters, which may wait for the GPU
+            raise VoidStep("a device-linked expert function failed the step")
         for fn in self.afters:
             fn(rows)
         return self.logits[:rows]
@@ -154,9 +176,11 @@ def padded_rows(rows: int, max_rows: int = ROW_BUCKETS[-1]) -> int | None:
 class DecodeGraphs:
     """Decode passes as replayed programs, one per row bucket, for one BatchState allocation at a time."""
 
-    def __init__(self, model: torch.nn.Module, generation: Callable[[], Hashable], max_rows: int = ROW_BUCKETS[-1]):
+    def __init__(self, model: torch.nn.Module, generation: Callable[[], Hashable], max_rows: int = ROW_BUCKETS[-1],
+                 links: Callable[[int], ProgramLinks | None] | None = None):
         self.model = model
-        self.generation = generation  # the in-process expert weights' (the dispatcher's): programs read them
+        self.generation = generation  # the in-process expert weights' and links' (the dispatcher's): programs read them
+        self.links = links  # the device links for a program of so many rows, or None (dispatch.py)
         self.max_rows = max_rows
         self.enabled = True
         self.captures = 0
@@ -171,13 +195,15 @@ class DecodeGraphs:
 
     def decode(self, state: BatchState, padded: int, rows: int) -> torch.Tensor:  # -> logits [rows, V]
         """One decode pass over `state`'s inputs, prepared for `padded` rows (state.advance)."""
-        key = (state.generation, self.generation())
-        if key != self._key:  # the cache or the weights moved: every program reads old addresses
-            self._programs.clear()
-            self._key, self._pool = key, torch.cuda.graph_pool_handle()
+        self._check_key(state)
         program = self._programs.get(padded)
         if program is not None:
-            return program.replay(rows)
+            try:
+                return program.replay(rows)
+            except VoidStep as e:
+                log.warning("%s: the decode step of %d rows runs again, as calls", e, padded)
+                self._programs.pop(padded, None)
+                return self._eager(state, padded, rows)
         logits = self._eager(state, padded, rows)
         try:
             self._programs[padded] = self._capture(state, padded, rows)
@@ -187,6 +213,12 @@ class DecodeGraphs:
             self.enabled = False
             self._programs.clear()
         return logits
+
+    def _check_key(self, state: BatchState) -> None:
+        key = (state.generation, self.generation())
+        if key != self._key:  # the cache, the weights or the links moved: every program reads old addresses
+            self._programs.clear()
+            self._key, self._pool = key, torch.cuda.graph_pool_handle()
 
     def _eager(self, state: BatchState, padded: int, rows: int) -> torch.Tensor:
         stream = self._stream
@@ -198,13 +230,17 @@ class DecodeGraphs:
 
     def _capture(self, state: BatchState, padded: int, rows: int) -> Program:
         torch.cuda.synchronize()
+        links = self.links(padded) if self.links is not None else None  # attaching may move the generation
+        self._check_key(state)
         rows_on_device = torch.full((), rows, dtype=torch.int32, device="cuda")
-        recorder = Recorder(rows, self._pool, capturing=True, rows_on_device=rows_on_device)
+        recorder = Recorder(rows, self._pool, capturing=True, rows_on_device=rows_on_device, links=links)
         with torch.cuda.stream(self._stream):
             recorder._begin()
             try:
                 logits = _pass(self.model, state, padded, recorder)
+                if links is not None:
+                    links.capture_end()
             finally:
                 recorder._end()  # a failed capture raises here too; the graph is dropped
         torch.cuda.synchronize()
-        return Program(recorder.segments, recorder.cuts, recorder.afters, logits, rows_on_device)
+        return Program(recorder.segments, recorder.cuts, recorder.afters, logits, rows_on_device, links)

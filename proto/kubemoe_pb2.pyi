@@ -169,32 +169,30 @@ class CudaIpcBuffer(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class DeviceAttachRequest(_message.Message):
-    __slots__ = ("model", "gpu_uuid", "dtype", "rows", "ends", "out", "ready_event")
+    __slots__ = ("model", "gpu_uuid", "dtype", "rows", "ends", "out", "flags")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
     OUT_FIELD_NUMBER: _ClassVar[int]
-    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
     model: str
     gpu_uuid: str
     dtype: DType
     rows: CudaIpcBuffer
     ends: CudaIpcBuffer
     out: CudaIpcBuffer
-    ready_event: bytes
-    def __init__(self, model: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., rows: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ..., ends: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ..., out: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+    flags: CudaIpcBuffer
+    def __init__(self, model: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., rows: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ..., ends: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ..., out: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ..., flags: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ...) -> None: ...
 
 class DeviceAttachResponse(_message.Message):
-    __slots__ = ("socket", "token", "done_event")
+    __slots__ = ("socket", "token")
     SOCKET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
-    DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
     socket: str
     token: bytes
-    done_event: bytes
-    def __init__(self, socket: _Optional[str] = ..., token: _Optional[bytes] = ..., done_event: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, socket: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class Endpoint(_message.Message):
     __slots__ = ("address", "replicas", "weight")

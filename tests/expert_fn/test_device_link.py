@@ -1,5 +1,5 @@
-"""The device link's contract on CPU: its packets, whose rows are whose, and a server that cannot link
-saying so. The link itself (CUDA IPC, events) runs in tests/frontend/test_device_link_gpu.py."""
+"""The device link's contract on CPU: its packets and flags, whose rows are whose, and a server that cannot
+link saying so. The link itself (CUDA IPC, flags in device memory) runs in tests/frontend/test_device_link_gpu.py."""
 
 from __future__ import annotations
 
@@ -16,24 +16,36 @@ from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.lane import socket_address
 from kubemoe.expert_fn.server import build_server
 from kubemoe.frontend.loop_thread import LoopThread
+from kubemoe.expert_fn.store import LayerStack
 from kubemoe.moe import StackedExperts, sort_pairs, sorted_ffn
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
 
 
-def test_a_layer_packet_round_trips_and_a_bad_one_says_what_is_wrong():
-    packet = device_link.pack_go(7, 96, [0, 3, 9], 10)
-    assert len(packet) == 8 + 2
-    assert device_link.unpack_go(packet, 10, 128) == (7, 96, [0, 3, 9])
-    with pytest.raises(ValueError, match="10 bytes, got 9"):
-        device_link.unpack_go(packet[:-1], 10, 128)
-    with pytest.raises(ValueError, match="exceed the attached buffers' 64"):
-        device_link.unpack_go(packet, 10, 64)
+def test_a_step_packet_round_trips_and_a_bad_one_says_what_is_wrong():
+    layers = (1, 3, 5)
+    packet = device_link.pack_step(96, {5: [0, 3, 9], 1: [2]}, 10)
+    assert len(packet) == device_link.max_packet_bytes(2, 10) <= device_link.max_packet_bytes(len(layers), 10)
+    assert device_link.unpack_step(packet, 10, 128, layers) == (96, {5: [0, 3, 9], 1: [2]})  # in the step's order
+    with pytest.raises(ValueError, match="2 layers of this model is 20 bytes, got 19"):
+        device_link.unpack_step(packet[:-1], 10, 128, layers)
+    with pytest.raises(ValueError, match="rows 96 must be 1..64"):
+        device_link.unpack_step(packet, 10, 64, layers)
     with pytest.raises(ValueError, match="beyond the model's 10"):
-        device_link.unpack_go(packet[:-1] + bytes([0b100]), 10, 128)
-    with pytest.raises(ValueError, match="at least one expert"):
-        device_link.unpack_go(device_link.pack_go(7, 96, [], 10), 10, 128)
+        device_link.unpack_step(packet[:-1] + bytes([0b100]), 10, 128, layers)
+    with pytest.raises(ValueError, match="layer 1 names no expert"):
+        device_link.unpack_step(device_link.pack_step(96, {1: []}, 10), 10, 128, layers)
+    with pytest.raises(ValueError, match="layer 2 is not an MoE layer"):
+        device_link.unpack_step(device_link.pack_step(96, {2: [1]}, 10), 10, 128, layers)
+    with pytest.raises(ValueError, match="at least one layer"):
+        device_link.unpack_step(device_link.pack_step(96, {}, 10), 10, 128, layers)
     assert device_link.mask_experts(device_link.experts_mask([1, 8, 15], 16), 16) == [1, 8, 15]
+
+
+def test_a_links_flags_are_each_layers_go_and_done_then_void():
+    flags = torch.arange(device_link.flag_count(4))
+    assert [device_link.go_flag(flags, 3).item(), device_link.done_flag(flags, 3).item(),
+            device_link.void_flag(flags).item()] == [3, 7, 8]
 
 
 def test_each_side_computes_only_its_experts_rows_and_together_they_equal_the_whole_layer():
@@ -115,19 +127,16 @@ def _wait_closed(link: device_link.ServerLink) -> bool:
     return link.closed
 
 
-def test_a_link_serves_the_client_with_its_token_alone_and_ends_on_a_packet_outside_the_protocol(tmp_path):
+def test_a_link_serves_the_client_with_its_token_alone_and_refuses_a_step_it_cannot_run(tmp_path):
     """The socket (no GPU needed): a client with a wrong token is refused and the link ends; the right
-    one gets each layer packet answered by the server's run; a packet that breaks the protocol ends the
-    link, and the socket file is gone from the folder once a client connected."""
-    taken = []
-
-    def run(layer, rows, experts, link):
-        taken.append((layer, rows, experts))
-        return bytes([device_link.QUEUED])
+    one gets each step packet answered, with why where the function cannot run it (a packet outside the
+    protocol, experts it lacks, no GPU), and the socket file is gone from the folder once a client connected."""
+    stacks = {3: LayerStack(StackedExperts(torch.zeros(2, 4, 4), torch.zeros(2, 4, 2)), {1: 0, 2: 1})}
 
     def link() -> device_link.ServerLink:
         return device_link.ServerLink(tmp_path, torch.zeros(8, 4), torch.zeros(5, dtype=torch.int32),
-                                      torch.zeros(9, 4), None, 4, run)
+                                      torch.zeros(9, 4), torch.zeros(device_link.flag_count(6), dtype=torch.int32),
+                                      4, (1, 3, 5), stacks.get, F.silu, None)
 
     wrong = link()
     with _connect(wrong) as sock:
@@ -136,13 +145,17 @@ def test_a_link_serves_the_client_with_its_token_alone_and_ends_on_a_packet_outs
     right = link()
     with _connect(right) as sock:
         sock.send(right.token)
-        sock.send(device_link.pack_go(3, 6, [1, 2], 4))
-        assert sock.recv(64) == bytes([device_link.QUEUED])
+        answers = []
+        for packet in (device_link.pack_step(9, {3: [1]}, 4), device_link.pack_step(6, {3: [0, 1], 5: [2]}, 4),
+                       device_link.pack_step(6, {3: [1, 2]}, 4)):
+            sock.send(packet)
+            answers.append(sock.recv(1024))
         assert not right.path.exists()  # gone once the server accepted (it answered: it had)
-        sock.send(device_link.pack_go(3, 9, [1], 4))  # more rows than the buffers hold
-        assert _ends(sock) and _wait_closed(right)
-    assert taken == [(3, 6, [1, 2])]
-    assert not list(tmp_path.iterdir())
+    assert [a[0] for a in answers] == [device_link.REFUSED] * 3
+    assert b"rows 9 must be 1..8" in answers[0]
+    assert b"lacks experts [0] of layer 3" in answers[1]
+    assert b"device links need a GPU" in answers[2]
+    assert _wait_closed(right) and not list(tmp_path.iterdir())
 
 
 def test_the_row_kernels_compute_what_the_torch_steps_compute_under_tritons_interpreter(triton_interpreted):

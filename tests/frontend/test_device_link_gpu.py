@@ -1,5 +1,6 @@
 """On a GPU (-m gpu, the lent H200): expert functions on the frontend's GPU linked through CUDA IPC
-(expert_fn/device_link.py) compute what their calls compute, and a link that breaks costs no request."""
+(expert_fn/device_link.py) compute what their calls compute, a replayed step never waits for the GPU
+within it, and a link that breaks costs no request: its step runs again as calls."""
 
 from __future__ import annotations
 
@@ -35,19 +36,19 @@ def linked(tiny_checkpoint, tmp_path):
             fe.close()
 
 
-def _decode_twice(fe: Frontend, sync_free_replay: bool) -> None:
-    """Two decode steps of 3 sequences in a program of 4 rows (the eager first run, then a replay), each
-    against the same step as ordinary passes, whose remote layers go as calls."""
-    graphs = DecodeGraphs(fe.model, lambda: fe.dispatcher.generation)
+def _decode(fe: Frontend, steps: int, sync_free_replay: bool) -> DecodeGraphs:
+    """Decode steps of 3 sequences in a program of 4 rows (the eager first run, as calls, then replays
+    through the links), each against the same step as ordinary passes, whose remote layers go as calls."""
+    graphs = DecodeGraphs(fe.model, lambda: fe.dispatcher.generation, links=fe.dispatcher.link_step)
     plain, graphed = _joined(fe, PROMPTS[:3]), _joined(fe, PROMPTS[:3])
     tokens, padded = [5, 6, 7], padded_rows(3)
     with torch.inference_mode():
-        for step in range(2):
+        for step in range(steps):
             expected = fe.model(**plain.decode_inputs(tokens), use_cache=True).logits[:, -1]
             graphed.advance(tokens, padded)
             torch.cuda.synchronize()
             if step and sync_free_replay:
-                torch.cuda.set_sync_debug_mode("error")  # neither the cuts nor the segments wait for the GPU
+                torch.cuda.set_sync_debug_mode("error")  # the replay waits for the step's end, never within it
             try:
                 got = graphs.decode(graphed, padded, 3)
             finally:
@@ -55,18 +56,18 @@ def _decode_twice(fe: Frontend, sync_free_replay: bool) -> None:
             # Triton's grouped kernel in the functions against their per-expert graphs: bfloat16 rounding
             torch.testing.assert_close(got.float(), expected.float(), rtol=3e-2, atol=3e-2)
             tokens = expected.argmax(-1).tolist()
-    assert graphs.captures == 1 and graphs.enabled
+    return graphs
 
 
-def test_linked_layers_equal_their_calls_and_the_replay_never_waits_for_the_gpu(linked):
+def test_linked_steps_equal_their_calls_and_the_replay_never_waits_for_the_gpu_within_it(linked):
     fe = linked
-    _decode_twice(fe, sync_free_replay=True)
+    graphs = _decode(fe, 3, sync_free_replay=True)
     moe_layers = len(fe.adapter.moe_layers)
-    assert fe.dispatcher.linked_layers == 2 * moe_layers  # every remote layer of both steps went through links
-    assert len(fe.dispatcher._links) == 2
+    assert fe.dispatcher.linked_layers == 2 * moe_layers  # every remote layer of both replays went through links
+    assert len(fe.dispatcher._links) == 2 and graphs.captures == 1 and graphs.enabled
 
 
-def test_a_link_that_breaks_sends_its_layer_as_calls(linked, monkeypatch):
+def test_a_link_that_breaks_voids_its_step_which_runs_again_as_calls(linked, monkeypatch):
     fe = linked
     broken = []
 
@@ -75,6 +76,7 @@ def test_a_link_that_breaks_sends_its_layer_as_calls(linked, monkeypatch):
         raise LinkError("device link: the expert function closed it")
 
     monkeypatch.setattr(ClientLink, "receive", receive)
-    _decode_twice(fe, sync_free_replay=False)
+    graphs = _decode(fe, 3, sync_free_replay=False)
     assert broken and fe.dispatcher.linked_layers == 0 and not fe.dispatcher._links
     assert set(fe.dispatcher._link_retry) == set(fe.dispatcher._replicas)  # each tried again only later
+    assert graphs.captures == 2 and graphs.enabled  # captured again, with cuts: its layers go as calls
