@@ -7,7 +7,8 @@ device memory need no such order: the frontend's stream writes go[l] = 1 and wai
 the function's stream waits for go[l] >= 1, clears it, runs the layer and writes done[l] = 1. Both
 sides' steps can then be one CUDA graph each, launched once a step.
 
-Two ways to wait on the GPU are measured, each in one process (two streams) and across two processes
+Two ways to wait on the GPU are measured (gpu_flags.Flags, which took them from here; at 486e2e6 the
+probe held its own copy), each in one process (two streams) and across two processes
 (the flags and data in the frontend's memory, opened by CUDA IPC in the other):
 - `memops`: the driver's stream memory operations (cuStreamWaitValue32 / cuStreamWriteValue32), which
   wait in the GPU's front end and hold no SM;
@@ -21,7 +22,6 @@ hand-offs gives the cost of one hand-off; each mode also checks that the data ma
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -31,67 +31,12 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from kubemoe.expert_fn.gpu_flags import Flags
+
 LAYERS, STEPS = 48, 200
-GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
 MODULUS = 1_000_003  # x stays an exact small integer in float64 over any number of steps
-
-
-def _driver():
-    lib = ctypes.CDLL("libcuda.so.1")
-    for name in ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"):
-        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        getattr(lib, name).restype = ctypes.c_int
-    return lib
-
-
-def _check(code: int, what: str) -> None:
-    if code:
-        raise RuntimeError(f"{what}: CUresult {code}")
-
-
-class MemOps:
-    def __init__(self):
-        self.lib = _driver()
-
-    def wait(self, flag: torch.Tensor) -> None:  # until flag >= 1, then flag = 0 (the waiter consumes it)
-        s = torch.cuda.current_stream().cuda_stream
-        _check(self.lib.cuStreamWaitValue32_v2(s, flag.data_ptr(), 1, GEQ), "cuStreamWaitValue32")
-        _check(self.lib.cuStreamWriteValue32_v2(s, flag.data_ptr(), 0, 0), "cuStreamWriteValue32")
-
-    def signal(self, flag: torch.Tensor) -> None:
-        s = torch.cuda.current_stream().cuda_stream
-        _check(self.lib.cuStreamWriteValue32_v2(s, flag.data_ptr(), 1, 0), "cuStreamWriteValue32")
-
-
-class Spin:
-    def __init__(self):
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def wait(flag_ptr):
-            while tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") < 1:
-                pass
-            tl.store(flag_ptr, 0)
-
-        @triton.jit
-        def signal(flag_ptr):
-            tl.atomic_xchg(flag_ptr, 1, sem="release", scope="sys")
-
-        self._wait, self._signal = wait, signal
-        warm = torch.zeros(1, dtype=torch.int32, device="cuda")
-        self.signal(warm)  # compiled here, not while a graph captures them
-        self.wait(warm)
-        torch.cuda.synchronize()
-
-    def wait(self, flag: torch.Tensor) -> None:
-        self._wait[(1,)](flag, num_warps=1)
-
-    def signal(self, flag: torch.Tensor) -> None:
-        self._signal[(1,)](flag, num_warps=1)
-
-
-WAYS = {"memops": MemOps, "spin": Spin}
+WAYS = {"memops": lambda: Flags(torch.device("cuda"), spin=False),
+        "spin": lambda: Flags(torch.device("cuda"), spin=True)}
 
 
 def frontend_side(way, x, go, done, layers):  # per layer: its own kernel, hand the layer over, wait
