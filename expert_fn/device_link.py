@@ -529,7 +529,10 @@ class StepLinks:
         self.buffers, self.links, self.plans, self.flags = buffers, links, plans, flags
         self.num_experts, self.timeout, self._on_finish = num_experts, timeout, on_finish
         self._rows = 0
-        self._tables: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # the program reads them
+        # Made before the capture (a copy from pageable memory cannot be captured); the program reads them.
+        self._tables = {(address, tuple(experts)): expert_table(dict.fromkeys(experts, 0), num_experts + 1,
+                                                                buffers.device)
+                        for plan in plans.values() for address, experts in plan.items()}
         self._void = torch.zeros(len(links), dtype=torch.int32, pin_memory=True)  # each link's, after a replay
         self._packets: dict[str, bytes] = {}
         self._failed: dict[str, str] = {}
@@ -547,10 +550,7 @@ class StepLinks:
         for address, experts in plan.items():
             link = self.links[address]
             self.flags.wait(done_flag(link.flags, layer))
-            key = (address, tuple(experts))
-            if key not in self._tables:
-                self._tables[key] = expert_table(dict.fromkeys(experts, 0), ends.shape[0], y.device)
-            take_own_rows(y, link.out, ends, self._tables[key])
+            take_own_rows(y, link.out, ends, self._tables[(address, tuple(experts))])
         self._rows = rows.shape[0]
 
     def capture_end(self) -> None:
