@@ -536,6 +536,7 @@ class StepLinks:
         self._void = torch.zeros(len(links), dtype=torch.int32, pin_memory=True)  # each link's, after a replay
         self._packets: dict[str, bytes] = {}
         self._failed: dict[str, str] = {}
+        self.answers_s = self.end_s = 0.0  # the last replay's waits: for the answers, then for its end
 
     def covers(self, layer: int) -> bool:
         return layer in self.plans
@@ -573,6 +574,7 @@ class StepLinks:
         """After the replay was queued: each function's answer, then the step's end, waited for at most
         `timeout` each. -> whether the step's outputs hold; when not, every wait of it was released."""
         failed = self._failed
+        start = time.perf_counter()
         for address, link in self.links.items():
             if address not in failed:
                 try:
@@ -581,6 +583,8 @@ class StepLinks:
                     failed[address] = str(e)
         end = torch.cuda.Event()
         end.record()
+        answered = time.perf_counter()
+        self.answers_s = answered - start
         for address in failed:  # nothing will signal their done flags: release them
             gpu_flags.release(self._done_flags(address))
         if not _wait(end, self.timeout):
@@ -589,6 +593,7 @@ class StepLinks:
                 gpu_flags.release(self._done_flags(address))
             if not _wait(end, self.timeout):
                 raise RuntimeError("a device-linked step did not finish even with every wait of it released")
+        self.end_s = time.perf_counter() - answered
         for i, address in enumerate(self.links):
             if self._void[i] and address not in failed:
                 failed[address] = "the expert function voided the step (it ended the link)"

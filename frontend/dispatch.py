@@ -222,6 +222,8 @@ class Dispatcher:
         self._link_plans: dict[tuple[int, int], dict[str, list[int]]] = {}  # (table version, layer) -> _link_plan
         self._flags: gpu_flags.Flags | None = None  # how this side's streams wait on the links' flags
         self.linked_layers = 0  # layers run through device links (a test and a benchmark read it)
+        # Linked steps, and the host's time in them waiting for the functions' answers and for the step's end
+        self.link_waits = {"steps": 0, "answers_s": 0.0, "end_s": 0.0}
 
     # -- routing table --------------------------------------------------------------------------
 
@@ -391,7 +393,7 @@ class Dispatcher:
         real rows, replying into a buffer the graph reads."""
         stack = self._stacked.get(layer)
         if stack is not None:
-            if self.in_process:  # the whole pass is captured: so is its counting, over the real rows
+            if self.in_process or recorder.links is not None:  # the whole pass is captured: so is its counting
                 self._count_captured(recorder, layer, hidden, top_k_index, top_k_weights)
             else:  # a pass with cuts: observers need the host anyway
                 recorder.after(lambda rows: self._count_stacked(layer, hidden[:rows], top_k_index[:rows],
@@ -412,7 +414,7 @@ class Dispatcher:
         links = recorder.links
         if links is not None and links.covers(layer) and extra is None:  # handed to linked functions on the GPU
             links.run_layer(layer, pairs.x, pairs.ends, y)
-            recorder.after(lambda rows: self._observe(layer, hidden[:rows], top_k_index[:rows], top_k_weights[:rows]))
+            self._observe_captured(recorder, layer, hidden, top_k_index, top_k_weights)  # no cut: all captured
         else:
             def call(rows: int) -> None:
                 self._observe(layer, hidden[:rows], top_k_index[:rows], top_k_weights[:rows])
@@ -464,6 +466,10 @@ class Dispatcher:
             self._unlink(address, why)
         if not failed:
             self.linked_layers += len(links.plans)
+            waits = self.link_waits
+            waits["steps"] += 1
+            waits["answers_s"] += links.answers_s
+            waits["end_s"] += links.end_s
             if self.metrics:
                 self.metrics.expert_calls.inc(sum(len(plan) for plan in links.plans.values()))
 
@@ -533,10 +539,15 @@ class Dispatcher:
                         top_k_weights: torch.Tensor) -> None:
         """Count and observe a captured layer in the program itself, over its real rows (a device scalar
         each replay sets): after the replay, counting op by op on the real rows cost about 6 ms a step at
-        48 layers (H200). Observers with device work to capture (`observe_rows`) return their host part
-        to run after each replay; the others see the real rows then."""
+        48 layers (H200)."""
+        self.tally.add_rows(layer, top_k_index, recorder.real_rows(hidden.device))
+        self._observe_captured(recorder, layer, hidden, top_k_index, top_k_weights)
+
+    def _observe_captured(self, recorder: Recorder, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> None:
+        """Observers with device work to capture (`observe_rows`) capture it over the real rows and return
+        their host part to run after each replay; the others see the real rows then."""
         rows = recorder.real_rows(hidden.device)
-        self.tally.add_rows(layer, top_k_index, rows)
         for observer in list(self.observers):
             capture = getattr(observer, "observe_rows", None)
             if capture is None:
