@@ -123,7 +123,7 @@ class Frontend:
                              kv_cache=KVCacheConfig(config.kv_cache_bytes, config.kv_cache_fraction),
                              on_forward=self.recorder.start_forward if self.recorder else None,
                              graphs=self._decode_graphs(), decode_model=self.decode_model,
-                             lookahead=(lambda: self.dispatcher.in_process)
+                             lookahead=(lambda: self.dispatcher.launches_ahead)
                              if config.lookahead and self.device.type == "cuda" else None)
         self._watch: asyncio.Task | None = None
         if self.offload and not (config.routing_table or config.routing_configmap):

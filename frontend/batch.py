@@ -205,6 +205,8 @@ class BatchState:
             for tensor in self.keys + self.values:
                 tensor[to, :, :reach] = tensor[frm, :, :reach]  # the right side is gathered before the write
         self.lengths = [self.lengths[i] for i in indices]
+        if self._before_decode is not None:  # a step launched ahead may still be undone (engine.py)
+            self._before_decode = [self._before_decode[i] for i in indices]
 
     def _joined(self) -> None:
         if not self.lengths:

@@ -246,6 +246,13 @@ class Dispatcher:
         host (no remote calls, no offload decisions), so the engine may launch the next one ahead."""
         return self.offload is None and len(self._stacked) == len(self.adapter.moe_layers)
 
+    @property
+    def launches_ahead(self) -> bool:
+        """Whether decode passes need no host work within them, so the engine may launch the next one
+        ahead: every expert here (`in_process`), or remote ones through device links (their steps settle
+        before anything reads them: graphs.py)."""
+        return self.in_process or (self.config.device_links and bool(self._links))
+
     def apply_pending(self) -> None:
         routes = self._pending
         if routes is None:

@@ -13,7 +13,7 @@ continued in a later step keeps its own cache (`Sequence.partial`) until its las
 it joins the running batch and samples its first token.
 
 Look-ahead (`lookahead`, on a GPU where a decode pass never waits for the host: every expert in
-process): a greedy batch's next decode pass is launched from this pass's argmax on the device
+process, or in expert functions on its GPU through device links): a greedy batch's next decode pass is launched from this pass's argmax on the device
 before the host reads this pass's tokens, so the host's work between steps (sampling, streaming,
 scheduling) runs while the GPU computes instead of the GPU waiting for it. A sequence that ends at
 this step (its end-of-sequence token, a stop string, its caller gone) had a row in the pass already
@@ -36,7 +36,7 @@ from transformers import DynamicCache
 from kubemoe.frontend.batch import BatchState, DecodeMasks, split_rows
 from kubemoe.frontend.records import ForwardRows
 from kubemoe.frontend.sampling import SamplingParams, greedy_tokens, sample_next
-from kubemoe.frontend.graphs import DecodeGraphs
+from kubemoe.frontend.graphs import DecodeGraphs, VoidStep
 from kubemoe.frontend.kv_cache import KVCacheConfig
 from kubemoe.frontend.output import Delta, Output
 from kubemoe.frontend.scheduler import (Chunk, QueueFull, Scheduler, SchedulerConfig, StepPlan, cached_tokens,
@@ -215,6 +215,7 @@ class Engine:
                 with self._wake:
                     self.batch = self._new_batch()
                     self._ahead = None
+                self._settled()  # a pass launched ahead ends before anything queued after it waits for the GPU
                 self._fail([(seq, _message(e)) for seq in plan.decode + plan.prefill])
 
     @torch.inference_mode()
@@ -230,6 +231,7 @@ class Engine:
         batch = self.batch
         if self._ahead is not None and not batch.seqs:
             self._ahead = None  # its sequences all ended: nothing reads it
+            self._settled()
         if batch.seqs:
             result = self._decode(batch)
             if isinstance(result, Exception):
@@ -358,7 +360,9 @@ class Engine:
     def _decode(self, batch: RunningBatch) -> torch.Tensor | Exception:  # -> logits [B, V] of the batch
         ahead, self._ahead = self._ahead, None
         if ahead is not None:  # launched by the last step (_look_ahead); only joins come after
-            return ahead.logits_of(batch.seqs)
+            if self._settled():
+                return ahead.logits_of(batch.seqs)
+            batch.state.undo_decode()  # a linked expert function failed it: this step runs it again
         if self.on_forward:  # each sequence feeds its last token, at position prompt + generated - 1
             self.on_forward(ForwardRows(tuple(s.request_id for s in batch.seqs),
                                         tuple(len(s.prompt_ids) + len(s.generated) - 1 for s in batch.seqs),
@@ -372,13 +376,25 @@ class Engine:
         """The rows a decode pass of `sequences` is prepared for: its graph program's; None: launched op by op."""
         return self.graphs.rows(sequences) if self.graphs else None
 
-    def _pass(self, state: BatchState, tokens: list[int] | torch.Tensor, rows: int | None) -> torch.Tensor:
+    def _pass(self, state: BatchState, tokens: list[int] | torch.Tensor, rows: int | None,
+              settle: bool = True) -> torch.Tensor:
         """One decode pass over `state` feeding `tokens` (host ids, or on the device), replayed as the program
-        of `rows` rows, or launched op by op where `rows` is None -> logits [len(state), V]."""
+        of `rows` rows, or launched op by op where `rows` is None -> logits [len(state), V]. `settle=False`:
+        a replay through device links is left for `_settled` (graphs.py)."""
         state.advance(tokens, rows)
         if self.graphs is None or rows is None:
             return self.decode_model(**state.pass_inputs(len(state)), use_cache=True).logits[:, -1]
-        return self.graphs.decode(state, rows, len(state))
+        return self.graphs.decode(state, rows, len(state), settle=settle)
+
+    def _settled(self) -> bool:
+        """Whether the pass launched ahead holds, once its device links' step ended (graphs.py); False: void."""
+        if self.graphs is None:
+            return True
+        try:
+            self.graphs.settle()
+        except VoidStep:
+            return False
+        return True
 
     def _look_ahead(self, batch: RunningBatch, logits: torch.Tensor) -> dict[int, int] | None:
         """Launch the batch's next decode pass from `logits`' argmax on the device, then read
@@ -398,7 +414,7 @@ class Engine:
         if read is not None:
             read.record()
         try:
-            self._ahead = Ahead(list(seqs), self._pass(state, tokens, rows))
+            self._ahead = Ahead(list(seqs), self._pass(state, tokens, rows, settle=False))
         except Exception:  # noqa: BLE001 - the next step decodes as usual
             log.exception("a decode pass launched ahead failed; the next step runs it again")
             state.undo_decode()

@@ -32,6 +32,7 @@ logged once, and decoding goes on eagerly.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -135,6 +136,7 @@ class Program:
     links: ProgramLinks | None = None
 
     def replay(self, rows: int) -> torch.Tensor:  # -> logits of the real rows [rows, V]
+        """Launch the program; with links, `settle` must follow before its outputs are read."""
         self.rows_on_device.fill_(rows)
         if self.links is not None:
             self.links.start()
@@ -142,11 +144,21 @@ class Program:
             if i:
                 self.cuts[i - 1](rows)
             graph.replay()
-        if self.links is not None and not self.links.finish():  # before the afters, which may wait for the GPU
+        if self.links is None:
+            self._afters(rows)
+        return self.logits[:rows]
+
+    def settle(self, rows: int) -> None:
+        """A linked replay's end, waited for (bounded), then its afters, which may wait for the GPU.
+        VoidStep: its outputs do not hold."""
+        assert self.links is not None
+        if not self.links.finish():
             raise VoidStep("a device-linked expert function failed the step")
+        self._afters(rows)
+
+    def _afters(self, rows: int) -> None:
         for fn in self.afters:
             fn(rows)
-        return self.logits[:rows]
 
 
 def _pass(model: torch.nn.Module, state: BatchState, padded: int, recorder: Recorder) -> torch.Tensor:
@@ -185,6 +197,7 @@ class DecodeGraphs:
         self.enabled = True
         self.captures = 0
         self._programs: dict[int, Program] = {}
+        self._unsettled: tuple[int, int] | None = None  # (padded, rows) of a linked replay not yet settled
         self._key: Hashable = None
         self._pool = None
         self._stream = torch.cuda.Stream()
@@ -193,17 +206,24 @@ class DecodeGraphs:
         """The rows to prepare a pass of `rows` sequences for; None: decode it as an ordinary pass."""
         return padded_rows(rows, self.max_rows) if self.enabled else None
 
-    def decode(self, state: BatchState, padded: int, rows: int) -> torch.Tensor:  # -> logits [rows, V]
-        """One decode pass over `state`'s inputs, prepared for `padded` rows (state.advance)."""
+    def decode(self, state: BatchState, padded: int, rows: int, settle: bool = True) -> torch.Tensor:
+        """One decode pass over `state`'s inputs, prepared for `padded` rows (state.advance) -> logits [rows, V].
+        `settle=False`: a linked replay is left unsettled: `settle()` must come before its logits are read."""
+        if self._unsettled is not None:  # launched ahead and dropped unread (its sequences ended)
+            with contextlib.suppress(VoidStep):
+                self.settle()
         self._check_key(state)
         program = self._programs.get(padded)
         if program is not None:
-            try:
-                return program.replay(rows)
-            except VoidStep as e:
-                log.warning("%s: the decode step of %d rows runs again, as calls", e, padded)
-                self._programs.pop(padded, None)
-                return self._eager(state, padded, rows)
+            logits = program.replay(rows)
+            if program.links is not None:
+                self._unsettled = (padded, rows)
+                if settle:
+                    try:
+                        self.settle()
+                    except VoidStep:
+                        return self._eager(state, padded, rows)
+            return logits
         logits = self._eager(state, padded, rows)
         try:
             self._programs[padded] = self._capture(state, padded, rows)
@@ -213,6 +233,20 @@ class DecodeGraphs:
             self.enabled = False
             self._programs.clear()
         return logits
+
+    def settle(self) -> None:
+        """Wait for the last linked replay's end (bounded), if one is unsettled. VoidStep: its outputs do
+        not hold (the step is to run again: eagerly, as calls, since its links are gone)."""
+        unsettled, self._unsettled = self._unsettled, None
+        if unsettled is None:
+            return
+        padded, rows = unsettled
+        try:
+            self._programs[padded].settle(rows)
+        except VoidStep as e:
+            log.warning("%s: the decode step of %d rows runs again, as calls", e, padded)
+            self._programs.pop(padded, None)
+            raise
 
     def _check_key(self, state: BatchState) -> None:
         key = (state.generation, self.generation())

@@ -4,6 +4,8 @@ within it, and a link that breaks costs no request: its step runs again as calls
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -14,8 +16,9 @@ from kubemoe.frontend.embedded import expert_processes
 from kubemoe.frontend.graphs import DecodeGraphs, padded_rows
 from kubemoe.routing_table import table_for_bundles
 
-from .test_correctness import PROMPTS
+from .test_correctness import PROMPTS, generate_all
 from .test_graphs_gpu import _joined
+from .test_lookahead import counting
 
 pytestmark = pytest.mark.gpu
 
@@ -80,3 +83,49 @@ def test_a_link_that_breaks_voids_its_step_which_runs_again_as_calls(linked, mon
     assert broken and fe.dispatcher.linked_layers == 0 and not fe.dispatcher._links
     assert set(fe.dispatcher._link_retry) == set(fe.dispatcher._replicas)  # each tried again only later
     assert graphs.captures == 2 and graphs.enabled  # captured again, with cuts: its layers go as calls
+
+
+def test_the_engine_launches_linked_passes_ahead_and_a_void_one_runs_again_as_calls(tiny_checkpoint, tmp_path,
+                                                                                       monkeypatch):
+    """Served through the engine, greedy, requests of different lengths and one joining late, with the
+    router predictor: linked passes launched ahead give the tokens of the same links read step by step;
+    links whose every step is void (each answer lost) give the tokens of calls alone: each pass launched
+    ahead was undone and ran again, as calls."""
+    path = tiny_checkpoint("mixtral")
+    late = [9, 8, 7, 6]
+
+    def served(addresses, bundles, links: bool, look_ahead: bool):
+        fe = Frontend(FrontendConfig(checkpoint=path, device="cuda", dtype="bfloat16", predictor="router",
+                                     shm_dir=tmp_path, device_links=links, lookahead=look_ahead))
+        fe.engine.eos_ids = set()
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, addresses))
+        launched = counting(fe, force=False)
+
+        async def run():
+            first = [asyncio.create_task(generate_all(fe, [p], max_tokens=n)) for p, n in zip(PROMPTS, (12, 3, 6))]
+            await asyncio.sleep(0.05)
+            joined = await generate_all(fe, [late], max_tokens=5)
+            return [t for (t,) in await asyncio.gather(*first)], joined
+
+        try:
+            return asyncio.run(run()), launched[0], fe.dispatcher.linked_layers
+        finally:
+            fe.close()
+
+    probe = Frontend(FrontendConfig(checkpoint=path, device="cpu", predictor="none"))
+    bundles = bundles_by_count(probe.adapter.moe_layers, probe.adapter.num_experts, 2)
+    with expert_processes(path, bundles, probe.model_id, shm_dir=tmp_path, dtype="bfloat16") as experts:
+        stepwise, _, linked_stepwise = served(experts.addresses, bundles, links=True, look_ahead=False)
+        ahead, launched, linked_ahead = served(experts.addresses, bundles, links=True, look_ahead=True)
+        calls, _, _ = served(experts.addresses, bundles, links=False, look_ahead=True)
+        lost = []
+
+        def receive(self, timeout):
+            lost.append(self)
+            raise LinkError("device link: no answer in time")
+
+        monkeypatch.setattr(ClientLink, "receive", receive)
+        void, _, linked_void = served(experts.addresses, bundles, links=True, look_ahead=True)
+    assert linked_stepwise > 0 and linked_ahead > 0 and launched > 0
+    assert ahead == stepwise
+    assert lost and linked_void == 0 and void == calls
