@@ -204,9 +204,12 @@ class BatchState:
             reach = max(self.lengths[f] for _, f in moves)
             for tensor in self.keys + self.values:
                 tensor[to, :, :reach] = tensor[frm, :, :reach]  # the right side is gathered before the write
+        before = self._before_decode
+        if before is not None and len(before) == len(self.lengths):  # a step launched ahead may still be undone
+            self._before_decode = [before[i] for i in indices]
+        else:  # rows joined since the last decode step: there is none to undo
+            self._before_decode = None
         self.lengths = [self.lengths[i] for i in indices]
-        if self._before_decode is not None:  # a step launched ahead may still be undone (engine.py)
-            self._before_decode = [self._before_decode[i] for i in indices]
 
     def _joined(self) -> None:
         if not self.lengths:
