@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -513,6 +514,15 @@ class ClientLink:
         if answer[0] != QUEUED:
             raise LinkError(f"device link refused the step: {answer[1:].decode('utf-8', 'replace')}")
 
+    def closed(self) -> bool:
+        """Whether the function ended the link, found without waiting: the socket reads as at its end."""
+        if not select.select([self.sock], [], [], 0)[0]:
+            return False
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
@@ -587,11 +597,11 @@ class StepLinks:
         self.answers_s = answered - start
         for address in failed:  # nothing will signal their done flags: release them
             gpu_flags.release(self._done_flags(address))
-        if not _wait(end, self.timeout):
+        if not self._wait_end(end, failed):
             for address in self.links.keys() - failed.keys():
                 failed[address] = f"the step did not finish in {self.timeout:.0f} s"
                 gpu_flags.release(self._done_flags(address))
-            if not _wait(end, self.timeout):
+            if not self._wait_end(end, failed):
                 raise RuntimeError("a device-linked step did not finish even with every wait of it released")
         self.end_s = time.perf_counter() - answered
         for i, address in enumerate(self.links):
@@ -600,17 +610,26 @@ class StepLinks:
         self._on_finish(self, failed)
         return not failed
 
+    def _wait_end(self, end: torch.cuda.Event, failed: dict[str, str]) -> bool:
+        """Whether the step's `end` came within the timeout; polled, the GIL let go between polls. A link
+        its function closed meanwhile (its process gone, say) has its waits released at once, not at the
+        deadline."""
+        deadline = time.monotonic() + self.timeout
+        next_look = 0.0
+        while not end.query():
+            now = time.monotonic()
+            if now > deadline:
+                return False
+            if now >= next_look:
+                next_look = now + 0.001
+                for address, link in self.links.items():
+                    if address not in failed and link.closed():
+                        failed[address] = "the expert function closed the link during the step"
+                        gpu_flags.release(self._done_flags(address))
+            time.sleep(0)
+        return True
+
     def _done_flags(self, address: str) -> torch.Tensor:
         flags = self.links[address].flags
         layers = (flags.shape[0] - 1) // 2
         return flags[layers:2 * layers]
-
-
-def _wait(event: torch.cuda.Event, timeout: float) -> bool:
-    """Whether `event` completed within `timeout` s; polled, the GIL let go between polls."""
-    deadline = time.monotonic() + timeout
-    while not event.query():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0)
-    return True

@@ -59,7 +59,7 @@ class FrontendConfig:
     call_timeout: float = 30.0
     split_min_tokens: int = 64  # smallest part of an expert's tokens sent to a replica of its own (dispatch.py)
     shm_dir: Path | None = None  # see DispatchConfig
-    device_links: bool = False  # see DispatchConfig
+    device_links: bool = True  # see DispatchConfig
     busy_poll_us: float = SHARED_CORES_BUSY_POLL_US  # see DispatchConfig
     predictor: str = "router"  # "router" (the next layers' routers), "none", or a file from `kubemoe predictor train`
     prediction_distance: int = 1  # predict MoE layer l+d at layer l

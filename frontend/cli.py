@@ -63,11 +63,10 @@ _SERVING_OPTIONS = (  # what both commands serve with, in --help order
     click.option("--kv-cache-fraction", type=click.FloatRange(0, 1, min_open=True), default=0.9, show_default=True,
                  help="Share of the free GPU memory the KV cache may take when --kv-cache-bytes is not given."),
     shm_dir_option("expert functions"),
-    click.option("--device-links/--no-device-links", default=False, show_default=True,
+    click.option("--device-links/--no-device-links", default=True, show_default=True,
                  help="Lend expert functions on this GPU (with --shm-dir) device buffers through CUDA IPC, so a "
-                      "decode step's remote layers never leave the GPU and neither side waits for it "
-                      "(expert_fn/device_link.py). Off by default: an expert function whose GPU faults after it "
-                      "took a layer stalls this frontend, where calls would go to another replica."),
+                      "decode step's remote layers never leave the GPU and neither side's host waits within a "
+                      "step (expert_fn/device_link.py); a step a function fails runs again as calls."),
     click.option("--predictor", default="router", show_default=True, metavar="router|none|FILE",
                  help="Expert-load predictor: the next layers' routers unchanged, none, or a file from "
                       "`kubemoe predictor train`. One that fails to load leaves the frontend serving without "

@@ -99,7 +99,7 @@ class DispatchConfig:
     calls_per_bundle: bool = False
     # Same GPU: lend expert functions device buffers (expert_fn/device_link.py) and run decode graphs
     # whose every remote expert has one replica, on a linked function, with no host work within a step.
-    device_links: bool = False
+    device_links: bool = True
 
 
 class Predictions(Protocol):

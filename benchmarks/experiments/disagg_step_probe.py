@@ -178,7 +178,7 @@ def main() -> None:
                 if not pin:  # this process's mapping of the segments stays pageable (the functions pin theirs)
                     Segment.pin = lambda self: bool(setattr(self, "_pinned", False))
                 fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, shm_dir=Path(shm),
-                                             max_batch=max(batches), cuda_graphs=graphs))
+                                             max_batch=max(batches), cuda_graphs=graphs, device_links=False))
                 fe.set_routing_table(table)
                 fe.dispatcher.apply_pending()
                 vocab = fe.model.get_input_embeddings().num_embeddings

@@ -191,3 +191,27 @@ def test_the_row_kernels_compute_what_the_torch_steps_compute_under_tritons_inte
             assert torch.equal(y, want_y), (experts, held)
         print("equal")
     """)
+
+
+def test_the_frontend_sees_at_once_that_a_function_ended_its_link(tmp_path):
+    """What lets a step whose function went away mid-step end within a millisecond, not at the timeout
+    (StepLinks._wait_end): the client's socket reads as closed, found without waiting."""
+    server = device_link.ServerLink(tmp_path, torch.zeros(8, 4), torch.zeros(5, dtype=torch.int32), torch.zeros(9, 4),
+                                    torch.zeros(device_link.flag_count(2), dtype=torch.int32), 4, (0, 1),
+                                    lambda layer: None, F.silu, None)
+    client = device_link.ClientLink(tmp_path, pb.DeviceAttachResponse(socket=server.path.name, token=server.token),
+                                    torch.zeros(9, 4), torch.zeros(device_link.flag_count(2), dtype=torch.int32))
+    try:
+        client.send(device_link.pack_step(4, {1: [2]}, 4))
+        with pytest.raises(device_link.LinkError, match="lacks experts"):
+            client.receive(10)  # served: the connection is up
+        assert not client.closed()
+        server.close()
+        deadline = time.monotonic() + 10
+        while not client.closed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.closed()
+        with pytest.raises(device_link.LinkError, match="closed it"):
+            client.receive(10)
+    finally:
+        client.close()
