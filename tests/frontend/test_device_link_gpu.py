@@ -4,8 +4,6 @@ within it, and a link that breaks costs no request: its step runs again as calls
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
@@ -16,9 +14,9 @@ from kubemoe.frontend.embedded import expert_processes
 from kubemoe.frontend.graphs import DecodeGraphs, padded_rows
 from kubemoe.routing_table import table_for_bundles
 
-from .test_correctness import PROMPTS, generate_all
+from .test_correctness import PROMPTS
 from .test_graphs_gpu import _joined
-from .test_lookahead import counting
+from .test_lookahead import counting, with_late_join
 
 pytestmark = pytest.mark.gpu
 
@@ -92,7 +90,6 @@ def test_the_engine_launches_linked_passes_ahead_and_a_void_one_runs_again_as_ca
     links whose every step is void (each answer lost) give the tokens of calls alone: each pass launched
     ahead was undone and ran again, as calls."""
     path = tiny_checkpoint("mixtral")
-    late = [9, 8, 7, 6]
 
     def served(addresses, bundles, links: bool, look_ahead: bool):
         fe = Frontend(FrontendConfig(checkpoint=path, device="cuda", dtype="bfloat16", predictor="router",
@@ -100,15 +97,8 @@ def test_the_engine_launches_linked_passes_ahead_and_a_void_one_runs_again_as_ca
         fe.engine.eos_ids = set()
         fe.set_routing_table(table_for_bundles(fe.model_id, bundles, addresses))
         launched = counting(fe, force=False)
-
-        async def run():
-            first = [asyncio.create_task(generate_all(fe, [p], max_tokens=n)) for p, n in zip(PROMPTS, (12, 3, 6))]
-            await asyncio.sleep(0.05)
-            joined = await generate_all(fe, [late], max_tokens=5)
-            return [t for (t,) in await asyncio.gather(*first)], joined
-
         try:
-            return asyncio.run(run()), launched[0], fe.dispatcher.linked_layers
+            return with_late_join(fe), launched[0], fe.dispatcher.linked_layers
         finally:
             fe.close()
 

@@ -12,7 +12,7 @@ from kubemoe.frontend.graphs import DecodeGraphs, padded_rows
 
 from .test_correctness import PROMPTS, generate_all, local_frontend, reference_greedy
 from .test_graphs import _counted
-from .test_lookahead import counting
+from .test_lookahead import counting, with_late_join
 
 pytestmark = pytest.mark.gpu
 
@@ -100,22 +100,14 @@ def test_look_ahead_over_graphs_gives_the_tokens_of_an_engine_that_waits(tiny_ch
     host reads this pass's tokens. Requests of different lengths, one joining late, get exactly the
     tokens of the same engine reading every step's tokens first, and passes were launched ahead."""
     path = tiny_checkpoint("mixtral")
-    late = [9, 8, 7, 6]
 
     def served(look_ahead: bool):
         fe = local_frontend(path, device="cuda", dtype="bfloat16", predictor="router", lookahead=look_ahead)
         fe.engine.eos_ids = set()
         launched = counting(fe, force=False)
-
-        async def run():
-            first = [asyncio.create_task(generate_all(fe, [p], max_tokens=n)) for p, n in zip(PROMPTS, (12, 3, 6))]
-            await asyncio.sleep(0.05)
-            joined = await generate_all(fe, [late], max_tokens=5)
-            return [t for (t,) in await asyncio.gather(*first)], joined
-
         try:
             assert (fe.engine.lookahead is not None) == look_ahead
-            return asyncio.run(run()), launched[0], fe.engine.graphs.captures
+            return with_late_join(fe), launched[0], fe.engine.graphs.captures
         finally:
             fe.close()
 

@@ -14,6 +14,21 @@ from kubemoe.frontend.sampling import SamplingParams
 from .test_correctness import PROMPTS, generate_all, local_frontend, reference_greedy
 
 
+LENGTHS, LATE = (12, 3, 6), [9, 8, 7, 6]
+
+
+def with_late_join(fe) -> tuple[list[list[int]], list[int]]:
+    """Three requests of LENGTHS tokens decoding together and a fourth (LATE, 5 tokens) joining
+    mid-flight, greedy, through `fe`'s engine -> (the three's tokens, the fourth's)."""
+    async def run():
+        first = [asyncio.create_task(generate_all(fe, [p], max_tokens=n)) for p, n in zip(PROMPTS, LENGTHS)]
+        await asyncio.sleep(0.05)
+        joined = await generate_all(fe, [LATE], max_tokens=5)
+        return [t for (t,) in await asyncio.gather(*first)], joined[0]
+
+    return asyncio.run(run())
+
+
 def counting(fe, force: bool = True) -> list[int]:
     """Count the passes launched ahead -> [count], updated as it runs. `force`: look-ahead on even where
     the frontend would not (a CPU; passes that wait for the host)."""
@@ -38,23 +53,14 @@ def test_look_ahead_gives_transformers_tokens_with_ends_and_joins_in_flight(tiny
     fe = local_frontend(path, max_batch=4)
     fe.engine.eos_ids = set()
     launched = counting(fe)
-    lengths = (12, 3, 6)
-    late = [9, 8, 7, 6]
-
-    async def run():
-        first = [asyncio.create_task(generate_all(fe, [p], max_tokens=n)) for p, n in zip(PROMPTS, lengths)]
-        await asyncio.sleep(0.05)
-        joined = await generate_all(fe, [late], max_tokens=5)
-        return [t for (t,) in await asyncio.gather(*first)], joined[0]
-
     try:
-        got, got_late = asyncio.run(run())
+        got, got_late = with_late_join(fe)
     finally:
         fe.close()
     assert launched[0] > 0
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    assert got == [reference_greedy(model, [p], n)[0] for p, n in zip(PROMPTS, lengths)]
-    assert got_late == reference_greedy(model, [late], 5)[0]
+    assert got == [reference_greedy(model, [p], n)[0] for p, n in zip(PROMPTS, LENGTHS)]
+    assert got_late == reference_greedy(model, [LATE], 5)[0]
 
 
 def test_a_sequence_that_ends_on_its_eos_while_a_pass_is_ahead_leaves_the_others_exact(tiny_checkpoint):
