@@ -364,8 +364,11 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             ends = device_link.open_buffer(request.ends, torch.int32, device)
             out = device_link.open_buffer(request.out, self.config.dtype, device)
             flag_buffer = device_link.open_buffer(request.flags, torch.int32, device)
-        except (RuntimeError, ValueError) as e:  # a bad handle: CUDA says so
+        except ValueError as e:  # shapes that do not fit the buffers' bytes
             raise invalid(f"cannot open the device buffers: {e}") from None
+        except RuntimeError as e:  # CUDA or torch's IPC bookkeeping cannot open them here (another IPC namespace, say)
+            raise failed_precondition(f"cannot open the frontend's device buffers here ({e}): send tensors on "
+                                      "ForwardStream") from None
         if rows.dim() != 2 or rows.shape[1] != hidden or list(ends.shape) != [groups] \
                 or list(out.shape) != [rows.shape[0] + 1, hidden] or list(flag_buffer.shape) != [flags]:
             raise invalid(f"device buffers must be rows [R, {hidden}], ends [{groups}], out [R + 1, {hidden}] and "

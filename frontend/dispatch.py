@@ -469,16 +469,19 @@ class Dispatcher:
                          self.config.call_timeout, self._step_linked)
 
     def _step_linked(self, links: StepLinks, failed: dict[str, str]) -> None:
+        """A linked step settled (StepLinks.finish): the links that failed it ({address: why}) dropped, or it counted."""
         for address, why in failed.items():
             self._unlink(address, why)
+        if self.metrics:
+            self.metrics.linked_steps.labels("void" if failed else "ok").inc()
+            if not failed:
+                self.metrics.expert_calls.inc(sum(len(plan) for plan in links.plans.values()))
         if not failed:
             self.linked_layers += len(links.plans)
             waits = self.link_waits
             waits["steps"] += 1
             waits["answers_s"] += links.answers_s
             waits["end_s"] += links.end_s
-            if self.metrics:
-                self.metrics.expert_calls.inc(sum(len(plan) for plan in links.plans.values()))
 
     def _link_plan(self, layer: int) -> dict[str, list[int]]:
         """{address: its experts} for a layer whose experts are each remote on one replica; else {}."""

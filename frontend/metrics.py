@@ -38,6 +38,9 @@ class FrontendMetrics:
                                     "(one per function and MoE layer of a step, whichever bundles it serves)", registry=r)
         self.expert_retries = Counter("kubemoe_frontend_expert_retries", "Expert calls retried on another replica",
                                       ["bundle"], registry=r)
+        self.linked_steps = Counter("kubemoe_frontend_linked_steps", "Decode steps handed to expert functions on "
+                                    "this GPU through device links, by outcome (ok; void: run again as calls)",
+                                    ["outcome"], registry=r)
         # The offload path (frontend/offload/executor.py): where each activated expert ran and what was copied.
         # Hit rate = (resident + prefetched) / all experts; prefetch accuracy = prefetches used / prefetches.
         self.offload_experts = Counter(
