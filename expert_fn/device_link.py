@@ -30,6 +30,7 @@ are whose (`owned_rows`, `row_groups`). Same GPU means same node: the socket lie
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hmac
@@ -504,10 +505,10 @@ class ClientLink:
 
     def receive(self, timeout: float) -> None:
         """Return once the function queued the step; LinkError if it refused it, closed, or took too long."""
-        self.sock.settimeout(timeout)
         try:
+            self.sock.settimeout(timeout)
             answer = self.sock.recv(1024)
-        except OSError as e:  # a timeout too
+        except OSError as e:  # a timeout too; a socket this side closed
             raise LinkError(f"device link: {e or 'no answer in time'}") from None
         if not answer:
             raise LinkError("device link: the expert function closed it")
@@ -516,6 +517,8 @@ class ClientLink:
 
     def closed(self) -> bool:
         """Whether the function ended the link, found without waiting: the socket reads as at its end."""
+        if self.sock.fileno() < 0:  # this side closed it (the link was dropped)
+            return True
         if not select.select([self.sock], [], [], 0)[0]:
             return False
         try:
@@ -531,7 +534,9 @@ class ClientLink:
 class StepLinks:
     """The device links of one captured decode program (frontend/graphs.py): the layers it runs through
     them, queued while it is captured (`run_layer`), and the host's part of each replay: `start` sends
-    each function its step packet, `finish` waits for its answers and for the step's end."""
+    each function its step packet, `launched` marks the replay's end on the stream, `finish` waits for
+    the functions' answers and for that end. Two replays may be in flight (the engine launches the next
+    pass before it settles this one): each finish takes the oldest."""
 
     def __init__(self, buffers: DeviceBuffers, links: dict[str, ClientLink], plans: dict[int, dict[str, list[int]]],
                  flags: gpu_flags.Flags, num_experts: int, timeout: float,
@@ -545,7 +550,7 @@ class StepLinks:
                         for plan in plans.values() for address, experts in plan.items()}
         self._void = torch.zeros(len(links), dtype=torch.int32, pin_memory=True)  # each link's, after a replay
         self._packets: dict[str, bytes] = {}
-        self._failed: dict[str, str] = {}
+        self._in_flight: collections.deque[tuple[dict[str, str], torch.cuda.Event]] = collections.deque()
         self.answers_s = self.end_s = 0.0  # the last replay's waits: for the answers, then for its end
 
     def covers(self, layer: int) -> bool:
@@ -573,17 +578,21 @@ class StepLinks:
             self._packets[address] = pack_step(self._rows, layers, self.num_experts)
 
     def start(self) -> None:
-        self._failed = {}
+        failed = {}
         for address, packet in self._packets.items():
             try:
                 self.links[address].send(packet)
             except LinkError as e:
-                self._failed[address] = str(e)
+                failed[address] = str(e)
+        self._in_flight.append((failed, torch.cuda.Event()))
+
+    def launched(self) -> None:
+        self._in_flight[-1][1].record()
 
     def finish(self) -> bool:
-        """After the replay was queued: each function's answer, then the step's end, waited for at most
+        """For the oldest replay in flight: each function's answer, then the step's end, waited for at most
         `timeout` each. -> whether the step's outputs hold; when not, every wait of it was released."""
-        failed = self._failed
+        failed, end = self._in_flight.popleft()
         start = time.perf_counter()
         for address, link in self.links.items():
             if address not in failed:
@@ -591,8 +600,6 @@ class StepLinks:
                     link.receive(self.timeout)
                 except LinkError as e:
                     failed[address] = str(e)
-        end = torch.cuda.Event()
-        end.record()
         answered = time.perf_counter()
         self.answers_s = answered - start
         for address in failed:  # nothing will signal their done flags: release them

@@ -120,7 +120,9 @@ class BatchState:
         self.keys: list[torch.Tensor] = []  # per attention layer [S, h, W, d]
         self.values: list[torch.Tensor] = []
         self.lengths: list[int] = []  # real tokens per sequence (its next position)
-        self._before_decode: list[int] | None = None  # lengths before the last decode
+        # Lengths before each of the last two decode steps (newest last): a step launched ahead of one not
+        # yet known to hold (device links, engine.py) may have to be undone with it.
+        self._before_decode: list[list[int]] = []
         self._inputs: torch.Tensor | None = None  # [3, S] int64 on the device: token, position, longest length
         # The same on the host (pinned where there is a GPU), twice: a step's upload may still be queued
         # behind the pass before it when the engine prepares the next (Engine's look-ahead), so
@@ -204,11 +206,9 @@ class BatchState:
             reach = max(self.lengths[f] for _, f in moves)
             for tensor in self.keys + self.values:
                 tensor[to, :, :reach] = tensor[frm, :, :reach]  # the right side is gathered before the write
-        before = self._before_decode
-        if before is not None and len(before) == len(self.lengths):  # a step launched ahead may still be undone
-            self._before_decode = [before[i] for i in indices]
-        else:  # rows joined since the last decode step: there is none to undo
-            self._before_decode = None
+        # Steps launched ahead may still be undone (engine.py); with rows joined since the last one, none can be
+        self._before_decode = [[before[i] for i in indices] for before in self._before_decode
+                               if len(before) == len(self.lengths)]
         self.lengths = [self.lengths[i] for i in indices]
 
     def _joined(self) -> None:
@@ -234,7 +234,7 @@ class BatchState:
         rows = rows or len(self)
         self.reserve(rows, self.width + 1)
         assert self._inputs is not None and self._staging is not None
-        self._before_decode = self.lengths
+        self._before_decode = [*self._before_decode[-1:], self.lengths]
         staging = self._staging[self._steps % 2]
         self._steps += 1
         staging[:, :rows].zero_()
@@ -262,9 +262,11 @@ class BatchState:
             "cache": SlotPass(self.keys, self.values, positions, seen),
         }
 
-    def undo_decode(self) -> None:
-        """Forget the last decode step, which failed part-way: the positions it wrote are past every
-        sequence's length again, hidden by the mask and overwritten by the next step."""
-        if self._before_decode is None:
-            raise RuntimeError("no decode step to undo: undo_decode follows decode_inputs")
-        self.lengths = self._before_decode
+    def undo_decode(self, steps: int = 1) -> None:
+        """Forget the last `steps` (1 or 2) decode steps, which failed part-way: the positions they wrote are
+        past every sequence's length again, hidden by the mask and overwritten by the next steps."""
+        if not 1 <= steps <= len(self._before_decode):
+            raise RuntimeError(f"no decode step to undo ({steps} asked, {len(self._before_decode)} held): "
+                               "undo_decode follows decode_inputs")
+        self.lengths = self._before_decode[-steps]
+        del self._before_decode[-steps:]

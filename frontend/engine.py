@@ -18,7 +18,10 @@ before the host reads this pass's tokens, so the host's work between steps (samp
 scheduling) runs while the GPU computes instead of the GPU waiting for it. A sequence that ends at
 this step (its end-of-sequence token, a stop string, its caller gone) had a row in the pass already
 launched: that row's output is dropped and its cache row goes with the sequence. Steps whose
-sequences sample, reach their last token or record their routing launch nothing ahead.
+sequences sample, reach their last token or record their routing launch nothing ahead. A pass through
+device links is known to hold only once settled (graphs.py), which the step does after it launched the
+next one, so the GPU never waits for the host between the two; a void pass is undone, with the one
+launched from its logits, and decoded again.
 """
 
 from __future__ import annotations
@@ -95,6 +98,10 @@ class RunningBatch:
         self.state.keep(keep)
         self.seqs = [self.seqs[i] for i in keep]
         self.tokens = [self.tokens[i] for i in keep]
+
+
+class _VoidPass(Exception):
+    """This step's decode pass went through a device link that failed it (graphs.VoidStep): run it again."""
 
 
 @dataclass(eq=False)
@@ -233,14 +240,22 @@ class Engine:
             self._ahead = None  # its sequences all ended: nothing reads it
             self._settled()
         if batch.seqs:
-            result = self._decode(batch)
+            result, greedy = self._decode(batch), None
+            if not isinstance(result, Exception):
+                try:
+                    # A step with prompt chunks joins sequences to the batch after this: nothing ahead of it.
+                    greedy = None if plan.chunks else self._look_ahead(batch, result)
+                    if greedy is None and not self._settled():
+                        raise _VoidPass
+                except _VoidPass:  # a linked expert function failed this step's pass: it runs again, as calls
+                    batch.state.undo_decode()
+                    result = self._decode(batch, settle=True)
             if isinstance(result, Exception):
+                self._settled()  # whatever it launched ends before its rows are rolled back
                 failed += self._decode_failed(batch, result)
             else:
                 if self.loads:
                     self.loads.record_tokens(len(batch.seqs))
-                # A step with prompt chunks joins sequences to the batch after this: nothing ahead of it.
-                greedy = None if plan.chunks else self._look_ahead(batch, result)
                 finished += self._advance_all(batch.seqs, result, batch, range(len(batch.seqs)), failed, greedy)
         for group in chunk_groups(plan.chunks):
             finished += self._prefill_chunks(group, failed)
@@ -357,18 +372,18 @@ class Engine:
         return (f"the request needs {seq.context_length + 1} cache positions; this frontend's KV cache holds "
                 f"{self.scheduler.kv_capacity}: give the frontend a larger --kv-cache-bytes")
 
-    def _decode(self, batch: RunningBatch) -> torch.Tensor | Exception:  # -> logits [B, V] of the batch
+    def _decode(self, batch: RunningBatch, settle: bool = False) -> torch.Tensor | Exception:  # -> logits [B, V]
+        """The batch's decode pass: launched by the last step (_look_ahead) or now. Unless `settle`, a pass
+        through device links may not have settled: the step settles it (`_settled`) before reading it."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None:  # launched by the last step (_look_ahead); only joins come after
-            if self._settled():
-                return ahead.logits_of(batch.seqs)
-            batch.state.undo_decode()  # a linked expert function failed it: this step runs it again
+        if ahead is not None:  # only joins came after it
+            return ahead.logits_of(batch.seqs)
         if self.on_forward:  # each sequence feeds its last token, at position prompt + generated - 1
             self.on_forward(ForwardRows(tuple(s.request_id for s in batch.seqs),
                                         tuple(len(s.prompt_ids) + len(s.generated) - 1 for s in batch.seqs),
                                         (1,) * len(batch.seqs)))
         try:
-            return self._pass(batch.state, batch.tokens, self._rows(len(batch.seqs)))
+            return self._pass(batch.state, batch.tokens, self._rows(len(batch.seqs)), settle=settle)
         except Exception as e:  # noqa: BLE001 - handed back: the step decides whom it ends
             return e
 
@@ -386,19 +401,21 @@ class Engine:
             return self.decode_model(**state.pass_inputs(len(state)), use_cache=True).logits[:, -1]
         return self.graphs.decode(state, rows, len(state), settle=settle)
 
-    def _settled(self) -> bool:
-        """Whether the pass launched ahead holds, once its device links' step ended (graphs.py); False: void."""
+    def _settled(self, keep: int = 0) -> bool:
+        """Settle the passes through device links still in flight but the newest `keep` (graphs.py) ->
+        whether they hold (False: one was void)."""
         if self.graphs is None:
             return True
         try:
-            self.graphs.settle()
+            self.graphs.settle(keep)
         except VoidStep:
             return False
         return True
 
     def _look_ahead(self, batch: RunningBatch, logits: torch.Tensor) -> dict[int, int] | None:
-        """Launch the batch's next decode pass from `logits`' argmax on the device, then read
-        that argmax -> {row: token} of every row (None: nothing launched, the caller samples)."""
+        """Launch the batch's next decode pass from `logits`' argmax on the device, settle the pass of
+        `logits`, then read that argmax -> {row: token} of every row (None: nothing launched, the caller
+        settles and samples; _VoidPass: the pass of `logits` was void, and what was launched from it is undone)."""
         seqs, state = batch.seqs, batch.state
         if (self.lookahead is None or self.on_forward is not None
                 or any(seq.params.temperature != 0.0 or len(seq.generated) + 1 >= seq.max_new for seq in seqs)
@@ -407,6 +424,9 @@ class Engine:
         rows = self._rows(len(seqs))
         if not state.fits_step(rows or len(seqs)):  # the cache would grow (and graphs be captured again)
             return None
+        if self.graphs is not None and (rows is None or not self.graphs.launches_behind(state, rows)) \
+                and not self._settled():  # the next pass would wait for this one's GPU work, unbounded
+            raise _VoidPass
         tokens = logits.argmax(-1)
         host = torch.empty(len(seqs), dtype=torch.long, pin_memory=tokens.is_cuda)
         host.copy_(tokens, non_blocking=True)  # queued before the next pass: ready when this one is
@@ -418,6 +438,13 @@ class Engine:
         except Exception:  # noqa: BLE001 - the next step decodes as usual
             log.exception("a decode pass launched ahead failed; the next step runs it again")
             state.undo_decode()
+        # Only now, the next pass queued behind it: the GPU never idles between the two while the host waits
+        if not self._settled(keep=int(self._ahead is not None)):
+            if self._ahead is not None:  # launched from void logits: it goes too
+                self._ahead = None
+                self._settled()
+                state.undo_decode()
+            raise _VoidPass
         if read is not None:
             read.synchronize()
         return dict(enumerate(host.tolist()))

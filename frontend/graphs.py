@@ -32,7 +32,7 @@ logged once, and decoding goes on eagerly.
 from __future__ import annotations
 
 import bisect
-import contextlib
+import collections
 import logging
 import threading
 from dataclasses import dataclass
@@ -54,7 +54,8 @@ class ProgramLinks(Protocol):
 
     def capture_end(self) -> None: ...  # queue the program's last work (captured)
     def start(self) -> None: ...  # before each replay
-    def finish(self) -> bool: ...  # after it: whether its outputs hold
+    def launched(self) -> None: ...  # after it was queued
+    def finish(self) -> bool: ...  # for the oldest replay not finished: whether its outputs hold
 
 
 class VoidStep(RuntimeError):
@@ -146,11 +147,13 @@ class Program:
             graph.replay()
         if self.links is None:
             self._afters(rows)
+        else:
+            self.links.launched()
         return self.logits[:rows]
 
     def settle(self, rows: int) -> None:
-        """A linked replay's end, waited for (bounded), then its afters, which may wait for the GPU.
-        VoidStep: its outputs do not hold."""
+        """The oldest unsettled replay's end, waited for (bounded), then its afters, which may wait for the
+        GPU. VoidStep: its outputs do not hold."""
         assert self.links is not None
         if not self.links.finish():
             raise VoidStep("a device-linked expert function failed the step")
@@ -197,7 +200,7 @@ class DecodeGraphs:
         self.enabled = True
         self.captures = 0
         self._programs: dict[int, Program] = {}
-        self._unsettled: tuple[int, int] | None = None  # (padded, rows) of a linked replay not yet settled
+        self._unsettled: collections.deque[tuple[Program, int]] = collections.deque()  # linked replays in flight
         self._key: Hashable = None
         self._pool = None
         self._stream = torch.cuda.Stream()
@@ -208,16 +211,14 @@ class DecodeGraphs:
 
     def decode(self, state: BatchState, padded: int, rows: int, settle: bool = True) -> torch.Tensor:
         """One decode pass over `state`'s inputs, prepared for `padded` rows (state.advance) -> logits [rows, V].
-        `settle=False`: a linked replay is left unsettled: `settle()` must come before its logits are read."""
-        if self._unsettled is not None:  # launched ahead and dropped unread (its sequences ended)
-            with contextlib.suppress(VoidStep):
-                self.settle()
+        `settle=False`: a replay through device links is left unsettled, and `settle` must come before its
+        logits are read; the next pass may be launched first (at most two in flight)."""
         self._check_key(state)
         program = self._programs.get(padded)
         if program is not None:
             logits = program.replay(rows)
             if program.links is not None:
-                self._unsettled = (padded, rows)
+                self._unsettled.append((program, rows))
                 if settle:
                     try:
                         self.settle()
@@ -234,19 +235,27 @@ class DecodeGraphs:
             self._programs.clear()
         return logits
 
-    def settle(self) -> None:
-        """Wait for the last linked replay's end (bounded), if one is unsettled. VoidStep: its outputs do
-        not hold (the step is to run again: eagerly, as calls, since its links are gone)."""
-        unsettled, self._unsettled = self._unsettled, None
-        if unsettled is None:
-            return
-        padded, rows = unsettled
-        try:
-            self._programs[padded].settle(rows)
-        except VoidStep as e:
-            log.warning("%s: the decode step of %d rows runs again, as calls", e, padded)
-            self._programs.pop(padded, None)
-            raise
+    def launches_behind(self, state: BatchState, padded: int) -> bool:
+        """Whether a pass of `padded` rows over `state` would only be queued (a replay without cuts), so
+        it may be launched behind a linked replay not yet settled; anything else waits for the GPU, which
+        that replay must not make it do unbounded: it settles first."""
+        program = self._programs.get(padded)
+        return program is not None and not program.cuts and self._key == (state.generation, self.generation())
+
+    def settle(self, keep: int = 0) -> None:
+        """Wait for the linked replays in flight, oldest first, until `keep` remain (each wait bounded).
+        VoidStep: one of them does not hold (run it again: eagerly, as calls, since its links are gone)."""
+        void = None
+        while len(self._unsettled) > keep:
+            program, rows = self._unsettled.popleft()
+            try:
+                program.settle(rows)
+            except VoidStep as e:
+                log.warning("%s: the decode step of %d rows runs again, as calls", e, len(program.logits))
+                self._programs = {k: p for k, p in self._programs.items() if p is not program}
+                void = e
+        if void is not None:
+            raise void
 
     def _check_key(self, state: BatchState) -> None:
         key = (state.generation, self.generation())

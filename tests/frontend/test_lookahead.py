@@ -5,10 +5,13 @@ a pass is ahead (their end-of-sequence token, their length), requests that join 
 from __future__ import annotations
 
 import asyncio
+import collections
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kubemoe.frontend.graphs import VoidStep, padded_rows, run_eagerly
 from kubemoe.frontend.sampling import SamplingParams
 
 from .test_correctness import PROMPTS, generate_all, local_frontend, reference_greedy
@@ -97,3 +100,63 @@ def test_a_sequence_that_ends_on_its_eos_while_a_pass_is_ahead_leaves_the_others
     assert launched > 0
     assert want[0] == alone[:alone.index(eos)] and want_reasons[0] == "stop"
     assert got == want and reasons == want_reasons
+
+
+class VoidingGraphs:
+    """DecodeGraphs with device links, as the engine sees it, on a CPU: each pass runs as a program's
+    eager run, is left unsettled when asked (at most two in flight), and the passes numbered in `void`
+    come out void, as a linked expert function's failure leaves them: garbage logits, which settling
+    reports (VoidStep)."""
+
+    enabled, captures = True, 0
+
+    def __init__(self, model, void: set[int]):
+        self.model, self.void, self.passes, self.voided = model, void, 0, 0
+        self.unsettled: collections.deque[bool] = collections.deque()
+
+    def rows(self, rows: int) -> int | None:
+        return padded_rows(rows)
+
+    def launches_behind(self, state, padded: int) -> bool:
+        return self.passes % 4 != 0  # now and then a pass the engine must settle this one before
+
+    def decode(self, state, padded: int, rows: int, settle: bool = True) -> torch.Tensor:
+        self.passes += 1
+        logits = run_eagerly(self.model, state, padded, rows)
+        void = self.passes in self.void
+        self.unsettled.append(void)
+        assert len(self.unsettled) <= 2, "the engine settles a pass before it launches a third"
+        if settle:
+            try:
+                self.settle()
+            except VoidStep:
+                return run_eagerly(self.model, state, padded, rows)
+        return torch.randn_like(logits) if void else logits
+
+    def settle(self, keep: int = 0) -> None:
+        void = False
+        while len(self.unsettled) > keep:
+            void |= self.unsettled.popleft()
+        if void:
+            self.voided += 1
+            raise VoidStep("a device-linked expert function failed the step")
+
+
+@pytest.mark.parametrize("void", [{3}, {4, 5}, {2, 8, 9, 15}], ids=["one", "two in a row", "several"])
+def test_a_void_pass_ahead_or_not_is_undone_and_decoded_again(tiny_checkpoint, void):
+    """Passes left unsettled, the next launched before this one settles: a void one (and whatever was
+    launched from its logits) is undone and decoded again, so every request still gets transformers'
+    greedy tokens, through ends and a join."""
+    path = tiny_checkpoint("mixtral")
+    fe = local_frontend(path, max_batch=4)
+    fe.engine.eos_ids = set()
+    graphs = fe.engine.graphs = VoidingGraphs(fe.decode_model, void)
+    launched = counting(fe)
+    try:
+        got, got_late = with_late_join(fe)
+    finally:
+        fe.close()
+    assert launched[0] > 0 and graphs.voided > 0 and not graphs.unsettled
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert got == [reference_greedy(model, [p], n)[0] for p, n in zip(PROMPTS, LENGTHS)]
+    assert got_late == reference_greedy(model, [LATE], 5)[0]
