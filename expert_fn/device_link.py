@@ -392,23 +392,23 @@ class ServerLink:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
 
-        def step(wait: bool) -> None:
+        def step(out: torch.Tensor, wait: bool) -> None:
             for (layer, stack), table in zip(stacks, tables):
                 if wait:
                     flags.wait(go_flag(self.flags, layer))
-                run_owned(self.rows[:rows], self.ends, table, stack.experts, self._act, self.out)
+                run_owned(self.rows[:rows], self.ends, table, stack.experts, self._act, out)
                 if wait:
                     flags.signal(done_flag(self.flags, layer))
 
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.stream(stream):
-            # Once without the flags, outside the capture (kernels compiled, the allocator warm): what it
-            # writes to `out` nobody reads before this step's done flags, which only the replay sets.
-            step(wait=False)
+            # Once without the flags, outside the capture (kernels compiled, the allocator warm), into a
+            # buffer of its own: the frontend may still be taking an earlier step's rows from `out`.
+            step(torch.empty_like(self.out), wait=False)
             stream.synchronize()
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                step(wait=True)
+                step(self.out, wait=True)
             finally:
                 graph.capture_end()
         return _StepProgram(graph, stacks, tables)
