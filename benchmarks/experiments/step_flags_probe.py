@@ -16,6 +16,12 @@ probe held its own copy), each in one process (two streams) and across two proce
 For L layers of a small kernel per side, a step's time against the same kernels in one graph without
 hand-offs gives the cost of one hand-off; each mode also checks that the data made the round trip.
 
+Measured on the H200 at 486e2e6 (`run_h200.sh step-flags`, 48 layers, us per layer handed over and back
+beyond a 0.14-0.16 ms step without hand-offs; the data checked correct in every mode):
+                         one process   two processes, MPS   two processes, time-sliced
+    memory operations        10.3             21.1                  285
+    spinning kernel           3.5              5.0                 4446
+
     python benchmarks/experiments/step_flags_probe.py --out DIR      # ~20 s; run under MPS and without
 """
 
