@@ -531,12 +531,106 @@ class ClientLink:
             self.sock.close()
 
 
+@dataclass
+class _Replay:
+    failed: dict[str, str]  # address -> why its link failed this replay
+    end: object = None  # a CUDA event recorded after the replay was queued
+    deadline: float = math.inf
+
+
+class InFlight:
+    """A program's linked replays queued and not yet finished, oldest first, and what bounds them.
+
+    Between a replay's launch and its `finish` the engine may wait for the GPU (a tally read, a
+    batch's rows moved): behind a replay whose function died that would wait for ever. So a watchdog
+    thread looks at every replay in flight (`check`, every WATCH_SECONDS): one past its deadline, or
+    whose function closed its link, has that link's waits released (`release(address)`) and is marked
+    failed for its finish to report."""
+
+    def __init__(self, links: dict[str, "ClientLink"], timeout: float, release: Callable[[str], None]):
+        self.links, self.timeout, self._release = links, timeout, release
+        self._replays: collections.deque[_Replay] = collections.deque()
+        self._lock = threading.Lock()
+
+    def add(self, failed: dict[str, str]) -> None:
+        with self._lock:
+            self._replays.append(_Replay(failed))
+
+    def launched(self, end: object) -> None:
+        with self._lock:
+            replay = self._replays[-1]
+            replay.end, replay.deadline = end, time.monotonic() + self.timeout
+        _watchdog().watch(self)
+
+    def pop(self) -> _Replay:
+        with self._lock:
+            return self._replays.popleft()
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._replays)
+
+    def check(self, now: float) -> bool:
+        """Release what no one will signal -> whether replays are still in flight."""
+        with self._lock:
+            for replay in self._replays:
+                if replay.end is None or replay.end.query():  # type: ignore[attr-defined]
+                    continue
+                for address, link in self.links.items():
+                    if address in replay.failed:
+                        continue
+                    if now > replay.deadline:
+                        replay.failed[address] = f"the step did not finish in {self.timeout:g} s"
+                    elif link.closed():
+                        replay.failed[address] = "the expert function closed the link during the step"
+                    else:
+                        continue
+                    self._release(address)
+            return bool(self._replays)
+
+
+WATCH_SECONDS = 0.05
+
+
+class _Watchdog:
+    def __init__(self):
+        self._watched: set[InFlight] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="device-link-watchdog", daemon=True)
+        self._thread.start()
+
+    def watch(self, in_flight: InFlight) -> None:
+        with self._lock:
+            self._watched.add(in_flight)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(WATCH_SECONDS)
+            with self._lock:
+                watched = list(self._watched)
+            for in_flight in watched:
+                try:
+                    busy = in_flight.check(time.monotonic())
+                except Exception:  # noqa: BLE001 - a watchdog that dies bounds nothing: log, go on
+                    log.exception("device link watchdog")
+                    busy = True
+                if not busy:
+                    with self._lock:  # launched() adds its replay before it watches: looked at again under the lock
+                        if not in_flight.busy():
+                            self._watched.discard(in_flight)
+
+
+@functools.cache
+def _watchdog() -> _Watchdog:
+    return _Watchdog()
+
+
 class StepLinks:
     """The device links of one captured decode program (frontend/graphs.py): the layers it runs through
     them, queued while it is captured (`run_layer`), and the host's part of each replay: `start` sends
     each function its step packet, `launched` marks the replay's end on the stream, `finish` waits for
     the functions' answers and for that end. Two replays may be in flight (the engine launches the next
-    pass before it settles this one): each finish takes the oldest."""
+    pass before it settles this one): each finish takes the oldest (`InFlight`)."""
 
     def __init__(self, buffers: DeviceBuffers, links: dict[str, ClientLink], plans: dict[int, dict[str, list[int]]],
                  flags: gpu_flags.Flags, num_experts: int, timeout: float,
@@ -550,7 +644,7 @@ class StepLinks:
                         for plan in plans.values() for address, experts in plan.items()}
         self._void = torch.zeros(len(links), dtype=torch.int32, pin_memory=True)  # each link's, after a replay
         self._packets: dict[str, bytes] = {}
-        self._in_flight: collections.deque[tuple[dict[str, str], torch.cuda.Event]] = collections.deque()
+        self._in_flight = InFlight(links, timeout, lambda address: gpu_flags.release(self._done_flags(address)))
         self.answers_s = self.end_s = 0.0  # the last replay's waits: for the answers, then for its end
 
     def covers(self, layer: int) -> bool:
@@ -584,15 +678,19 @@ class StepLinks:
                 self.links[address].send(packet)
             except LinkError as e:
                 failed[address] = str(e)
-        self._in_flight.append((failed, torch.cuda.Event()))
+        self._in_flight.add(failed)
 
     def launched(self) -> None:
-        self._in_flight[-1][1].record()
+        end = torch.cuda.Event()
+        end.record()
+        self._in_flight.launched(end)
 
     def finish(self) -> bool:
         """For the oldest replay in flight: each function's answer, then the step's end, waited for at most
         `timeout` each. -> whether the step's outputs hold; when not, every wait of it was released."""
-        failed, end = self._in_flight.popleft()
+        replay = self._in_flight.pop()
+        failed, end = replay.failed, replay.end
+        assert isinstance(end, torch.cuda.Event)
         start = time.perf_counter()
         for address, link in self.links.items():
             if address not in failed:
@@ -606,7 +704,7 @@ class StepLinks:
             gpu_flags.release(self._done_flags(address))
         if not self._wait_end(end, failed):
             for address in self.links.keys() - failed.keys():
-                failed[address] = f"the step did not finish in {self.timeout:.0f} s"
+                failed[address] = f"the step did not finish in {self.timeout:g} s"
                 gpu_flags.release(self._done_flags(address))
             if not self._wait_end(end, failed):
                 raise RuntimeError("a device-linked step did not finish even with every wait of it released")

@@ -202,7 +202,7 @@ class BatchState:
         the longest of them reaches (one copy per tensor)."""
         moves = [(to, frm) for to, frm in enumerate(indices) if to != frm]
         if moves:
-            to, frm = (torch.tensor(side, device=self.keys[0].device) for side in zip(*moves))
+            to, frm = (upload_ints(side, self.keys[0].device) for side in zip(*moves))
             reach = max(self.lengths[f] for _, f in moves)
             for tensor in self.keys + self.values:
                 tensor[to, :, :reach] = tensor[frm, :, :reach]  # the right side is gathered before the write
@@ -270,3 +270,10 @@ class BatchState:
                                "undo_decode follows decode_inputs")
         self.lengths = self._before_decode[-steps]
         del self._before_decode[-steps:]
+
+
+def upload_ints(values, device: torch.device) -> torch.Tensor:
+    """Host ints on `device` without waiting for its stream (from pinned memory): a pass launched ahead
+    may still be running, and through device links its end is not known to come (engine.py)."""
+    host = torch.tensor(values)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)

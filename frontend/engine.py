@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator, Callable
 import torch
 from transformers import DynamicCache
 
-from kubemoe.frontend.batch import BatchState, DecodeMasks, split_rows
+from kubemoe.frontend.batch import BatchState, DecodeMasks, split_rows, upload_ints
 from kubemoe.frontend.records import ForwardRows
 from kubemoe.frontend.sampling import SamplingParams, greedy_tokens, sample_next
 from kubemoe.frontend.graphs import DecodeGraphs, VoidStep
@@ -116,7 +116,7 @@ class Ahead:
         if seqs == self.seqs:
             return self.logits
         row = {id(seq): i for i, seq in enumerate(self.seqs)}
-        return self.logits[torch.tensor([row[id(seq)] for seq in seqs], device=self.logits.device)]
+        return self.logits[upload_ints([row[id(seq)] for seq in seqs], self.logits.device)]
 
 
 class Engine:

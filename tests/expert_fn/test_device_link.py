@@ -215,3 +215,51 @@ def test_the_frontend_sees_at_once_that_a_function_ended_its_link(tmp_path):
             client.receive(10)
     finally:
         client.close()
+
+
+class _End:
+    done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _Link:
+    gone = False
+
+    def closed(self) -> bool:
+        return self.gone
+
+
+def _until(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
+def test_the_watchdog_releases_a_replay_in_flight_whose_function_left_or_that_outlived_its_deadline(monkeypatch):
+    """Between a linked replay's launch and its finish the engine may wait for the GPU behind it: the
+    watchdog releases the waits of a link whose function closed it, then, past the deadline, of every
+    link, marking each replay failed for its finish; a replay that ended is left alone."""
+    monkeypatch.setattr(device_link, "WATCH_SECONDS", 0.005)
+    released: list[str] = []
+    a, b = _Link(), _Link()
+    flight = device_link.InFlight({"a": a, "b": b}, timeout=0.5, release=released.append)
+    ends = [_End(), _End(), _End()]
+    for end, failed in zip(ends, ({}, {"b": "refused"}, {})):
+        flight.add(failed)
+        flight.launched(end)
+    ends[2].done = True  # this one ended before anything went wrong
+    time.sleep(0.05)
+    assert released == [] and flight.busy()
+    a.gone = True
+    assert _until(lambda: len(released) == 2)
+    assert released == ["a", "a"]  # the two replays still running, once each
+    assert _until(lambda: len(released) == 3)  # past the deadline: b of the first (the second's b had failed)
+    assert released == ["a", "a", "b"]
+    first, second, third = flight.pop(), flight.pop(), flight.pop()
+    assert first.failed == {"a": "the expert function closed the link during the step",
+                            "b": "the step did not finish in 0.5 s"}
+    assert second.failed == {"b": "refused", "a": "the expert function closed the link during the step"}
+    assert third.failed == {} and not flight.busy()
