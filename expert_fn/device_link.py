@@ -43,7 +43,7 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -516,15 +516,15 @@ class ClientLink:
             raise LinkError(f"device link refused the step: {answer[1:].decode('utf-8', 'replace')}")
 
     def closed(self) -> bool:
-        """Whether the function ended the link, found without waiting: the socket reads as at its end."""
-        if self.sock.fileno() < 0:  # this side closed it (the link was dropped)
+        """Whether the function ended the link (or this side dropped it), found without waiting and without
+        reading: the watchdog asks while the engine thread may be receiving an answer."""
+        fd = self.sock.fileno()
+        if fd < 0:
             return True
-        if not select.select([self.sock], [], [], 0)[0]:
-            return False
-        try:
-            return self.sock.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
+        poller = select.poll()
+        poller.register(fd, select.POLLRDHUP)
+        ended = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+        return any(events & ended for _, events in poller.poll(0))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -536,16 +536,17 @@ class _Replay:
     failed: dict[str, str]  # address -> why its link failed this replay
     end: object = None  # a CUDA event recorded after the replay was queued
     deadline: float = math.inf
+    released: set[str] = field(default_factory=set)  # the links whose waits in it were released
 
 
 class InFlight:
     """A program's linked replays queued and not yet finished, oldest first, and what bounds them.
 
-    Between a replay's launch and its `finish` the engine may wait for the GPU (a tally read, a
-    batch's rows moved): behind a replay whose function died that would wait for ever. So a watchdog
-    thread looks at every replay in flight (`check`, every WATCH_SECONDS): one past its deadline, or
-    whose function closed its link, has that link's waits released (`release(address)`) and is marked
-    failed for its finish to report."""
+    Behind a replay whose function died, anything waiting for the GPU (its finish; the engine reading
+    a tally or moving a batch's rows before that) would wait for ever. So a watchdog thread looks at
+    every replay in flight (`check`, every WATCH_SECONDS): a link that failed it, a link whose function
+    closed it, and every link once it is past its deadline (the call timeout) has its waits in it
+    released (`release(address)`), and the replay is marked failed for its finish to report."""
 
     def __init__(self, links: dict[str, "ClientLink"], timeout: float, release: Callable[[str], None]):
         self.links, self.timeout, self._release = links, timeout, release
@@ -562,9 +563,24 @@ class InFlight:
             replay.end, replay.deadline = end, time.monotonic() + self.timeout
         _watchdog().watch(self)
 
+    def oldest(self) -> _Replay:
+        with self._lock:
+            return self._replays[0]
+
     def pop(self) -> _Replay:
         with self._lock:
             return self._replays.popleft()
+
+    def fail(self, replay: _Replay, address: str, why: str) -> None:
+        """`address`'s link failed `replay` (the first reason stays), its waits in it released now."""
+        with self._lock:
+            self._fail(replay, address, why)
+
+    def _fail(self, replay: _Replay, address: str, why: str) -> None:
+        replay.failed.setdefault(address, why)
+        if address not in replay.released:
+            replay.released.add(address)
+            self._release(address)
 
     def busy(self) -> bool:
         with self._lock:
@@ -578,14 +594,11 @@ class InFlight:
                     continue
                 for address, link in self.links.items():
                     if address in replay.failed:
-                        continue
-                    if now > replay.deadline:
-                        replay.failed[address] = f"the step did not finish in {self.timeout:g} s"
+                        self._fail(replay, address, "")
+                    elif now > replay.deadline:
+                        self._fail(replay, address, f"the step did not finish in {self.timeout:g} s")
                     elif link.closed():
-                        replay.failed[address] = "the expert function closed the link during the step"
-                    else:
-                        continue
-                    self._release(address)
+                        self._fail(replay, address, "the expert function closed the link during the step")
             return bool(self._replays)
 
 
@@ -686,53 +699,34 @@ class StepLinks:
         self._in_flight.launched(end)
 
     def finish(self) -> bool:
-        """For the oldest replay in flight: each function's answer, then the step's end, waited for at most
-        `timeout` each. -> whether the step's outputs hold; when not, every wait of it was released."""
-        replay = self._in_flight.pop()
-        failed, end = replay.failed, replay.end
-        assert isinstance(end, torch.cuda.Event)
+        """For the oldest replay in flight: each function's answer, then the replay's end (the watchdog
+        bounds it, `InFlight`). -> whether the step's outputs hold; when not, its waits were released."""
+        replay = self._in_flight.oldest()
         start = time.perf_counter()
         for address, link in self.links.items():
-            if address not in failed:
-                try:
-                    link.receive(self.timeout)
-                except LinkError as e:
-                    failed[address] = str(e)
+            if address in replay.failed:
+                self._in_flight.fail(replay, address, "")  # its packet was not sent: released now, not at the next look
+                continue
+            try:
+                link.receive(self.timeout)
+            except LinkError as e:
+                self._in_flight.fail(replay, address, str(e))
         answered = time.perf_counter()
         self.answers_s = answered - start
-        for address in failed:  # nothing will signal their done flags: release them
-            gpu_flags.release(self._done_flags(address))
-        if not self._wait_end(end, failed):
-            for address in self.links.keys() - failed.keys():
-                failed[address] = f"the step did not finish in {self.timeout:g} s"
-                gpu_flags.release(self._done_flags(address))
-            if not self._wait_end(end, failed):
+        end = replay.end
+        assert isinstance(end, torch.cuda.Event)
+        while not end.query():
+            if time.monotonic() > replay.deadline + self.timeout:  # the watchdog released every wait by then
                 raise RuntimeError("a device-linked step did not finish even with every wait of it released")
+            time.sleep(0)  # the GIL let go between polls
+        self._in_flight.pop()
         self.end_s = time.perf_counter() - answered
+        failed = dict(replay.failed)
         for i, address in enumerate(self.links):
             if self._void[i] and address not in failed:
                 failed[address] = "the expert function voided the step (it ended the link)"
         self._on_finish(self, failed)
         return not failed
-
-    def _wait_end(self, end: torch.cuda.Event, failed: dict[str, str]) -> bool:
-        """Whether the step's `end` came within the timeout; polled, the GIL let go between polls. A link
-        its function closed meanwhile (its process gone, say) has its waits released at once, not at the
-        deadline."""
-        deadline = time.monotonic() + self.timeout
-        next_look = 0.0
-        while not end.query():
-            now = time.monotonic()
-            if now > deadline:
-                return False
-            if now >= next_look:
-                next_look = now + 0.001
-                for address, link in self.links.items():
-                    if address not in failed and link.closed():
-                        failed[address] = "the expert function closed the link during the step"
-                        gpu_flags.release(self._done_flags(address))
-            time.sleep(0)
-        return True
 
     def _done_flags(self, address: str) -> torch.Tensor:
         flags = self.links[address].flags

@@ -3,6 +3,7 @@ link saying so. The link itself (CUDA IPC, flags in device memory) runs in tests
 
 from __future__ import annotations
 
+import select
 import socket
 import time
 
@@ -203,6 +204,8 @@ def test_the_frontend_sees_at_once_that_a_function_ended_its_link(tmp_path):
                                     torch.zeros(9, 4), torch.zeros(device_link.flag_count(2), dtype=torch.int32))
     try:
         client.send(device_link.pack_step(4, {1: [2]}, 4))
+        assert _until(lambda: bool(select.select([client.sock], [], [], 0)[0]))
+        assert not client.closed()  # an answer waiting is not an end, and asking reads nothing
         with pytest.raises(device_link.LinkError, match="lacks experts"):
             client.receive(10)  # served: the connection is up
         assert not client.closed()
@@ -239,9 +242,9 @@ def _until(condition, seconds: float = 10.0) -> bool:
 
 
 def test_the_watchdog_releases_a_replay_in_flight_whose_function_left_or_that_outlived_its_deadline(monkeypatch):
-    """Between a linked replay's launch and its finish the engine may wait for the GPU behind it: the
-    watchdog releases the waits of a link whose function closed it, then, past the deadline, of every
-    link, marking each replay failed for its finish; a replay that ended is left alone."""
+    """Behind a linked replay in flight anything may wait for the GPU: the watchdog releases the waits of
+    a link that failed it, of a link whose function closed it, then, past the deadline, of every link,
+    once each, marking each replay failed for its finish; a replay that ended is left alone."""
     monkeypatch.setattr(device_link, "WATCH_SECONDS", 0.005)
     released: list[str] = []
     a, b = _Link(), _Link()
@@ -251,13 +254,14 @@ def test_the_watchdog_releases_a_replay_in_flight_whose_function_left_or_that_ou
         flight.add(failed)
         flight.launched(end)
     ends[2].done = True  # this one ended before anything went wrong
+    assert _until(lambda: len(released) == 1)
     time.sleep(0.05)
-    assert released == [] and flight.busy()
+    assert released == ["b"] and flight.busy()  # the second's b, whose packet was refused, and nothing else
     a.gone = True
-    assert _until(lambda: len(released) == 2)
-    assert released == ["a", "a"]  # the two replays still running, once each
-    assert _until(lambda: len(released) == 3)  # past the deadline: b of the first (the second's b had failed)
-    assert released == ["a", "a", "b"]
+    assert _until(lambda: len(released) == 3)
+    assert released == ["b", "a", "a"]  # the two replays still running, once each
+    assert _until(lambda: len(released) == 4)  # past the deadline: the first's b
+    assert released == ["b", "a", "a", "b"]
     first, second, third = flight.pop(), flight.pop(), flight.pop()
     assert first.failed == {"a": "the expert function closed the link during the step",
                             "b": "the step did not finish in 0.5 s"}
