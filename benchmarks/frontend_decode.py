@@ -286,13 +286,14 @@ def run_frontend(fe: Frontend, table, args, device, vocab, hw, profile: bool, co
     profiled = 32 if 32 in args.batch_list else args.batch_list[-1]
     for row in rows:
         b = row["batch"]
-        linked, waits = fe.dispatcher.linked_layers, dict(fe.dispatcher.link_waits)
+        linked = fe.dispatcher.linked_layers
+        fe.dispatcher.link_waits.clear()
         row["engine"] = engine_decode(fe, b, args.prompt, args.steps, args.warmup, vocab)
         row["engine"]["linked_layers"] = fe.dispatcher.linked_layers - linked  # through device links (device_link.py)
-        steps = fe.dispatcher.link_waits["steps"] - waits["steps"]
-        if steps:  # the engine thread's waits per linked step: for the functions' answers, then the step's end
-            row["engine"]["link_wait_ms"] = {k: (fe.dispatcher.link_waits[k] - waits[k]) / steps * 1e3
-                                             for k in ("answers_s", "end_s")}
+        waits = list(fe.dispatcher.link_waits)[-args.steps:]  # the measured steps' (the warm-up's captures aside)
+        if waits:  # the engine thread's waits per linked step, medians: for the functions' answers, then the end
+            row["engine"]["link_wait_ms"] = {name: statistics.median(w[i] for w in waits) * 1e3
+                                             for i, name in enumerate(("answers", "end"))}
         if row["engine"]["linked_layers"]:  # the same engine with every remote layer as calls through shared memory
             fe.dispatcher.use_device_links(False)
             try:

@@ -25,6 +25,7 @@ Shapes: T = tokens, H = hidden size, K = experts per token, N = a call's rows.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 
 NOT_RETRYABLE = {grpc.StatusCode.INVALID_ARGUMENT}  # a malformed request fails the same everywhere
 LINK_RETRY_SECONDS = 60.0  # how long a function that could not link sees its layers as calls before the next try
+LINK_WAITS_KEPT = 4096  # linked steps whose waits the dispatcher keeps
 LINK_MIN_ROWS = 256  # device link buffers' rows at least (then powers of two): a few graph sizes share them
 
 
@@ -222,8 +224,9 @@ class Dispatcher:
         self._link_plans: dict[tuple[int, int], dict[str, list[int]]] = {}  # (table version, layer) -> _link_plan
         self._flags: gpu_flags.Flags | None = None  # how this side's streams wait on the links' flags
         self.linked_layers = 0  # layers run through device links (a test and a benchmark read it)
-        # Linked steps, and the host's time in them waiting for the functions' answers and for the step's end
-        self.link_waits = {"steps": 0, "answers_s": 0.0, "end_s": 0.0}
+        # The host's waits in the last linked steps that held, (for the functions' answers, for the step's
+        # end) in seconds: a benchmark reads them
+        self.link_waits: collections.deque[tuple[float, float]] = collections.deque(maxlen=LINK_WAITS_KEPT)
 
     # -- routing table --------------------------------------------------------------------------
 
@@ -478,10 +481,7 @@ class Dispatcher:
                 self.metrics.expert_calls.inc(sum(len(plan) for plan in links.plans.values()))
         if not failed:
             self.linked_layers += len(links.plans)
-            waits = self.link_waits
-            waits["steps"] += 1
-            waits["answers_s"] += links.answers_s
-            waits["end_s"] += links.end_s
+            self.link_waits.append((links.answers_s, links.end_s))
 
     def _link_plan(self, layer: int) -> dict[str, list[int]]:
         """{address: its experts} for a layer whose experts are each remote on one replica; else {}."""
