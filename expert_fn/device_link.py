@@ -102,9 +102,9 @@ def unpack_step(packet: bytes, num_experts: int, max_rows: int, layers: Sequence
     if len(packet) < _STEP.size:
         raise ValueError(f"a step packet starts with {_STEP.size} bytes (rows, layers), got {len(packet)}")
     rows, count = _STEP.unpack_from(packet)
-    if len(packet) != _STEP.size + count * (_LAYER.size + mask_bytes):
-        raise ValueError(f"a step packet of {count} layers of this model is "
-                         f"{_STEP.size + count * (_LAYER.size + mask_bytes)} bytes, got {len(packet)}")
+    if len(packet) != max_packet_bytes(count, num_experts):
+        raise ValueError(f"a step packet of {count} layers of this model is {max_packet_bytes(count, num_experts)} "
+                         f"bytes, got {len(packet)}")
     if not 0 < rows <= max_rows:
         raise ValueError(f"rows {rows} must be 1..{max_rows} (the attached buffers' rows)")
     plan: dict[int, list[int]] = {}
@@ -293,13 +293,21 @@ def flag_count(num_layers: int) -> int:
     return 2 * num_layers + 1
 
 
+def go_flags(flags: torch.Tensor) -> torch.Tensor:
+    return flags[:(flags.shape[0] - 1) // 2]
+
+
+def done_flags(flags: torch.Tensor) -> torch.Tensor:
+    layers = (flags.shape[0] - 1) // 2
+    return flags[layers:2 * layers]
+
+
 def go_flag(flags: torch.Tensor, layer: int) -> torch.Tensor:
-    return flags[layer:layer + 1]
+    return go_flags(flags)[layer:layer + 1]
 
 
 def done_flag(flags: torch.Tensor, layer: int) -> torch.Tensor:
-    at = (flags.shape[0] - 1) // 2 + layer
-    return flags[at:at + 1]
+    return done_flags(flags)[layer:layer + 1]
 
 
 def void_flag(flags: torch.Tensor) -> torch.Tensor:
@@ -457,7 +465,7 @@ class ServerLink:
                 log.warning("device link %s: a step still waits for its frontend after %.0f s; voided",
                             self.path.name, DRAIN_SECONDS)
                 gpu_flags.release(void_flag(self.flags))  # first: the frontend must see it before any done
-                gpu_flags.release(self.flags[:(len(self.flags) - 1) // 2])  # every go
+                gpu_flags.release(go_flags(self.flags))
 
 
 # -- the frontend's side --------------------------------------------------------------------------
@@ -657,7 +665,7 @@ class StepLinks:
                         for plan in plans.values() for address, experts in plan.items()}
         self._void = torch.zeros(len(links), dtype=torch.int32, pin_memory=True)  # each link's, after a replay
         self._packets: dict[str, bytes] = {}
-        self._in_flight = InFlight(links, timeout, lambda address: gpu_flags.release(self._done_flags(address)))
+        self._in_flight = InFlight(links, timeout, lambda address: gpu_flags.release(done_flags(links[address].flags)))
         self.answers_s = self.end_s = 0.0  # the last replay's waits: for the answers, then for its end
 
     def covers(self, layer: int) -> bool:
@@ -727,8 +735,3 @@ class StepLinks:
                 failed[address] = "the expert function voided the step (it ended the link)"
         self._on_finish(self, failed)
         return not failed
-
-    def _done_flags(self, address: str) -> torch.Tensor:
-        flags = self.links[address].flags
-        layers = (flags.shape[0] - 1) // 2
-        return flags[layers:2 * layers]
