@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kubemoe import moe_kernels
+from kubemoe.frontend import step_pass
 
 NAME = "kubemoe"
 BLOCK_N = 64  # columns per step of the first kernel
@@ -158,9 +159,12 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: a decode pass's attention through `decode_attention`,
-    anything else through SDPA."""
+    anything else through SDPA; a step pass's parts (step_pass.py) each through one of those."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    step = kwargs.pop(step_pass.KEYWORD, None)
+    if step is not None:  # a pass over several parts (step_pass.py): each attends over its own keys
+        return step.attend(module, query, attention, dropout=dropout, scaling=scaling, **kwargs), None
     if dropout == 0.0 and value.stride(-1) == 1 and _decodes_here(query, key, attention_mask, kwargs):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return decode_attention(query, key, value, attention_mask, scale), None

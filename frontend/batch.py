@@ -76,6 +76,19 @@ class DecodeMasks:
                  for kind in self.kinds}
         return masks if len(masks) > 1 else masks[self.kinds[0]]
 
+    def prompt(self, start: int, stop: int, device: torch.device) -> torch.Tensor | None:
+        """The [1, 1, stop - start, stop] boolean mask of prompt positions [start, stop) over columns
+        [0, stop), for a model of one mask kind (step_pass.py); None where SDPA's own causal mask is the
+        same (a prompt from position 0 that no window or chunk cuts), as transformers' prefill passes it."""
+        kind = self.kinds[0]
+        cut = {"sliding_attention": self.sliding_window, "chunked_attention": self.chunk_size}.get(kind)
+        if start == 0 and (cut is None or stop <= cut):
+            return None
+        q = torch.arange(start, stop, device=device).view(1, 1, -1, 1)
+        kv = torch.arange(stop, device=device).view(1, 1, 1, -1)
+        batch = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+        return self._function(kind, 1, device)(batch, None, q, kv).expand(1, 1, stop - start, stop)
+
 
 class SlotPass:
     """transformers' cache interface for one decode pass over rows [0, R) of a BatchState's tensors:

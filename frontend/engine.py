@@ -4,13 +4,14 @@
 for the running batch, then this step's prompt chunks), and the results update sequences and stream
 text to their callers. The asyncio side only submits requests and reads their output queues.
 
-Chunked prefill runs as forward passes of its own, interleaved with the decode pass under the step's
-token budget, not as rows of the decode pass: the decode pass takes one query per row over the
-running batch's cache rows (batch.py), so a chunk of C tokens in it would make every decode row C
-tokens wide (C - 1 of them padding, run through attention and the experts for nothing). Chunks of the same start and length (e.g. prompts of one length that
-arrived together) share one pass with no padding at all (`scheduler.chunk_groups`); a prefill
-continued in a later step keeps its own cache (`Sequence.partial`) until its last chunk, after which
-it joins the running batch and samples its first token.
+A step with prompt chunks is one forward pass (step_pass.py): the running batch's decode rows and
+every chunk of the step side by side along one row of tokens, each part attending over its own cache,
+so a long prompt stalls the running requests for one pass of the step's token budget, not for a pass
+of its own behind theirs, and prompts of any lengths share the pass with no padding. Chunks of the same
+start and length (`scheduler.chunk_groups`) stack as rows of one part. A model whose attention cannot
+mix parts (`step_pass.supports`: Llama-4, DeepSeek's latent attention) runs the decode pass and each
+group's pass one after another. A prefill continued in a later step keeps its own cache (`Sequence.partial`) until its last
+chunk, after which it joins the running batch and samples its first token.
 
 Look-ahead (`lookahead`, on a GPU where a decode pass never waits for the host: every expert in
 process, or in expert functions on its GPU through device links): a greedy batch's next decode pass is launched from this pass's argmax on the device
@@ -18,7 +19,9 @@ before the host reads this pass's tokens, so the host's work between steps (samp
 scheduling) runs while the GPU computes instead of the GPU waiting for it. A sequence that ends at
 this step (its end-of-sequence token, a stop string, its caller gone) had a row in the pass already
 launched: that row's output is dropped and its cache row goes with the sequence. Steps whose
-sequences sample, reach their last token or record their routing launch nothing ahead. A pass through
+sequences sample, reach their last token or record their routing launch nothing ahead, nor do steps
+that find a prompt to prefill next (it rides in the next step's pass, which must not be launched yet;
+a prompt that arrives after a pass was launched ahead waits one step for it). A pass through
 device links is known to hold only once settled (graphs.py), which the step does after it launched the
 next one, so the GPU never waits for the host between the two; a void pass is undone, with the one
 launched from its logits, and decoded again.
@@ -27,6 +30,8 @@ launched from its logits, and decoded again.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import logging
 import threading
 import time
@@ -37,6 +42,7 @@ import torch
 from transformers import DynamicCache
 
 from kubemoe.frontend.batch import BatchState, DecodeMasks, split_rows, upload_ints
+from kubemoe.frontend import step_pass
 from kubemoe.frontend.records import ForwardRows
 from kubemoe.frontend.sampling import SamplingParams, greedy_tokens, sample_next
 from kubemoe.frontend.graphs import DecodeGraphs, VoidStep
@@ -144,6 +150,7 @@ class Engine:
         self.scheduler.measuring = kv_cache.bounded(self.device)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.masks = DecodeMasks.of(model.config)
+        self.step_passes = step_pass.supports(model.config, self.masks)  # decode rows and chunks in one pass
         self.batch = self._new_batch()
         self._wake = threading.Condition()
         self._output = Output(metrics)  # sampled tokens -> text deltas, on a thread of its own
@@ -211,7 +218,8 @@ class Engine:
                 if self._stopped:
                     return
                 self._drop_aborted()
-                plan = self.scheduler.schedule()
+                # The running batch's pass launched ahead holds its decode rows: chunks ride in the next one
+                plan = self.scheduler.schedule(prefill=self._ahead is None or not self.step_passes)
             if plan.empty:
                 continue
             try:
@@ -227,9 +235,10 @@ class Engine:
 
     @torch.inference_mode()
     def step(self, plan: StepPlan[Sequence]) -> None:
-        """Decode the running batch, then prefill this step's prompt chunks. A forward pass that
-        fails ends only the requests it names (`failed_rows`); the rest of a decode batch is rolled back
-        and decodes again at the next step. Sampling that fails ends only its own request."""
+        """Decode the running batch and prefill this step's prompt chunks, in one pass where the model
+        allows (step_pass.py). A forward pass that fails ends only the requests it names (`failed_rows`);
+        the rest of a decode batch is rolled back and decodes again at the next step, the rest of its
+        prompts start their prefill over. Sampling that fails ends only its own request."""
         if self.before_step:
             self.before_step()
         finished, failed = [], [(seq, self._too_long(seq)) for seq in plan.rejected]
@@ -239,7 +248,9 @@ class Engine:
         if self._ahead is not None and not batch.seqs:
             self._ahead = None  # its sequences all ended: nothing reads it
             self._settled()
-        if batch.seqs:
+        groups = chunk_groups(plan.chunks)
+        rides = self.step_passes and bool(groups) and bool(batch.seqs) and self._ahead is None
+        if batch.seqs and not rides:
             result, greedy = self._decode(batch), None
             if not isinstance(result, Exception):
                 try:
@@ -252,56 +263,94 @@ class Engine:
                     result = self._decode(batch, settle=True)
             if isinstance(result, Exception):
                 self._settled()  # whatever it launched ends before its rows are rolled back
-                failed += self._decode_failed(batch, result)
+                failed += self._pass_failed(result, batch, [])
             else:
-                if self.loads:
-                    self.loads.record_tokens(len(batch.seqs))
-                finished += self._advance_all(batch.seqs, result, batch, range(len(batch.seqs)), failed, greedy)
-        for group in chunk_groups(plan.chunks):
-            finished += self._prefill_chunks(group, failed)
+                finished += self._decoded(batch, result, failed, greedy)
+        if groups and self.step_passes:
+            finished += self._prefill(groups, batch if rides else None, failed)
+        else:
+            for group in groups:
+                finished += self._prefill([group], None, failed)
         if failed:
             self._fail(failed)
         if finished:
             self._remove(finished)
         self._record_cache(len(plan.preempted))
 
-    def _prefill_chunks(self, group: list[Chunk[Sequence]], failed: list) -> list[Sequence]:  # -> the sequences that finished
-        """One forward pass over chunks of one start and length, one row each, split into a cache per
-        sequence after it. A sequence whose last chunk ran joins the running batch and samples
-        its first token. A failed pass ends the sequences whose rows it names; the others start their
-        prefill over (their caches grew part-way), as after a preemption."""
-        seqs, start, stop = [c.seq for c in group], group[0].start, group[0].stop
+    def _prefill(self, groups: list[list[Chunk[Sequence]]], decode: RunningBatch | None,
+                 failed: list) -> list[Sequence]:  # -> the sequences that finished
+        """One forward pass over chunk groups (each: chunks of one start and length, a row each) and, with
+        `decode`, the running batch's decode rows (step_pass.py). After it each group's cache is split into
+        one per sequence; a sequence whose last chunk ran joins the running batch and samples its first
+        token. A failed pass ends the sequences whose rows it names (`_pass_failed`)."""
+        chunks = [chunk for group in groups for chunk in group]
+        decoding = decode.seqs if decode is not None else []
         # Only a step's last chunk can stop short of its context's end (the budget ran out there), so a
-        # continued chunk is alone in its pass, on the cache its earlier chunks left.
-        cache = seqs[0].partial if start else DynamicCache()
-        ids = torch.tensor([(seq.prompt_ids + seq.generated)[start:stop] for seq in seqs], device=self.device)
-        if self.on_forward:
-            self.on_forward(ForwardRows(tuple(s.request_id for s in seqs), (start,) * len(seqs),
-                                        (stop - start,) * len(seqs)))
+        # continued chunk is alone in its group, on the cache its earlier chunks left.
+        caches = [group[0].seq.partial if group[0].start else DynamicCache() for group in groups]
+        if self.on_forward:  # decode rows feed their last token, at position prompt + generated - 1
+            self.on_forward(ForwardRows(tuple(s.request_id for s in decoding) + tuple(c.seq.request_id for c in chunks),
+                                        tuple(s.context_length - 1 for s in decoding) + tuple(c.start for c in chunks),
+                                        (1,) * len(decoding) + tuple(c.tokens for c in chunks)))
+        if decode is not None:
+            decode.state.advance(decode.tokens)
         try:
-            # The last position's logits only: all of a 4000-token chunk's would be a [4000, V] matmul
-            # and 0.5 GB of float32 for one row that is sampled.
-            logits = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [n, V]
-        except torch.OutOfMemoryError as e:
-            if self._out_of_memory(e):
-                self._leave_batch(seqs, requeue=True)
-            else:
-                failed += [(seq, _message(e)) for seq in seqs]
-            return []
+            logits = self._prefill_logits(groups, caches, decode)
         except Exception as e:  # noqa: BLE001 - this pass failed: only the requests it names end
-            log.exception("prefill of %d tokens of requests %s failed", stop - start, [s.request_id for s in seqs])
-            rows = set(failed_rows(e, len(seqs), stop - start))
-            failed += [(seq, _message(e)) for i, seq in enumerate(seqs) if i in rows]
-            self._leave_batch([seq for i, seq in enumerate(seqs) if i not in rows], requeue=True)
+            failed += self._pass_failed(e, decode, chunks)
             return []
+        finished = self._decoded(decode, logits[:len(decoding)], failed) if decode is not None else []
+        at = len(decoding)
+        for group, cache in zip(groups, caches):
+            finished += self._prefilled(group, cache, logits[at:at + len(group)], failed)
+            at += len(group)
+        return finished
+
+    def _prefill_logits(self, groups: list[list[Chunk[Sequence]]], caches: list[DynamicCache],
+                        decode: RunningBatch | None) -> torch.Tensor:
+        """The pass of `_prefill` -> logits [decode rows + chunks, V]: each decode row's, then each chunk's
+        last position's (all of a 4000-token chunk's would be a [4000, V] matmul and 0.5 GB of float32 for
+        one row that is sampled)."""
+        rows = [(c.seq.prompt_ids + c.seq.generated)[c.start:c.stop] for group in groups for c in group]
+        if decode is None and len(groups) == 1:  # one block of rows: transformers' own pass over its cache
+            ids = torch.tensor(rows, device=self.device)
+            return self.model(input_ids=ids, cache=caches[0], use_cache=True, logits_to_keep=1).logits[:, -1]
+        decoding = len(decode.seqs) if decode is not None else 0
+        parts, keep, at = [], list(range(decoding)), decoding
+        for group, cache in zip(groups, caches):
+            first = group[0]
+            parts.append(step_pass.Group(cache, len(group), first.start, first.tokens,
+                                         self.masks.prompt(first.start, first.stop, self.device)))
+            keep += [at + (row + 1) * first.tokens - 1 for row in range(len(group))]
+            at += len(group) * first.tokens
+        ids, positions = upload_ints([[t for row in rows for t in row],
+                                      [p for group in groups for c in group for p in range(c.start, c.stop)]],
+                                     self.device).unbind(0)
+        if decode is not None:
+            inputs = decode.state.pass_inputs(decoding)  # as `advance` left them
+            ids = torch.cat([inputs["input_ids"].view(-1), ids])
+            positions = torch.cat([inputs["position_ids"].view(-1), positions])
+            cache = step_pass.StepCache(inputs["cache"], inputs["attention_mask"], parts)
+        else:
+            cache = step_pass.StepCache(None, None, parts)
+        # Each part attends with its own mask (step_pass.py); a 4D mask is taken as given, so transformers builds none
+        given = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        return self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=given, cache=cache,
+                          use_cache=True, logits_to_keep=upload_ints(keep, self.device),
+                          **{step_pass.KEYWORD: cache}).logits[0]
+
+    def _prefilled(self, group: list[Chunk[Sequence]], cache: DynamicCache, logits: torch.Tensor,
+                   failed: list) -> list[Sequence]:  # -> the sequences that finished
+        """After a pass: the group's cache split into one per sequence; a sequence whose last chunk ran
+        joins the running batch and samples its first token from its row of `logits` [rows, V]."""
         if self.metrics:
-            self.metrics.prefill_chunks.inc(len(seqs))
+            self.metrics.prefill_chunks.inc(len(group))
         if self.kv_bytes_per_token is None:
-            self._measure_cache(cache, len(seqs) * stop)
+            self._measure_cache(cache, len(group) * group[0].stop)
         if self.loads:
-            self.loads.record_tokens(len(seqs) * (stop - start))
+            self.loads.record_tokens(sum(chunk.tokens for chunk in group))
         finished = []
-        for chunk, row, row_logits in zip(group, split_rows(cache, len(seqs)), logits):
+        for chunk, row, row_logits in zip(group, split_rows(cache, len(group)), logits):
             seq = chunk.seq
             if not chunk.last:
                 seq.partial = row
@@ -419,7 +468,7 @@ class Engine:
         seqs, state = batch.seqs, batch.state
         if (self.lookahead is None or self.on_forward is not None
                 or any(seq.params.temperature != 0.0 or len(seq.generated) + 1 >= seq.max_new for seq in seqs)
-                or not self.lookahead()):
+                or (self.step_passes and self.scheduler.has_prefill()) or not self.lookahead()):
             return None
         rows = self._rows(len(seqs))
         if not state.fits_step(rows or len(seqs)):  # the cache would grow (and graphs be captured again)
@@ -449,23 +498,35 @@ class Engine:
             read.synchronize()
         return dict(enumerate(host.tolist()))
 
-    def _decode_failed(self, batch: RunningBatch, error: Exception) -> list[tuple[Sequence, str]]:
-        """Roll the batch back to before the failed step; its named rows' requests fail (none
-        when the device ran out of memory and a smaller cache can make room: the scheduler preempts)."""
+    def _pass_failed(self, error: Exception, decode: RunningBatch | None,
+                     chunks: list[Chunk[Sequence]]) -> list[tuple[Sequence, str]]:
+        """A forward pass over `decode`'s rows and `chunks` failed: the requests whose rows the error names
+        end (none when the device ran out of memory and a smaller cache can make room: the scheduler
+        preempts); the batch is rolled back to before the pass and the other chunks' sequences start their
+        prefill over (their caches grew part-way), as after a preemption."""
+        decoding = decode.seqs if decode is not None else []
+        seqs = decoding + [chunk.seq for chunk in chunks]
         if isinstance(error, torch.OutOfMemoryError) and self._out_of_memory(error):
+            named: set[int] = set()
+        else:
+            log.error("a pass over %d decode rows and %d prompt chunks (requests %s) failed: %s", len(decoding),
+                      len(chunks), [s.request_id for s in seqs], _message(error), exc_info=error)
+            named = set(failed_rows(error, [1] * len(decoding) + [chunk.tokens for chunk in chunks]))
+        if decode is not None:
             try:
-                batch.state.undo_decode()
-                return []
-            except Exception:  # noqa: BLE001 - falls through to ending the batch
-                log.exception("the failed step's cache could not be rolled back")
-        log.error("decode of %d sequences failed: %s", len(batch.seqs), _message(error), exc_info=error)
-        rows = failed_rows(error, len(batch.seqs), 1)
-        try:
-            batch.state.undo_decode()
-        except Exception:  # noqa: BLE001 - a cache that cannot be rolled back takes the whole batch
-            log.exception("the failed step's cache could not be rolled back; the batch ends")
-            rows = range(len(batch.seqs))
-        return [(batch.seqs[i], _message(error)) for i in sorted(set(rows))]
+                decode.state.undo_decode()
+            except Exception:  # noqa: BLE001 - a cache that cannot be rolled back takes the whole batch
+                log.exception("the failed step's cache could not be rolled back; the batch ends")
+                named |= set(range(len(decoding)))
+        self._leave_batch([seq for i, seq in enumerate(seqs) if i >= len(decoding) and i not in named], requeue=True)
+        return [(seqs[i], _message(error)) for i in sorted(named)]
+
+    def _decoded(self, batch: RunningBatch, logits: torch.Tensor, failed: list,
+                 greedy: dict[int, int] | None = None) -> list[Sequence]:
+        """The batch's next tokens from its decode pass's logits -> the sequences that finished."""
+        if self.loads:
+            self.loads.record_tokens(len(batch.seqs))
+        return self._advance_all(batch.seqs, logits, batch, range(len(batch.seqs)), failed, greedy)
 
     def _advance_all(self, seqs: list[Sequence], logits: torch.Tensor, batch: RunningBatch, indices,
                      failed: list, greedy: dict[int, int] | None = None) -> list[Sequence]:
@@ -530,10 +591,12 @@ def _message(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def failed_rows(error: BaseException, sequences: int, tokens_per_sequence: int) -> range | list[int]:
-    """The sequences a failed forward pass must end: those whose token rows the error names
-    (a DispatchError's `rows`: [B * S] flattened, as MoE blocks see the batch), else all of them."""
+def failed_rows(error: BaseException, lengths: list[int]) -> range | list[int]:
+    """The sequences a failed forward pass must end, of those with `lengths` token rows each in the pass's
+    order: those whose rows the error names (a DispatchError's `rows`, the batch flattened as MoE blocks
+    see it), else all of them."""
     rows = getattr(error, "rows", None)
     if rows is None:
-        return range(sequences)
-    return sorted({row // tokens_per_sequence for row in rows})
+        return range(len(lengths))
+    ends = list(itertools.accumulate(lengths))
+    return sorted({bisect.bisect_right(ends, row) for row in rows})

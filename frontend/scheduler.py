@@ -10,7 +10,7 @@ and aborted sequences leave between steps. A bounded waiting queue refuses new w
 
 Only a step's last chunk can stop short of its context's end, so at most one sequence is part-way
 through its prefill at any time. How chunks run is the engine's choice; `chunk_groups` says which
-may share one forward pass (in practice prompts that each fit the step whole).
+share rows of one shape in a forward pass (in practice prompts of one length that each fit the step whole).
 
 The KV cache is bounded (`kv_capacity`, in token positions of the padded batch: sequences x the
 longest one, as `batch.BatchState` lays them out; a sequence being prefilled reserves its whole
@@ -103,8 +103,9 @@ def cached_tokens(seqs: list[S]) -> int:
 
 
 def chunk_groups(chunks: list[Chunk[S]]) -> list[list[Chunk[S]]]:
-    """Chunks that can share one forward pass: the same start and length, so their rows need no
-    padding (a padded row would run through attention and the experts for nothing). In plan order."""
+    """Chunks whose rows stack into one [rows, length] block of a forward pass: the same start and
+    length, so no row needs padding (a padded row would run through attention and the experts for
+    nothing). In plan order."""
     groups: dict[tuple[int, int], list[Chunk[S]]] = {}
     for chunk in chunks:
         groups.setdefault((chunk.start, chunk.stop), []).append(chunk)
@@ -133,7 +134,14 @@ class Scheduler(Generic[S]):
         """Context tokens of a sequence being prefilled that are in its cache."""
         return self._prefilled.get(id(seq), 0)
 
-    def schedule(self) -> StepPlan[S]:
+    def has_prefill(self) -> bool:
+        """Whether the next step would prefill: a prompt part-way, or one waiting with a batch slot free
+        (the cache's bound may still hold it back)."""
+        return bool(self.prefilling) or (bool(self.waiting) and len(self.running) < self.config.max_batch)
+
+    def schedule(self, prefill: bool = True) -> StepPlan[S]:
+        """The next step's plan; `prefill=False`: decode only (no chunks, nothing admitted), e.g. while
+        the running batch's pass is already launched and its chunks would ride in the next one."""
         running, prefilling = list(self.running), list(self.prefilling)
         preempted: list[S] = []
         rejected: list[S] = []
@@ -141,7 +149,7 @@ class Scheduler(Generic[S]):
         if cap is not None:
             while len(running) + len(prefilling) > 1 and cached_tokens(running + prefilling) > cap:
                 preempted.append(prefilling.pop() if prefilling else running.pop())  # the latest admitted first
-        budget = self.config.max_step_tokens - len(running)
+        budget = self.config.max_step_tokens - len(running) if prefill else 0
         chunks: list[Chunk[S]] = []
         for seq in prefilling:
             if budget < 1:

@@ -8,7 +8,7 @@ import pytest
 from kubemoe.frontend.sampling import SamplingParams
 from kubemoe.frontend.scheduler import SchedulerConfig
 
-from .test_correctness import generate_all, local_frontend
+from .test_correctness import ARCHS, generate_all, local_frontend
 
 LONG = [(7 * i + 3) % 200 + 1 for i in range(50)]  # 50 tokens: 4 chunks at 16 tokens a step
 SAME_LENGTH = [[(5 * i + k) % 150 + 2 for i in range(12)] for k in (1, 2)]
@@ -47,8 +47,9 @@ def test_chunked_and_grouped_prefill_give_the_tokens_of_one_shot_prefill(tiny_ch
     assert chunked + grouped == one_shot
 
 
-def test_a_running_request_decodes_at_every_step_while_a_long_prompt_is_prefilled(tiny_checkpoint):
-    fe = local_frontend(tiny_checkpoint("mixtral"), predictor="none", max_step_tokens=8)
+def long_prompt_behind_a_running_request(fe):
+    """A request decoding when LONG arrives, greedy, through `fe` (closed after) -> (the tokens of both,
+    the tokens of each alone, each forward pass's (requests, lengths) while they ran together)."""
     fe.engine.eos_ids = set()
     seen = _forwards(fe)
     try:
@@ -59,16 +60,57 @@ def test_a_running_request_decodes_at_every_step_while_a_long_prompt_is_prefille
             long = await generate_all(fe, [LONG], max_tokens=2)
             return tokens + await rest, long[0]
 
-        running, long = asyncio.run(staggered())
-        seen = list(seen)  # the passes of the staggered run only
+        together = list(asyncio.run(staggered()))
+        passes = list(seen)  # the passes of the staggered run only
         alone = [asyncio.run(generate_all(fe, [p], max_tokens=n))[0] for p, n in (([5, 17, 33], 24), (LONG, 2))]
     finally:
         fe.close()
-    assert [running, long] == alone
-    chunks = [i for i, (requests, lengths) in enumerate(seen) if requests == ("r0",) and lengths[0] > 1]
-    assert len(chunks) >= 3  # 50 tokens at 7 a step (8 less the running request's decode token)
-    for i in chunks:  # every chunk's step decoded the running request first
-        assert seen[i - 1] == (("running",), (1,)), seen
+    return together, alone, passes
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_running_request_decodes_in_every_pass_of_a_long_prompts_prefill(arch, tiny_checkpoint):
+    """Each chunk of the long prompt rides in one pass with the running request's decode row (a model whose
+    attention cannot mix parts, Llama-4 and DeepSeek's latent attention, decodes in a pass before each
+    chunk's), and both requests get the tokens they get alone."""
+    fe = local_frontend(tiny_checkpoint(arch), predictor="none", max_step_tokens=8)
+    mixes = fe.engine.step_passes
+    together, alone, seen = long_prompt_behind_a_running_request(fe)
+    assert together == alone
+    assert mixes == (arch not in ("llama4", "deepseek_v2", "deepseek_v3"))
+    chunks = [i for i, (requests, lengths) in enumerate(seen) if "r0" in requests and lengths[-1] > 1]
+    assert len(chunks) >= 7  # 50 tokens at 7 a step (8 less the running request's decode token)
+    for i in chunks:
+        if mixes:
+            assert seen[i] == (("running", "r0"), (1, 7)) or seen[i][1][0] == 1 and i == chunks[-1], seen
+        else:
+            assert seen[i][0] == ("r0",) and seen[i - 1] == (("running",), (1,)), seen
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prompts_of_different_lengths_share_one_pass_with_the_running_batch(arch, tiny_checkpoint):
+    fe = local_frontend(tiny_checkpoint(arch), predictor="none", max_step_tokens=64)
+    fe.engine.eos_ids = set()
+    seen = _forwards(fe)
+    prompts = [LONG[:20], SAME_LENGTH[0], SAME_LENGTH[1], LONG[:7]]
+    try:
+        async def joined():
+            first = fe.engine.generate("running", [5, 17, 33], SamplingParams(temperature=0, max_tokens=24))
+            tokens = (await anext(first)).token_ids
+            rest = asyncio.ensure_future(_drain(first))
+            together = await generate_all(fe, prompts, max_tokens=6)
+            return tokens + await rest, together
+
+        running, together = asyncio.run(joined())
+        passes = list(seen)
+        alone = [asyncio.run(generate_all(fe, [p], max_tokens=6))[0] for p in prompts]
+        running_alone = asyncio.run(generate_all(fe, [[5, 17, 33]], max_tokens=24))[0]
+        mixes = fe.engine.step_passes
+    finally:
+        fe.close()
+    assert together == alone and running == running_alone
+    if mixes:  # the four prompts (the two of one length stacked) and the running row: one pass, no padding
+        assert (("running", "r0", "r1", "r2", "r3"), (1, 20, 12, 12, 7)) in passes, passes
 
 
 async def _drain(stream):

@@ -41,3 +41,16 @@ def test_a_cuda_frontend_keeps_padded_attention_off_cudnn(make_frontend):
     memory-efficient kernel."""
     make_frontend(device="cuda", dtype="bfloat16")
     assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_a_long_prompts_chunks_ride_with_a_running_request_through_the_decode_kernels(tiny_checkpoint):
+    """float32 on the GPU: the running request's decode row in each pass of the long prompt's prefill attends
+    through attention.py's kernels, over a slice of the pass's queries; both requests get their tokens alone."""
+    from .test_chunked_prefill import long_prompt_behind_a_running_request
+    from .test_correctness import local_frontend
+
+    fe = local_frontend(tiny_checkpoint("mixtral"), device="cuda", dtype="float32", predictor="none", max_step_tokens=8)
+    assert fe.engine.step_passes
+    together, alone, passes = long_prompt_behind_a_running_request(fe)
+    assert together == alone
+    assert passes.count((("running", "r0"), (1, 7))) >= 6, passes

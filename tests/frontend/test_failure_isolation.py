@@ -20,48 +20,65 @@ from kubemoe.routing_table import LOCAL, table_for_bundles
 from .test_remote_experts import ExpertServers
 
 MAX_TOKENS = 4
+LONG = 3 * MAX_TOKENS  # what the request that never needs the lost expert generates while the others fail
 
 
 class ExpertsSeen:
-    """Observer: the experts (any MoE layer) of prefill passes (several rows) and decode passes (one row)."""
+    """Observer: the experts (any MoE layer) of prefill passes (several rows) and of each decode pass (one row)."""
 
-    def __init__(self):
-        self.prefill, self.decode = set(), set()
+    def __init__(self, layers):
+        self.first_layer = min(layers)
+        self.prefill, self.decode = set(), []
 
     def on_layer(self, layer, hidden, top_k_index, top_k_weights):
-        (self.prefill if len(top_k_index) > 1 else self.decode).update(top_k_index.reshape(-1).tolist())
+        experts = top_k_index.reshape(-1).tolist()
+        if len(top_k_index) > 1:
+            self.prefill.update(experts)
+            return
+        if layer == self.first_layer:
+            self.decode.append(set())
+        self.decode[-1].update(experts)
 
 
-async def _run(fe, prompt, request_id="r"):
+async def _run(fe, prompt, request_id="r", max_tokens=MAX_TOKENS, started: asyncio.Event | None = None):
     tokens, error = [], None
-    async for delta in fe.engine.generate(request_id, prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)):
+    async for delta in fe.engine.generate(request_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens)):
         tokens += delta.token_ids
         error = delta.error or error
+        if started is not None:
+            started.set()
     return tokens, error
 
 
 def _choose(fe):
-    """(dead expert, {role: prompt}, tokens of each prompt when nothing fails)."""
+    """(dead expert, {role: prompt}, tokens of each prompt when nothing fails): "never" needs it for none of
+    LONG tokens, "decode" for one of its first MAX_TOKENS but not its prompt, "prefill" for its prompt."""
     seen = {}
     for first in range(2, 120):
         prompt = [first, 7]
-        observer = ExpertsSeen()
+        observer = ExpertsSeen(fe.adapter.moe_layers)
         fe.dispatcher.observers.append(observer)
-        tokens, _ = asyncio.run(_run(fe, prompt))
+        tokens, _ = asyncio.run(_run(fe, prompt, max_tokens=LONG))
         fe.dispatcher.observers.remove(observer)
         seen[tuple(prompt)] = (observer.prefill, observer.decode, tokens)
     for dead in range(fe.adapter.num_experts):
         roles = {}
         for prompt, (prefill, decode, _) in seen.items():
-            role = "never" if dead not in prefill | decode else "decode" if dead not in prefill else "prefill"
+            role = ("prefill" if dead in prefill else "decode" if dead in set().union(*decode[:MAX_TOKENS - 1])
+                    else "never" if dead not in set().union(*decode) else "")
             roles.setdefault(role, list(prompt))
+        roles.pop("", None)
         if len(roles) == 3:
-            return dead, roles, {role: seen[tuple(p)][2] for role, p in roles.items()}
+            return dead, roles, {role: seen[tuple(p)][2][:LONG if role == "never" else MAX_TOKENS]
+                                 for role, p in roles.items()}
     pytest.skip("no expert separates these prompts")  # the tiny checkpoint is seeded: does not happen
 
 
+@pytest.mark.parametrize("arrival", ["together", "behind a running request"])
 @pytest.mark.parametrize("fault", ["stopped", "refuses"])
-def test_a_failing_expert_ends_only_the_requests_that_need_it(fault, tiny_checkpoint):
+def test_a_failing_expert_ends_only_the_requests_that_need_it(fault, arrival, tiny_checkpoint):
+    """"behind a running request": the prompts arrive while the one that never needs the lost expert
+    decodes, so their first pass also carries its decode row (step_pass.py), which must survive it."""
     path = tiny_checkpoint("mixtral")
     fe = Frontend(FrontendConfig(checkpoint=path, predictor="none", call_timeout=2.0, max_batch=3))
     fe.engine.eos_ids = set()
@@ -82,10 +99,24 @@ def test_a_failing_expert_ends_only_the_requests_that_need_it(fault, tiny_checkp
                                                    version=2))
 
             async def together():
-                return await asyncio.gather(*(_run(fe, p, role) for role, p in prompts.items()))
+                return await asyncio.gather(*(_run(fe, p, role, LONG if role == "never" else MAX_TOKENS)
+                                              for role, p in prompts.items()))
 
-            results = dict(zip(prompts, asyncio.run(together())))
-            again = asyncio.run(_run(fe, prompts["never"]))  # the engine serves on
+            async def behind():
+                started = asyncio.Event()
+                running = asyncio.ensure_future(_run(fe, prompts["never"], "never", LONG, started))
+                await started.wait()
+                failing = await asyncio.gather(*(_run(fe, prompts[role], role) for role in ("decode", "prefill")))
+                return [await running, *failing]
+
+            if arrival == "together":
+                results = dict(zip(prompts, asyncio.run(together())))
+            else:
+                passes = []
+                fe.engine.on_forward = lambda rows: passes.append(rows.requests)
+                results = dict(zip(["never", "decode", "prefill"], asyncio.run(behind())))
+                assert ("never", "decode", "prefill") in passes, passes  # the running row rode in the failing pass
+            again = asyncio.run(_run(fe, prompts["never"], max_tokens=LONG))  # the engine serves on
         finally:
             if fault == "refuses":
                 servers.stop()
@@ -101,6 +132,7 @@ def test_a_failing_expert_ends_only_the_requests_that_need_it(fault, tiny_checkp
 
 
 def test_failed_rows_name_the_sequences_of_the_tokens_an_error_names():
-    assert failed_rows(DispatchError("x", [1, 4, 5]), 3, 2) == [0, 2]
-    assert failed_rows(DispatchError("x"), 3, 1) == range(3)
-    assert failed_rows(ValueError("bad tensor"), 2, 1) == range(2)
+    assert failed_rows(DispatchError("x", [1, 4, 5]), [2, 2, 2]) == [0, 2]
+    assert failed_rows(DispatchError("x", [0, 3, 10]), [1, 1, 8, 4]) == [0, 2, 3]
+    assert failed_rows(DispatchError("x"), [1, 1, 1]) == range(3)
+    assert failed_rows(ValueError("bad tensor"), [1, 5]) == range(2)

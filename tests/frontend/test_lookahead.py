@@ -24,10 +24,21 @@ def with_late_join(fe) -> tuple[list[list[int]], list[int]]:
     """Three requests of LENGTHS tokens decoding together and a fourth (LATE, 5 tokens) joining
     mid-flight, greedy, through `fe`'s engine -> (the three's tokens, the fourth's)."""
     async def run():
-        first = [asyncio.create_task(generate_all(fe, [p], max_tokens=n)) for p, n in zip(PROMPTS, LENGTHS)]
-        await asyncio.sleep(0.05)
+        decoding = asyncio.Event()  # the batch has decoded a token: the fourth joins it mid-flight
+
+        async def one(i, prompt, n):
+            tokens = []
+            async for delta in fe.engine.generate(f"first-{i}", prompt, SamplingParams(temperature=0, max_tokens=n)):
+                assert delta.error is None, delta.error
+                tokens += delta.token_ids
+                if len(tokens) == 2:
+                    decoding.set()
+            return tokens
+
+        first = [asyncio.create_task(one(i, p, n)) for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
+        await decoding.wait()
         joined = await generate_all(fe, [LATE], max_tokens=5)
-        return [t for (t,) in await asyncio.gather(*first)], joined[0]
+        return await asyncio.gather(*first), joined[0]
 
     return asyncio.run(run())
 
@@ -56,11 +67,20 @@ def test_look_ahead_gives_transformers_tokens_with_ends_and_joins_in_flight(tiny
     fe = local_frontend(path, max_batch=4)
     fe.engine.eos_ids = set()
     launched = counting(fe)
+    prefill, passes = fe.engine._prefill, []  # whether each prefill pass carried the batch's decode rows
+
+    def recorded(groups, decode, failed):
+        passes.append(([c.seq.request_id for g in groups for c in g], decode is not None))
+        return prefill(groups, decode, failed)
+
+    fe.engine._prefill = recorded
     try:
         got, got_late = with_late_join(fe)
     finally:
         fe.close()
     assert launched[0] > 0
+    # the late prompt came while a pass was ahead: it waited for that pass and rode in the next with the batch
+    assert passes[-1] == (["r0"], True), passes
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert got == [reference_greedy(model, [p], n)[0] for p, n in zip(PROMPTS, LENGTHS)]
     assert got_late == reference_greedy(model, [LATE], 5)[0]

@@ -57,6 +57,26 @@ def test_batch_limit_and_step_token_budget():
     assert plan.decode == reqs[1:3] and chunks(plan) == [(reqs[3], 0, 3)]
 
 
+def test_a_decode_only_step_holds_prompts_back_and_says_a_prefill_is_next():
+    s = Scheduler(SchedulerConfig(max_batch=2, max_step_tokens=4))
+    a, b, c = Seq(1), Seq(6), Seq(2)
+    s.add(a)
+    assert s.has_prefill()
+    s.schedule()
+    assert not s.has_prefill()  # a decodes, nothing waits
+    s.add(b)
+    assert s.has_prefill()
+    plan = s.schedule(prefill=False)  # e.g. a's pass is launched ahead: b waits for the next step
+    assert plan.decode == [a] and plan.chunks == [] and list(s.waiting) == [b]
+    plan = s.schedule()
+    assert plan.decode == [a] and chunks(plan) == [(b, 0, 3)]
+    s.add(c)
+    plan = s.schedule(prefill=False)  # b's prefill part-way waits too, c is not admitted
+    assert plan.decode == [a] and plan.chunks == [] and s.prefilling == [b] and s.has_prefill()
+    assert chunks(s.schedule()) == [(b, 3, 6)]
+    assert s.running == [a, b] and not s.has_prefill()  # c waits for a free slot, not for a prefill
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes_every_step():
     s = Scheduler(SchedulerConfig(max_batch=8, max_step_tokens=10))
     short, long, late = Seq(4), Seq(25), Seq(2)
