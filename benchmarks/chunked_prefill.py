@@ -42,12 +42,24 @@ def stall(fe: Frontend, batch: int, long: int, decode_tokens: int, vocab: int) -
     short = torch.randint(0, vocab, (batch, 16), generator=gen).tolist()
     prompt = torch.randint(0, vocab, (long,), generator=gen).tolist()
     times: list[list[float]] = [[] for _ in range(batch)]
+    steps: list[tuple[float, float, int, list[int]]] = []  # (start, end, decode rows, chunk tokens) per engine step
+    engine_step = fe.engine.step
+
+    def timed(plan):
+        start = time.perf_counter()
+        try:
+            engine_step(plan)
+        finally:
+            steps.append((start, time.perf_counter(), len(plan.decode), [c.tokens for c in plan.chunks]))
+
+    fe.engine.step = timed
     async def running(i, first: asyncio.Event):
         async for delta in fe.engine.generate(f"run-{i}", short[i], SamplingParams(temperature=0, max_tokens=decode_tokens)):
             times[i].append(time.perf_counter())
             first.set()
 
     async def run():
+        steps.clear()
         firsts = [asyncio.Event() for _ in range(batch)]
         tasks = [asyncio.ensure_future(running(i, firsts[i])) for i in range(batch)]
         for first in firsts:
@@ -58,8 +70,13 @@ def stall(fe: Frontend, batch: int, long: int, decode_tokens: int, vocab: int) -
         await asyncio.gather(*tasks)
         gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b > sent and a < first_token]
         steady = [b - a for ts in times for a, b in zip(ts, ts[1:]) if a > first_token]
+        # the engine's steps from the last before the prompt came to the first after its first token: what
+        # the stall is made of (ms from its arrival; a step launched ahead returns before its pass ends)
+        window = [s for s in steps if s[1] > sent - 0.005 and s[0] < first_token + 0.005]
         return {"max_gap_ms": max(gaps) * 1e3, "steady_gap_ms": statistics.median(steady) * 1e3,
-                "long_ttft_ms": (first_token - sent) * 1e3}
+                "long_ttft_ms": (first_token - sent) * 1e3,
+                "steps": [{"start_ms": round((a - sent) * 1e3, 3), "wall_ms": round((b - a) * 1e3, 3),
+                           "decode_rows": rows, "chunk_tokens": chunks} for a, b, rows, chunks in window]}
 
     asyncio.run(run())  # warm-up
     with engine_thread_profile(fe.engine) as top:
@@ -101,6 +118,9 @@ def main() -> None:
     for r in rows:
         print(f"{r['mode']:>14} budget {r['max_step_tokens']:>5}: longest gap {r['max_gap_ms']:8.1f} ms "
               f"(steady {r['steady_gap_ms']:6.1f} ms), long prompt TTFT {r['long_ttft_ms']:8.1f} ms")
+        for step in r["steps"]:
+            print(f"{'':>16}step at {step['start_ms']:8.2f} ms: {step['wall_ms']:7.2f} ms, "
+                  f"{step['decode_rows']} decode rows, chunks {step['chunk_tokens']}")
     goals = {}
     if device.type == "cuda":
         goals["prefill_stall_chunked_vs_oneshot_h200"] = Goal(by["chunked"]["max_gap_ms"] / by["oneshot"]["max_gap_ms"],
