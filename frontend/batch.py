@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from transformers import DynamicCache
 from transformers.masking_utils import causal_mask_function, chunked_causal_mask_function, sliding_window_causal_mask_function
 
@@ -77,13 +78,15 @@ class DecodeMasks:
         return masks if len(masks) > 1 else masks[self.kinds[0]]
 
     def prompt(self, start: int, stop: int, device: torch.device) -> torch.Tensor | None:
-        """The [1, 1, stop - start, stop] boolean mask of prompt positions [start, stop) over columns
-        [0, stop), for a model of one mask kind (step_pass.py); None where SDPA's own causal mask is the
-        same (a prompt from position 0 that no window or chunk cuts), as transformers' prefill passes it."""
+        """The [1, 1, stop - start, stop] mask (True: attend) of prompt positions [start, stop) over columns
+        [0, stop), for a model of one mask kind (step_pass.py): None where SDPA's own causal mask is the same
+        (a prompt from position 0 that no window or chunk cuts, as transformers' prefill passes it); torch's
+        lower-right causal bias where only causality cuts a chunk that continues a cache, which SDPA runs
+        as flash attention (a boolean mask takes the slower memory-efficient kernel); else booleans."""
         kind = self.kinds[0]
         cut = {"sliding_attention": self.sliding_window, "chunked_attention": self.chunk_size}.get(kind)
-        if start == 0 and (cut is None or stop <= cut):
-            return None
+        if cut is None or stop <= cut:
+            return None if start == 0 else causal_lower_right(stop - start, stop)
         q = torch.arange(start, stop, device=device).view(1, 1, -1, 1)
         kv = torch.arange(stop, device=device).view(1, 1, 1, -1)
         batch = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)

@@ -312,7 +312,7 @@ class Engine:
         last position's (all of a 4000-token chunk's would be a [4000, V] matmul and 0.5 GB of float32 for
         one row that is sampled)."""
         rows = [(c.seq.prompt_ids + c.seq.generated)[c.start:c.stop] for group in groups for c in group]
-        if decode is None and len(groups) == 1:  # one block of rows: transformers' own pass over its cache
+        if not self.step_passes:  # one block of rows: transformers' own pass over its cache
             ids = torch.tensor(rows, device=self.device)
             return self.model(input_ids=ids, cache=caches[0], use_cache=True, logits_to_keep=1).logits[:, -1]
         decoding = len(decode.seqs) if decode is not None else 0
@@ -349,21 +349,23 @@ class Engine:
             self._measure_cache(cache, len(group) * group[0].stop)
         if self.loads:
             self.loads.record_tokens(sum(chunk.tokens for chunk in group))
-        finished = []
-        for chunk, row, row_logits in zip(group, split_rows(cache, len(group)), logits):
+        batch, joined = self.batch, []  # indices in `group` of the sequences that join, sampled together
+        for i, (chunk, row) in enumerate(zip(group, split_rows(cache, len(group)))):
             seq = chunk.seq
-            if not chunk.last:
-                seq.partial = row
-                continue
-            seq.partial = None
-            batch = self.batch
-            batch.state.join(row, seq.context_length)
-            batch.seqs.append(seq)
-            batch.tokens.append(0)
-            if self.metrics and not seq.generated:  # a preempted sequence had its first token long ago
-                self.metrics.ttft.observe(time.monotonic() - seq.started)
-            finished += self._advance_all([seq], row_logits[None], batch, [len(batch.seqs) - 1], failed)
-        return finished
+            seq.partial = None if chunk.last else row
+            if chunk.last:
+                batch.state.join(row, seq.context_length)
+                batch.seqs.append(seq)
+                batch.tokens.append(0)
+                joined.append(i)
+                if self.metrics and not seq.generated:  # a preempted sequence had its first token long ago
+                    self.metrics.ttft.observe(time.monotonic() - seq.started)
+        if not joined:
+            return []
+        if len(joined) < len(group):
+            logits = logits[upload_ints(joined, logits.device)]
+        first = len(batch.seqs) - len(joined)
+        return self._advance_all([group[i].seq for i in joined], logits, batch, range(first, len(batch.seqs)), failed)
 
     # -- the KV cache's bound -------------------------------------------------------------------
 
