@@ -288,10 +288,7 @@ class Engine:
         # Only a step's last chunk can stop short of its context's end (the budget ran out there), so a
         # continued chunk is alone in its group, on the cache its earlier chunks left.
         caches = [group[0].seq.partial if group[0].start else DynamicCache() for group in groups]
-        if self.on_forward:  # decode rows feed their last token, at position prompt + generated - 1
-            self.on_forward(ForwardRows(tuple(s.request_id for s in decoding) + tuple(c.seq.request_id for c in chunks),
-                                        tuple(s.context_length - 1 for s in decoding) + tuple(c.start for c in chunks),
-                                        (1,) * len(decoding) + tuple(c.tokens for c in chunks)))
+        self._announce(decoding, chunks)
         if decode is not None:
             decode.state.advance(decode.tokens)
         try:
@@ -305,6 +302,14 @@ class Engine:
             finished += self._prefilled(group, cache, logits[at:at + len(group)], failed)
             at += len(group)
         return finished
+
+    def _announce(self, decoding: list[Sequence], chunks: list[Chunk[Sequence]]) -> None:
+        """Tell `on_forward` whose rows a pass computes, in its order: each decoding sequence's last token
+        (at position prompt + generated - 1), then each chunk's tokens."""
+        if self.on_forward:
+            self.on_forward(ForwardRows(tuple(s.request_id for s in decoding) + tuple(c.seq.request_id for c in chunks),
+                                        tuple(s.context_length - 1 for s in decoding) + tuple(c.start for c in chunks),
+                                        (1,) * len(decoding) + tuple(c.tokens for c in chunks)))
 
     def _prefill_logits(self, groups: list[list[Chunk[Sequence]]], caches: list[DynamicCache],
                         decode: RunningBatch | None) -> torch.Tensor:
@@ -429,10 +434,7 @@ class Engine:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:  # only joins came after it
             return ahead.logits_of(batch.seqs)
-        if self.on_forward:  # each sequence feeds its last token, at position prompt + generated - 1
-            self.on_forward(ForwardRows(tuple(s.request_id for s in batch.seqs),
-                                        tuple(len(s.prompt_ids) + len(s.generated) - 1 for s in batch.seqs),
-                                        (1,) * len(batch.seqs)))
+        self._announce(batch.seqs, [])
         try:
             return self._pass(batch.state, batch.tokens, self._rows(len(batch.seqs)), settle=settle)
         except Exception as e:  # noqa: BLE001 - handed back: the step decides whom it ends
