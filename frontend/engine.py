@@ -10,8 +10,9 @@ so a long prompt stalls the running requests for one pass of the step's token bu
 of its own behind theirs, and prompts of any lengths share the pass with no padding. Chunks of the same
 start and length (`scheduler.chunk_groups`) stack as rows of one part. A model whose attention cannot
 mix parts (`step_pass.supports`: Llama-4, DeepSeek's latent attention) runs the decode pass and each
-group's pass one after another. A prefill continued in a later step keeps its own cache (`Sequence.partial`) until its last
-chunk, after which it joins the running batch and samples its first token.
+group's pass one after another. A prefill continued in a later step keeps its own cache
+(`Sequence.partial`) until its last chunk, after which it joins the running batch and samples its
+first token.
 
 Look-ahead (`lookahead`, on a GPU where a decode pass never waits for the host: every expert in
 process, or in expert functions on its GPU through device links): a greedy batch's next decode pass is launched from this pass's argmax on the device
@@ -324,10 +325,11 @@ class Engine:
         parts, keep, at = [], list(range(decoding)), decoding
         for group, cache in zip(groups, caches):
             first = group[0]
-            parts.append(step_pass.Group(cache, len(group), first.start, first.tokens,
-                                         self.masks.prompt(first.start, first.stop, self.device)))
-            keep += [at + (row + 1) * first.tokens - 1 for row in range(len(group))]
-            at += len(group) * first.tokens
+            part = step_pass.Group(cache, len(group), first.start, first.tokens,
+                                   self.masks.prompt(first.start, first.stop, self.device))
+            keep += [at + (row + 1) * part.length - 1 for row in range(part.rows)]  # each row's last token
+            parts.append(part)
+            at += part.tokens
         ids, positions = upload_ints([[t for row in rows for t in row],
                                       [p for group in groups for c in group for p in range(c.start, c.stop)]],
                                      self.device).unbind(0)
