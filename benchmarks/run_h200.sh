@@ -4,7 +4,7 @@
 # for the tests, .whl-test (pytest and the test suite's imports; `pip download --python-version 3.12
 # --only-binary=:all: -d .whl-test pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf
 # prometheus-client aiohttp click pyyaml tqdm openai`). Results go into $OUT.
-# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|frontend-full|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab [ARGS]
+# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab [ARGS]
 # (gpu-tests [PATHS]: the GPU tests under PATHS, default all of tests/)
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
 set -euo pipefail
@@ -90,6 +90,11 @@ case "${1:-all}" in
     df -h /dev/shm /tmp | tail -2
     TMPDIR=/dev/shm python3 benchmarks/frontend_decode.py --device cuda --arch qwen3_moe --preset qwen3-30b-a3b-8l --layers 48 \
       --steps 20 --warmup 5 --modes "" --name frontend_full --out "$OUT" "${@:2}" ;;
+  frontend-mixtral)  # issue 17 item 5: Mixtral-8x7B sizes at 20 of its 32 layers (~59 GB in bf16, as deep as /dev/shm
+    # holds beside the run), generated here, kubemoe in process only (as frontend-full); --layers N overrides
+    df -h /dev/shm /tmp | tail -2
+    TMPDIR=/dev/shm python3 benchmarks/frontend_decode.py --device cuda --preset mixtral-4l --layers 20 \
+      --steps 20 --warmup 5 --modes "" --name frontend_mixtral --out "$OUT" "${@:2}" ;;
   decode-step)  # issue 17: a graphed decode pass's device time per op, and one MoE layer grouped vs dense (experiments/decode_step_probe.py)
     python3 benchmarks/experiments/decode_step_probe.py --device cuda --preset mixtral-4l --layers 2 --out "$OUT" "${@:2}" ;;
   engine-step)  # issue 17: where an engine decode step's time goes beyond the forward pass (experiments/engine_step_probe.py)
@@ -103,5 +108,5 @@ case "${1:-all}" in
   chunked-prefill)  # issue 17 item 3: how long a 4000-token prompt stalls 8 decoding requests, chunked (budget
     # 2048, 512) against one-shot prefill; Mixtral sizes cut to 2 layers, in-process experts (~3 min)
     python3 benchmarks/chunked_prefill.py --device cuda --preset mixtral-4l --layers 2 --batch 8 --long 4000 --out "$OUT" "${@:2}" ;;
-  *) echo "usage: $0 expert_fn|frontend|frontend-full|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
+  *) echo "usage: $0 expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
 esac
