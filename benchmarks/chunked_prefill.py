@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch_trace  # noqa: E402
 from common import Goal, write_results  # noqa: E402
 from frontend_decode import add_model_arguments, cut_preset, engine_thread_profile  # noqa: E402
 
@@ -36,8 +37,10 @@ from kubemoe.routing_table import LOCAL, table_for_bundles  # noqa: E402
 from kubemoe.synth import make_checkpoint  # noqa: E402
 
 
-def stall(fe: Frontend, batch: int, long: int, decode_tokens: int, vocab: int) -> dict:
-    """The running requests' longest inter-token gap while the long prompt is prefilled, and its TTFT."""
+def stall(fe: Frontend, batch: int, long: int, decode_tokens: int, vocab: int, trace: Path | None = None) -> dict:
+    """The running requests' longest inter-token gap while the long prompt is prefilled, and its TTFT.
+    `trace`: a torch.profiler window over each prompt-chunk step of the profiled run, written there as
+    chrome traces and summarised (torch_trace.idle) under `chunk_step_traces`."""
     gen = torch.Generator().manual_seed(2)
     short = torch.randint(0, vocab, (batch, 16), generator=gen).tolist()
     prompt = torch.randint(0, vocab, (long,), generator=gen).tolist()
@@ -45,10 +48,19 @@ def stall(fe: Frontend, batch: int, long: int, decode_tokens: int, vocab: int) -
     steps: list[tuple[float, float, int, list[int]]] = []  # (start, end, decode rows, chunk tokens) per engine step
     engine_step = fe.engine.step
 
+    traced: list[dict] = []
+    tracing = False
+
     def timed(plan):
         start = time.perf_counter()
         try:
-            engine_step(plan)
+            if tracing and plan.chunks:
+                path = trace / f"chunk-step-{len(traced)}.json"  # type: ignore[operator]
+                with torch_trace.window(path):
+                    engine_step(plan)
+                traced.append({"chunk_tokens": [c.tokens for c in plan.chunks], **torch_trace.idle(path)})
+            else:
+                engine_step(plan)
         finally:
             steps.append((start, time.perf_counter(), len(plan.decode), [c.tokens for c in plan.chunks]))
 
@@ -80,9 +92,12 @@ def stall(fe: Frontend, batch: int, long: int, decode_tokens: int, vocab: int) -
 
     asyncio.run(run())  # warm-up
     row = asyncio.run(run())  # measured: cProfile would slow every Python call of the engine's steps
+    tracing = trace is not None
+    if trace is not None:
+        trace.mkdir(parents=True, exist_ok=True)
     with engine_thread_profile(fe.engine) as top:
         asyncio.run(run())
-    return {**row, "engine_thread_top": top}
+    return {**row, "engine_thread_top": top, **({"chunk_step_traces": traced} if tracing else {})}
 
 
 def main() -> None:
@@ -91,6 +106,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="requests decoding when the long prompt arrives")
     parser.add_argument("--long", type=int, default=4000, help="the long prompt's tokens (cut to the context)")
     parser.add_argument("--small-budget", type=int, default=512, help="the smaller chunked budget compared")
+    parser.add_argument("--trace", type=Path, help="a folder for torch.profiler traces of the profiled run's chunk steps")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -111,7 +127,8 @@ def main() -> None:
             # enough decode tokens to outlast the one-shot prefill several times over
             decode_tokens = min(context - 20, 64 if device.type == "cuda" else 24)
             rows.append({"mode": name, "max_step_tokens": budget, "batch": args.batch, "long_prompt": args.long,
-                         **stall(fe, args.batch, args.long, decode_tokens, vocab)})
+                         **stall(fe, args.batch, args.long, decode_tokens, vocab,
+                                 args.trace / name if args.trace else None)})
             fe.close()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -122,6 +139,10 @@ def main() -> None:
         for step in r["steps"]:
             print(f"{'':>16}step at {step['start_ms']:8.2f} ms: {step['wall_ms']:7.2f} ms, "
                   f"{step['decode_rows']} decode rows, chunks {step['chunk_tokens']}")
+        for t in r.get("chunk_step_traces", []):
+            print(f"{'':>16}traced step, chunks {t['chunk_tokens']}: GPU busy {t.get('busy_us', 0) / 1e3:.2f} of "
+                  f"{t.get('span_us', 0) / 1e3:.2f} ms; longest idle gaps (us, host op): "
+                  + ", ".join(f"{g['us']:.0f} {g['host']}" for g in t.get("idle_gaps", [])[:6]))
     goals = {}
     if device.type == "cuda":
         goals["prefill_stall_chunked_vs_oneshot_h200"] = Goal(by["chunked"]["max_gap_ms"] / by["oneshot"]["max_gap_ms"],

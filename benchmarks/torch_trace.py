@@ -48,6 +48,36 @@ def gaps(path: Path) -> dict:
             "gpu_idle_between": {k: (len(v), round(statistics.median(v), 1)) for k, v in idle.items()}}
 
 
+def idle(path: Path, min_us: float = 50.0, top: int = 12) -> dict:
+    """The GPU's busy time against the window's span, its idle gaps of `min_us` or more (longest first)
+    with the host op that was running when each began (innermost CPU op; what the GPU waited for), and
+    the kernels taking the most device time."""
+    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    ops = sorted((e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime")),
+                 key=lambda e: e["ts"])
+    if not gpu:
+        return {"gpu_ops": 0}
+
+    def running(at: float) -> str:  # the innermost host op spanning `at`
+        inner = [e for e in ops if e["ts"] <= at <= e["ts"] + e["dur"]]
+        return min(inner, key=lambda e: e["dur"])["name"][:80] if inner else "-"
+
+    busy, end, gaps = 0.0, gpu[0]["ts"], []
+    for e in gpu:
+        if e["ts"] - end >= min_us:
+            gaps.append({"us": round(e["ts"] - end, 1), "before": e["name"][:60], "host": running(end)})
+        busy += max(0.0, e["ts"] + e["dur"] - max(end, e["ts"]))
+        end = max(end, e["ts"] + e["dur"])
+    kernels: dict[str, list[float]] = defaultdict(list)
+    for e in gpu:
+        kernels[e["name"][:80]].append(e["dur"])
+    return {"gpu_ops": len(gpu), "span_us": round(end - gpu[0]["ts"], 1), "busy_us": round(busy, 1),
+            "idle_gaps": sorted(gaps, key=lambda g: -g["us"])[:top],
+            "kernels": [{"kernel": k, "calls": len(v), "us": round(sum(v), 1)}
+                        for k, v in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]]}
+
+
 if __name__ == "__main__":
     for name in sys.argv[1:]:
         print(name)
