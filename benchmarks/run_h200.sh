@@ -90,10 +90,10 @@ case "${1:-all}" in
     df -h /dev/shm /tmp | tail -2
     TMPDIR=/dev/shm python3 benchmarks/frontend_decode.py --device cuda --arch qwen3_moe --preset qwen3-30b-a3b-8l --layers 48 \
       --steps 20 --warmup 5 --modes "" --name frontend_full --out "$OUT" "${@:2}" ;;
-  frontend-mixtral)  # issue 17 item 5: Mixtral-8x7B sizes at 20 of its 32 layers (~59 GB in bf16, as deep as /dev/shm
-    # holds beside the run), generated here, kubemoe in process only (as frontend-full); --layers N overrides
+  frontend-mixtral)  # issue 17 item 5: Mixtral-8x7B sizes at all 32 layers (~94 GB in bf16, generated here into the
+    # 128 GB /dev/shm, not carried), kubemoe in process only (as frontend-full; ~4 min); --layers N overrides
     df -h /dev/shm /tmp | tail -2
-    TMPDIR=/dev/shm python3 benchmarks/frontend_decode.py --device cuda --preset mixtral-4l --layers 20 \
+    TMPDIR=/dev/shm python3 benchmarks/frontend_decode.py --device cuda --preset mixtral-4l --layers 32 \
       --steps 20 --warmup 5 --modes "" --name frontend_mixtral --out "$OUT" "${@:2}" ;;
   decode-step)  # issue 17: a graphed decode pass's device time per op, and one MoE layer grouped vs dense (experiments/decode_step_probe.py)
     python3 benchmarks/experiments/decode_step_probe.py --device cuda --preset mixtral-4l --layers 2 --out "$OUT" "${@:2}" ;;
