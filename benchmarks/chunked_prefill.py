@@ -106,10 +106,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="requests decoding when the long prompt arrives")
     parser.add_argument("--long", type=int, default=4000, help="the long prompt's tokens (cut to the context)")
     parser.add_argument("--small-budget", type=int, default=512, help="the smaller chunked budget compared")
+    parser.add_argument("--switch-interval", type=float,
+                        help="sys.setswitchinterval for the run (seconds; Python's default 0.005): how long the engine "
+                             "thread may wait for the GIL while the output and asyncio threads hold it")
     parser.add_argument("--trace", type=Path, help="a folder for torch.profiler traces of the profiled run's chunk steps")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     preset = cut_preset(args.arch, args.preset, args.layers)
     context = preset.config.get("max_position_embeddings", 4096)
     args.long = min(args.long, context - 2)
@@ -151,6 +156,7 @@ def main() -> None:
                                                           "<= 1.2")
     write_results("chunked_prefill", device, rows, goals, out=Path(args.out),
                   checkpoint={"arch": preset.arch, "preset": preset.name, "dtype": preset.dtype},
+                  switch_interval_s=sys.getswitchinterval(),
                   method=f"{args.batch} requests decoding, one {args.long}-token prompt arriving; the longest gap "
                          "between two tokens of a running request while it is prefilled, and its TTFT; second of "
                          "three runs (the third's engine thread profiled: engine_thread_top); in-process experts; one-shot = "
