@@ -253,13 +253,15 @@ class BatchState:
         self._before_decode = [*self._before_decode[-1:], self.lengths]
         staging = self._staging[self._steps % 2]
         self._steps += 1
-        staging[:, :rows].zero_()
+        staging.zero_()
         on_device = isinstance(tokens, torch.Tensor)
         if not on_device:
             staging[0, :len(tokens)] = torch.tensor(tokens)
         staging[1, :len(self)] = torch.tensor(self.lengths)
         staging[2, 0] = self.width
-        self._inputs[:, :rows].copy_(staging[:, :rows], non_blocking=True)
+        # All of it: a slice [:, :rows] of [3, S] is not contiguous, and torch copies such a slice through
+        # pageable memory, which waits for the stream (the pass launched ahead) instead of queueing behind it
+        self._inputs.copy_(staging, non_blocking=True)
         if on_device:  # queued after the upload, on the same stream: these ids win
             self._inputs[0, :len(tokens)].copy_(tokens)
         self.lengths = [n + 1 for n in self.lengths]

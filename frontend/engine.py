@@ -319,7 +319,7 @@ class Engine:
         one row that is sampled)."""
         rows = [(c.seq.prompt_ids + c.seq.generated)[c.start:c.stop] for group in groups for c in group]
         if not self.step_passes:  # one block of rows: transformers' own pass over its cache
-            ids = torch.tensor(rows, device=self.device)
+            ids = upload_ints(rows, self.device)
             return self.model(input_ids=ids, cache=caches[0], use_cache=True, logits_to_keep=1).logits[:, -1]
         decoding = len(decode.seqs) if decode is not None else 0
         parts, keep, at = [], list(range(decoding)), decoding
