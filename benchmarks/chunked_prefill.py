@@ -45,14 +45,42 @@ def stall(fe: Frontend, batch: int, long: int, decode_tokens: int, vocab: int, t
     short = torch.randint(0, vocab, (batch, 16), generator=gen).tolist()
     prompt = torch.randint(0, vocab, (long,), generator=gen).tolist()
     times: list[list[float]] = [[] for _ in range(batch)]
-    steps: list[tuple[float, float, int, list[int]]] = []  # (start, end, decode rows, chunk tokens) per engine step
-    engine_step = fe.engine.step
+    steps: list[tuple[float, float, int, list[int], dict]] = []  # (start, end, decode rows, chunk tokens, phases)
+    engine_step, prefill_logits = fe.engine.step, fe.engine._prefill_logits
+    cuda = fe.engine.device.type == "cuda"
+    launched: list = []  # the step's prompt pass: (host start, host end, device events) of _prefill_logits
+
+    def timed_pass(*args, **kwargs):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
+        start = time.perf_counter()
+        if events:
+            events[0].record()
+        try:
+            return prefill_logits(*args, **kwargs)
+        finally:
+            if events:
+                events[1].record()
+            launched.append((start, time.perf_counter(), events))
+
+    def phases(start: float, end: float) -> dict:
+        """Where a prompt step's wall time went: before its pass was launched, launching it (host), the
+        pass on the device (CUDA events around the launch), and after the launch returned (waiting for
+        the pass, sampling, joining the batch)."""
+        if not launched:
+            return {}
+        a, b, events = launched[-1]
+        row = {"before_ms": (a - start) * 1e3, "launch_ms": (b - a) * 1e3, "after_ms": (end - b) * 1e3}
+        if events:
+            events[1].synchronize()
+            row["pass_device_ms"] = events[0].elapsed_time(events[1])
+        return {k: round(v, 3) for k, v in row.items()}
 
     traced: list[dict] = []
     tracing = False
 
     def timed(plan):
         start = time.perf_counter()
+        launched.clear()
         try:
             if tracing and plan.chunks:
                 path = trace / f"chunk-step-{len(traced)}.json"  # type: ignore[operator]
@@ -62,9 +90,10 @@ def stall(fe: Frontend, batch: int, long: int, decode_tokens: int, vocab: int, t
             else:
                 engine_step(plan)
         finally:
-            steps.append((start, time.perf_counter(), len(plan.decode), [c.tokens for c in plan.chunks]))
+            end = time.perf_counter()
+            steps.append((start, end, len(plan.decode), [c.tokens for c in plan.chunks], phases(start, end)))
 
-    fe.engine.step = timed
+    fe.engine.step, fe.engine._prefill_logits = timed, timed_pass
     async def running(i, first: asyncio.Event):
         async for delta in fe.engine.generate(f"run-{i}", short[i], SamplingParams(temperature=0, max_tokens=decode_tokens)):
             times[i].append(time.perf_counter())
@@ -88,7 +117,8 @@ def stall(fe: Frontend, batch: int, long: int, decode_tokens: int, vocab: int, t
         return {"max_gap_ms": max(gaps) * 1e3, "steady_gap_ms": statistics.median(steady) * 1e3,
                 "long_ttft_ms": (first_token - sent) * 1e3,
                 "steps": [{"start_ms": round((a - sent) * 1e3, 3), "wall_ms": round((b - a) * 1e3, 3),
-                           "decode_rows": rows, "chunk_tokens": chunks} for a, b, rows, chunks in window]}
+                           "decode_rows": rows, "chunk_tokens": chunks, **parts}
+                          for a, b, rows, chunks, parts in window]}
 
     asyncio.run(run())  # warm-up
     row = asyncio.run(run())  # measured: cProfile would slow every Python call of the engine's steps
@@ -143,7 +173,10 @@ def main() -> None:
               f"(steady {r['steady_gap_ms']:6.1f} ms), long prompt TTFT {r['long_ttft_ms']:8.1f} ms")
         for step in r["steps"]:
             print(f"{'':>16}step at {step['start_ms']:8.2f} ms: {step['wall_ms']:7.2f} ms, "
-                  f"{step['decode_rows']} decode rows, chunks {step['chunk_tokens']}")
+                  f"{step['decode_rows']} decode rows, chunks {step['chunk_tokens']}"
+                  + (f" (before the pass {step['before_ms']:.2f}, launching it {step['launch_ms']:.2f}, on the device "
+                     f"{step.get('pass_device_ms', float('nan')):.2f}, after {step['after_ms']:.2f} ms)"
+                     if "launch_ms" in step else ""))
         for t in r.get("chunk_step_traces", []):
             print(f"{'':>16}traced step, chunks {t['chunk_tokens']}: GPU busy {t.get('busy_us', 0) / 1e3:.2f} of "
                   f"{t.get('span_us', 0) / 1e3:.2f} ms; longest idle gaps (us, host op): "
