@@ -30,12 +30,18 @@ def window(path: Path):
     prof.export_chrome_trace(str(path))
 
 
+def _events(path: Path) -> tuple[list[dict], list[dict]]:
+    """A trace's complete events, and those of them that ran on the GPU in start order."""
+    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    return events, gpu
+
+
 def gaps(path: Path) -> dict:
     """Median durations (us) of each CUDA runtime call and each GPU op, and of the GPU's idle gaps
     between consecutive GPU ops (a gap over 1 ms is taken as the time between rounds)."""
-    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
+    events, gpu = _events(path)
     durations: dict[str, list[float]] = defaultdict(list)
-    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver", "kernel", "gpu_memcpy", "cpu_op"):
             durations[f"{e['cat']}: {e['name'][:60]}"].append(e["dur"])
@@ -52,8 +58,7 @@ def idle(path: Path, min_us: float = 50.0, top: int = 12) -> dict:
     """The GPU's busy time against the window's span, its idle gaps of `min_us` or more (longest first)
     with the host op that was running when each began (innermost CPU op; what the GPU waited for), and
     the kernels taking the most device time."""
-    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
-    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    events, gpu = _events(path)
     ops = sorted((e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime")),
                  key=lambda e: e["ts"])
     if not gpu:
