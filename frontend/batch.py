@@ -22,6 +22,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch.nn.attention.bias import causal_lower_right
 from transformers import DynamicCache
@@ -291,7 +292,9 @@ class BatchState:
 
 
 def upload_ints(values, device: torch.device) -> torch.Tensor:
-    """Host ints on `device` without waiting for its stream (from pinned memory): a pass launched ahead
-    may still be running, and through device links its end is not known to come (engine.py)."""
-    host = torch.tensor(values)
+    """Host ints (a list, nested lists of one length, or a numpy array) on `device` as int64, without
+    waiting for its stream (from pinned memory): a pass launched ahead may still be running, and through
+    device links its end is not known to come (engine.py). Through numpy: torch.tensor reads a 4000-int
+    list in about 0.5 ms, numpy in under 0.1 (a prompt chunk's ids and positions are on the step's path)."""
+    host = torch.from_numpy(np.asarray(values, dtype=np.int64))
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)

@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -317,7 +318,8 @@ class Engine:
         """The pass of `_prefill` -> logits [decode rows + chunks, V]: each decode row's, then each chunk's
         last position's (all of a 4000-token chunk's would be a [4000, V] matmul and 0.5 GB of float32 for
         one row that is sampled)."""
-        rows = [(c.seq.prompt_ids + c.seq.generated)[c.start:c.stop] for group in groups for c in group]
+        chunks = [c for group in groups for c in group]
+        rows = [(c.seq.prompt_ids + c.seq.generated)[c.start:c.stop] for c in chunks]
         if not self.step_passes:  # one block of rows: transformers' own pass over its cache
             ids = upload_ints(rows, self.device)
             return self.model(input_ids=ids, cache=caches[0], use_cache=True, logits_to_keep=1).logits[:, -1]
@@ -330,9 +332,8 @@ class Engine:
             keep += [at + (row + 1) * part.length - 1 for row in range(part.rows)]  # each row's last token
             parts.append(part)
             at += part.tokens
-        ids, positions = upload_ints([[t for row in rows for t in row],
-                                      [p for group in groups for c in group for p in range(c.start, c.stop)]],
-                                     self.device).unbind(0)
+        ids, positions = upload_ints(np.concatenate([[row, np.arange(c.start, c.stop)] for c, row in zip(chunks, rows)],
+                                                    axis=1), self.device).unbind(0)
         if decode is not None:
             inputs = decode.state.pass_inputs(decoding)  # as `advance` left them
             ids = torch.cat([inputs["input_ids"].view(-1), ids])

@@ -71,8 +71,9 @@ class StepCache:
             parts.append(self.decode.update(self._decode_part(key_states), self._decode_part(value_states), layer_idx))
         at = self.decode_rows
         for group in self.groups:
-            keys, values = (self._group_part(s, at, group).contiguous() for s in (key_states, value_states))
-            parts.append(group.cache.update(keys, values, layer_idx))
+            # views: the cache's update concatenates them into tensors of its own
+            parts.append(group.cache.update(self._group_part(key_states, at, group),
+                                            self._group_part(value_states, at, group), layer_idx))
             at += group.tokens
         self._layers[layer_idx] = parts
         return key_states, value_states
