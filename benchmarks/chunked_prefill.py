@@ -6,7 +6,8 @@ figure is the longest gap between two tokens of a running request while the long
 prefilled (the stall every user sees), and the long prompt's own time to first token (what chunking
 costs it). One-shot is the engine with a step budget that holds the whole prompt (what it did before
 chunked prefill); chunked runs the default budget (2048 on a GPU) and a smaller one. Same engine,
-same generated checkpoint (in-process experts), in one run.
+same generated checkpoint (in-process experts), in one run; the modes take turns for `--repeats`
+rounds and the figures are each mode's medians (runs on the lent GPU's host vary by 10-15%).
 
   python benchmarks/chunked_prefill.py                          # this CPU, tiny Mixtral
   python benchmarks/chunked_prefill.py --device cuda --preset mixtral-4l --layers 2   # on the H200
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -37,10 +39,13 @@ from kubemoe.routing_table import LOCAL, table_for_bundles  # noqa: E402
 from kubemoe.synth import make_checkpoint  # noqa: E402
 
 
-def stall(fe: Frontend, batch: int, long: int, decode_tokens: int, vocab: int, trace: Path | None = None) -> dict:
-    """The running requests' longest inter-token gap while the long prompt is prefilled, and its TTFT.
-    `trace`: a torch.profiler window over each prompt-chunk step of the profiled run, written there as
-    chrome traces and summarised (torch_trace.idle) under `chunk_step_traces`."""
+def stall(fe: Frontend, batch: int, long: int, decode_tokens: int, vocab: int,
+          trace: Path | None = None) -> tuple[Callable[[], dict], Callable[[], dict]]:
+    """The running requests' longest inter-token gap while the long prompt is prefilled, and its TTFT:
+    after a warm-up run, (measure, profiled). Each call of `measure` is one run -> its figures and the
+    engine's steps around the stall; `profiled` is one run with the engine thread under cProfile
+    (`engine_thread_top`) and, with `trace`, a torch.profiler window over each prompt-chunk step, written
+    there as chrome traces and summarised (torch_trace.idle) under `chunk_step_traces`."""
     gen = torch.Generator().manual_seed(2)
     short = torch.randint(0, vocab, (batch, 16), generator=gen).tolist()
     prompt = torch.randint(0, vocab, (long,), generator=gen).tolist()
@@ -120,14 +125,21 @@ def stall(fe: Frontend, batch: int, long: int, decode_tokens: int, vocab: int, t
                            "decode_rows": rows, "chunk_tokens": chunks, **parts}
                           for a, b, rows, chunks, parts in window]}
 
+    def measure() -> dict:  # unprofiled: cProfile would slow every Python call of the engine's steps
+        return asyncio.run(run())
+
+    def profiled() -> dict:
+        nonlocal tracing
+        tracing = trace is not None
+        if trace is not None:
+            trace.mkdir(parents=True, exist_ok=True)
+        with engine_thread_profile(fe.engine) as top:
+            asyncio.run(run())
+        tracing = False
+        return {"engine_thread_top": top, **({"chunk_step_traces": traced} if trace is not None else {})}
+
     asyncio.run(run())  # warm-up
-    row = asyncio.run(run())  # measured: cProfile would slow every Python call of the engine's steps
-    tracing = trace is not None
-    if trace is not None:
-        trace.mkdir(parents=True, exist_ok=True)
-    with engine_thread_profile(fe.engine) as top:
-        asyncio.run(run())
-    return {**row, "engine_thread_top": top, **({"chunk_step_traces": traced} if tracing else {})}
+    return measure, profiled
 
 
 def main() -> None:
@@ -136,6 +148,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="requests decoding when the long prompt arrives")
     parser.add_argument("--long", type=int, default=4000, help="the long prompt's tokens (cut to the context)")
     parser.add_argument("--small-budget", type=int, default=512, help="the smaller chunked budget compared")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="measured runs of each mode, taking turns; the figures are their medians")
     parser.add_argument("--switch-interval", type=float,
                         help="sys.setswitchinterval for the run (seconds; Python's default 0.005): how long the engine "
                              "thread may wait for the GIL while the output and asyncio threads hold it")
@@ -153,20 +167,30 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint(preset, Path(tmp) / preset.name, progress=False)
+        frontends, runners = [], {}
         for name, budget in budgets.items():
             fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, predictor="none", max_step_tokens=budget))
+            frontends.append(fe)
             fe.engine.eos_ids = set()  # every running request decodes through the whole window
             bundles = bundles_by_count(fe.adapter.moe_layers, fe.adapter.num_experts, 2)
             fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
             vocab = fe.model.get_input_embeddings().num_embeddings
             # enough decode tokens to outlast the one-shot prefill several times over
             decode_tokens = min(context - 20, 64 if device.type == "cuda" else 24)
+            runners[name] = stall(fe, args.batch, args.long, decode_tokens, vocab, args.trace / name if args.trace else None)
+        # The modes take turns, round after round: a slow spell of the host weighs on every mode alike
+        runs: dict[str, list[dict]] = {name: [] for name in budgets}
+        for _ in range(args.repeats):
+            for name, (measure, _) in runners.items():
+                runs[name].append(measure())
+        for name, budget in budgets.items():
+            middle = sorted(runs[name], key=lambda r: r["max_gap_ms"])[len(runs[name]) // 2]
             rows.append({"mode": name, "max_step_tokens": budget, "batch": args.batch, "long_prompt": args.long,
-                         **stall(fe, args.batch, args.long, decode_tokens, vocab,
-                                 args.trace / name if args.trace else None)})
+                         **{k: statistics.median(r[k] for r in runs[name])
+                            for k in ("max_gap_ms", "steady_gap_ms", "long_ttft_ms")},
+                         "steps": middle["steps"], "runs": runs[name], **runners[name][1]()})
+        for fe in frontends:
             fe.close()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
     by = {r["mode"]: r for r in rows}
     for r in rows:
         print(f"{r['mode']:>14} budget {r['max_step_tokens']:>5}: longest gap {r['max_gap_ms']:8.1f} ms "
@@ -190,10 +214,12 @@ def main() -> None:
     write_results("chunked_prefill", device, rows, goals, out=Path(args.out),
                   checkpoint={"arch": preset.arch, "preset": preset.name, "dtype": preset.dtype},
                   switch_interval_s=sys.getswitchinterval(),
+                  repeats=args.repeats,
                   method=f"{args.batch} requests decoding, one {args.long}-token prompt arriving; the longest gap "
-                         "between two tokens of a running request while it is prefilled, and its TTFT; second of "
-                         "three runs (the third's engine thread profiled: engine_thread_top); in-process experts; one-shot = "
-                         "a step budget holding the whole prompt")
+                         "between two tokens of a running request while it is prefilled, and its TTFT; after a warm-up "
+                         f"run, the median of {args.repeats} runs per mode, the modes taking turns (each in `runs`; "
+                         "`steps` from the run of the median gap), then one with the engine thread profiled "
+                         "(engine_thread_top); in-process experts; one-shot = a step budget holding the whole prompt")
 
 
 if __name__ == "__main__":
