@@ -6,8 +6,8 @@ figure is the longest gap between two tokens of a running request while the long
 prefilled (the stall every user sees), and the long prompt's own time to first token (what chunking
 costs it). One-shot is the engine with a step budget that holds the whole prompt (what it did before
 chunked prefill); chunked runs the default budget (2048 on a GPU) and a smaller one. Same engine,
-same generated checkpoint (in-process experts), in one run; the modes take turns for `--repeats`
-rounds and the figures are each mode's medians (runs on the lent GPU's host vary by 10-15%).
+same generated checkpoint (in-process experts), in one run; each mode runs `--repeats` times and
+its figures are the medians (runs on the lent GPU's host vary by 10-15%).
 
   python benchmarks/chunked_prefill.py                          # this CPU, tiny Mixtral
   python benchmarks/chunked_prefill.py --device cuda --preset mixtral-4l --layers 2   # on the H200
@@ -148,8 +148,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="requests decoding when the long prompt arrives")
     parser.add_argument("--long", type=int, default=4000, help="the long prompt's tokens (cut to the context)")
     parser.add_argument("--small-budget", type=int, default=512, help="the smaller chunked budget compared")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="measured runs of each mode, taking turns; the figures are their medians")
+    parser.add_argument("--repeats", type=int, default=5, help="measured runs of each mode; the figures are their medians")
     parser.add_argument("--switch-interval", type=float,
                         help="sys.setswitchinterval for the run (seconds; Python's default 0.005): how long the engine "
                              "thread may wait for the GIL while the output and asyncio threads hold it")
@@ -167,30 +166,27 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint(preset, Path(tmp) / preset.name, progress=False)
-        frontends, runners = [], {}
         for name, budget in budgets.items():
             fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, predictor="none", max_step_tokens=budget))
-            frontends.append(fe)
             fe.engine.eos_ids = set()  # every running request decodes through the whole window
             bundles = bundles_by_count(fe.adapter.moe_layers, fe.adapter.num_experts, 2)
             fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
             vocab = fe.model.get_input_embeddings().num_embeddings
             # enough decode tokens to outlast the one-shot prefill several times over
             decode_tokens = min(context - 20, 64 if device.type == "cuda" else 24)
-            runners[name] = stall(fe, args.batch, args.long, decode_tokens, vocab, args.trace / name if args.trace else None)
-        # The modes take turns, round after round: a slow spell of the host weighs on every mode alike
-        runs: dict[str, list[dict]] = {name: [] for name in budgets}
-        for _ in range(args.repeats):
-            for name, (measure, _) in runners.items():
-                runs[name].append(measure())
-        for name, budget in budgets.items():
-            middle = sorted(runs[name], key=lambda r: r["max_gap_ms"])[len(runs[name]) // 2]
+            measure, profiled = stall(fe, args.batch, args.long, decode_tokens, vocab,
+                                      args.trace / name if args.trace else None)
+            runs = [measure() for _ in range(args.repeats)]
+            middle = sorted(runs, key=lambda r: r["max_gap_ms"])[len(runs) // 2]
             rows.append({"mode": name, "max_step_tokens": budget, "batch": args.batch, "long_prompt": args.long,
-                         **{k: statistics.median(r[k] for r in runs[name])
-                            for k in ("max_gap_ms", "steady_gap_ms", "long_ttft_ms")},
-                         "steps": middle["steps"], "runs": runs[name], **runners[name][1]()})
-        for fe in frontends:
+                         **{k: statistics.median(r[k] for r in runs) for k in ("max_gap_ms", "steady_gap_ms", "long_ttft_ms")},
+                         "steps": middle["steps"], "runs": runs, **profiled()})
+            # One frontend at a time: another's threads, idle or not, would contend for the GIL with this
+            # engine's host-bound prompt steps (with all three alive, 2040-token chunk steps took 6.5-6.8 ms to
+            # launch on the H200 host, 4.5-5.3 with one)
             fe.close()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     by = {r["mode"]: r for r in rows}
     for r in rows:
         print(f"{r['mode']:>14} budget {r['max_step_tokens']:>5}: longest gap {r['max_gap_ms']:8.1f} ms "
@@ -217,8 +213,8 @@ def main() -> None:
                   repeats=args.repeats,
                   method=f"{args.batch} requests decoding, one {args.long}-token prompt arriving; the longest gap "
                          "between two tokens of a running request while it is prefilled, and its TTFT; after a warm-up "
-                         f"run, the median of {args.repeats} runs per mode, the modes taking turns (each in `runs`; "
-                         "`steps` from the run of the median gap), then one with the engine thread profiled "
+                         f"run, the median of {args.repeats} runs per mode (each in `runs`; `steps` from the run of the "
+                         "median gap), then one with the engine thread profiled "
                          "(engine_thread_top); in-process experts; one-shot = a step budget holding the whole prompt")
 
 
