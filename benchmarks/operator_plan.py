@@ -53,7 +53,7 @@ from kubemoe.devcluster import Cluster, ClusterConfig  # noqa: E402
 from kubemoe.load_report import PROTOBUF  # noqa: E402
 from kubemoe.operator.kube import ApiError, Kube  # noqa: E402
 from kubemoe.operator.plan import Loads, NodeInfo, plan  # noqa: E402
-from kubemoe.operator.render import FINGERPRINT_ANNOTATION, KINDS, OPTIONAL_KINDS  # noqa: E402
+from kubemoe.operator.render import COMPONENT, EXPERT, FINGERPRINT_ANNOTATION, KINDS, OPTIONAL_KINDS  # noqa: E402
 from kubemoe.operator.spec import API_VERSION, KIND, MoESpec  # noqa: E402
 from kubemoe.ports import FRONTEND_HTTP  # noqa: E402
 from kubemoe.proto import kubemoe_pb2 as pb  # noqa: E402
@@ -158,6 +158,11 @@ class Watch:
                     FINGERPRINT_ANNOTATION, "")
         return found
 
+    def expert_workloads(self) -> int:
+        """The deployment's expert Deployments in the API (those of retired functions until they are deleted)."""
+        return len(self.kube.list("apps/v1", "Deployment", NAMESPACE,
+                                  f"app.kubernetes.io/instance={NAME},{COMPONENT}={EXPERT}"))
+
     def pods(self) -> tuple[int, int, float]:
         """(pods wanted by the deployment's Deployments, pods Ready, when the last of them turned Ready: the
         latest Ready lastTransitionTime, wall-clock seconds, whole seconds as the API keeps them)."""
@@ -194,7 +199,9 @@ def until(check, timeout_s: float, what: str, interval_s: float = 0.25):
 
 def converge(watch: Watch, t0: float, version_after: int, timeout_s: float, pids: dict[str, int]) -> dict:
     """Seconds from t0 until the routing table's version passes `version_after`, every pod is Ready,
-    and the status is Ready for that plan (the retired replicas gone); and the CPU seconds each process
+    and the status is Ready for that plan (no replica kept warm past its keep-alive); then until the
+    functions that left the plan are deleted too (`retired_gone_s`: the operator deletes them after it
+    writes the new plan's status, so Ready does not wait for them); and the CPU seconds each process
     of the control plane, the operator and this one spent meanwhile (where the time goes). A step that
     does not finish within `timeout_s` says which and how far it got."""
     marks: dict = {}
@@ -229,6 +236,13 @@ def converge(watch: Watch, t0: float, version_after: int, timeout_s: float, pids
         # (should the status run ahead of the pods) every 2 s.
         until(pods_ready, deadline - time.monotonic(), "every pod Ready", interval_s=2.0)
         marks["ready_s"] = max(marks["ready_s"], time.monotonic() - t0)
+        try:  # after converging: a step that converged stays converged whatever this says
+            until(lambda: watch.expert_workloads() <= marks["plan"]["functions"], deadline - time.monotonic(),
+                  "the retired functions deleted", interval_s=1.0)
+            marks["retired_gone_s"] = time.monotonic() - t0
+        except TimeoutError as e:
+            marks["retired_gone_s"] = None
+            marks["retired_not_gone"] = str(e)
     except TimeoutError as e:
         marks["timed_out"] = str(e)
         marks["elapsed_s"] = time.monotonic() - t0

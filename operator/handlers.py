@@ -102,9 +102,10 @@ async def child_changed(body, memo: kopf.Memo, children_index: kopf.Index, **_) 
     # Ready in the status follows the pods within a second, not at the next timer tick.
     reconciler = memo.reconciler
     for uid in owner_uids(body):
-        # The index is read when the refresh runs (a copy: the watches keep changing it meanwhile).
+        # The index is read when the refresh writes (a copy: the watches keep changing it meanwhile), not
+        # before it waits for another status write.
         memo.status_follower.changed(
-            uid, lambda uid=uid: reconciler.refresh_status(uid, [*children_index.get(uid, ())]))
+            uid, lambda uid=uid: reconciler.refresh_status(uid, lambda: [*children_index.get(uid, ())]))
 
 
 def watched(node_infos: kopf.Index, all_pods: kopf.Index) -> Watched:

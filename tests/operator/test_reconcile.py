@@ -398,6 +398,85 @@ async def test_a_burst_of_child_changes_refreshes_the_owner_once():
     assert refreshed[-1] == ("uid-1", 100) and len(refreshed) == 3
 
 
+async def test_one_refresh_of_an_owner_at_a_time_and_one_more_for_changes_while_it_ran():
+    running, ran, started = [], [], asyncio.Event()
+
+    def refresh(i):
+        running.append(i)
+        assert len(running) == 1, "two refreshes of one owner at once"
+        time.sleep(0.1)
+        running.remove(i)
+        ran.append(i)
+
+    follower = StatusFollower(delay_s=0.02)
+    follower.changed("uid-1", lambda: (started.set(), refresh(0)))
+    await asyncio.wait_for(started.wait(), 1)
+    for i in range(1, 50):  # changes while it runs: one refresh after it, with the latest
+        follower.changed("uid-1", lambda i=i: refresh(i))
+    await asyncio.sleep(0.4)
+    assert ran == [0, 49]
+
+
+class GatedKube(MemoryKube):
+    """Deletes wait for a gate: a reconcile's prune takes as long as the test wants."""
+
+    def __init__(self, nodes):
+        super().__init__(nodes)
+        self.gate, self.deleting = threading.Event(), threading.Event()
+
+    def delete(self, api_version, kind, namespace, name):
+        self.deleting.set()
+        assert self.gate.wait(5)
+        super().delete(api_version, kind, namespace, name)
+
+
+def test_the_status_follows_the_pods_while_a_reconcile_deletes_what_left_the_plan(f):
+    body, _, clock, _ = setup(f, scaling={"keepAlive": "1s", "maxReplicasPerExpert": 4})
+    kube = GatedKube(api_nodes(4))
+    reconciler = Reconciler(kube, OperatorConfig(), clock)
+    reconciler.reconcile(body, SKEWED)
+    kube.moed = {**body, "status": kube.status}
+    clock.now += 60
+    reconciler.reconcile(body, MOVED)  # retires the hot expert's extra services, kept warm for 1 s
+    assert kube.status["plan"]["retired"] == 3
+    clock.now += 60
+    pruning = threading.Thread(target=reconciler.reconcile, args=(body, MOVED))  # expires them: deletes
+    pruning.start()
+    try:
+        assert kube.deleting.wait(5)
+        # The plan without them is published before the prune; refreshes are not held up by it.
+        assert kube.status["plan"]["retired"] == 0
+        workloads = [o for (_, k, _), o in kube.objects.items() if k == "Deployment"
+                     and RETIRED_ANNOTATION not in o["metadata"].get("annotations", {})]
+        done = []
+        refresher = threading.Thread(target=lambda: done.append(reconciler.refresh_status(
+            "uid-1", lambda: [_ready(w) for w in kube.objects.values() if w["kind"] == "Deployment"])))
+        refresher.start()
+        refresher.join(2)
+        assert done and done[0] is not None and conditions(kube)[c.READY]["status"] == "True"
+        assert conditions(kube)[c.EXPERTS_READY]["message"].startswith(
+            f"{sum(1 for w in workloads if w['metadata']['labels'][COMPONENT] == 'expert')}/")
+    finally:
+        kube.gate.set()
+        pruning.join(5)
+    assert not services(kube, retired=True)
+
+
+def test_experts_ready_counts_the_plans_services_only(f):
+    body, kube, clock, reconciler = setup(f)
+    reconciler.reconcile(body, SKEWED)
+    kube.moed = {**body, "status": kube.status}
+    workloads = [_ready(o) for (_, k, _), o in kube.objects.items() if k == "Deployment"]
+    expert = next(w for w in workloads if w["metadata"]["labels"][COMPONENT] == "expert")
+    # A ready expert Deployment the plan does not hold (a plan before's, not yet deleted) is no readiness of it.
+    stranger = copy.deepcopy(expert)
+    stranger["metadata"]["name"] += "-old"
+    reconciler.refresh_status("uid-1", [w for w in workloads if w is not expert] + [stranger])
+    want = conditions(kube)[c.EXPERTS_READY]["message"].split()[0].split("/")[1]
+    assert conditions(kube)[c.EXPERTS_READY]["message"].startswith(f"{int(want) - 1}/{want} ")
+    assert conditions(kube)[c.READY]["status"] == "False"
+
+
 class ResolvingKube(MemoryKube):
     """A RoleBinding is refused while its Role is missing, as the API server's escalation check does; a Role
     takes a moment to store, so a binding sent beside it finds none."""
