@@ -19,7 +19,8 @@ watches the API (and serves the frontends' /loads on their pods' IPs, which kwok
 
 Ready is written by the operator when its expert and frontend Deployments change (it watches them) and by
 its reconciles (spec changes, every --interval). This process polls the status (one GET every 0.25 s) and,
-once it says Ready, checks that every pod is Ready indeed; `pods_ready_s` is when the last pod turned Ready
+once it says Ready, checks that every pod is Ready indeed (`ready_s` is when Ready was seen if they are, else
+when they are found Ready, every 2 s); `pods_ready_s` is when the last pod turned Ready
 (its Ready condition's lastTransitionTime, whole seconds), so `ready_s` - `pods_ready_s` is the status' lag.
 A step that does not converge within --timeout (or what is left of --budget) is recorded as far as it got
 (`timed_out`, `pods_ready`), and the steps after it are skipped. `idle_cpu_s_per_s`: what each process
@@ -234,8 +235,11 @@ def converge(watch: Watch, t0: float, version_after: int, timeout_s: float, pids
         until(ready, deadline - time.monotonic(), "status Ready=True")
         # Listing ~650 pods and Deployments costs the API server too: once Ready says they are, then
         # (should the status run ahead of the pods) every 2 s.
-        until(pods_ready, deadline - time.monotonic(), "every pod Ready", interval_s=2.0)
-        marks["ready_s"] = max(marks["ready_s"], time.monotonic() - t0)
+        # Ready held when it was seen if the first look at the pods agrees; else when they caught up (the
+        # listing's own second or so is not the operator's)
+        if not pods_ready():
+            until(pods_ready, deadline - time.monotonic(), "every pod Ready", interval_s=2.0)
+            marks["ready_s"] = time.monotonic() - t0
         try:  # after converging: a step that converged stays converged whatever this says
             until(lambda: watch.expert_workloads() <= marks["plan"]["functions"], deadline - time.monotonic(),
                   "the retired functions deleted", interval_s=1.0)
