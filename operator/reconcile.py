@@ -99,12 +99,12 @@ class Reconciler:
             # applied; what left the plan is deleted after that (prune), the status following the pods meanwhile.
             return self._reconcile(body, loads or NO_LOADS, source, watched)
 
-    def refresh_status(self, uid: str, children: Iterable[Object] | Callable[[], Iterable[Object]]) -> Outcome | None:
-        """The status again from the last applied plan and `children` as watched now (their readiness
+    def refresh_status(self, uid: str, children: Callable[[], Iterable[Object]]) -> Outcome | None:
+        """The status again from the last applied plan and the children as watched now (their readiness
         changed): no planning, no applies, one GET and one status patch. None when this process has applied
         no plan for `uid` yet, or the spec changed since (the reconcile that follows writes the status).
-        `children` may be a function (reading the watch): it is called once no other status write is under
-        way, so that what is written is as new as what is watched."""
+        `children` reads the watch; it is called once no other status write is under way, so that what is
+        written is as new as what is watched."""
         with self._status_locks[uid]:
             last = self._applied.get(uid)
             if last is None:
@@ -112,8 +112,7 @@ class Reconciler:
             body = self.kube.get(API_VERSION, KIND, last.deployment.namespace, last.deployment.name)
             if body["metadata"]["uid"] != uid or int(body["metadata"].get("generation", 0)) != last.generation:
                 return None
-            found = children() if callable(children) else children
-            mine = [o for o in found if any(r.get("uid") == uid for r in o["metadata"].get("ownerReferences") or [])]
+            mine = [o for o in children() if any(r.get("uid") == uid for r in o["metadata"].get("ownerReferences") or [])]
             return self._finish(body, last.deployment, last.plan, mine, Changes(), last.loads, None, retry=False,
                                 services=last.services, publish=False)
 

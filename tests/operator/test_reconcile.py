@@ -371,17 +371,17 @@ def test_status_follows_the_children_without_planning_or_applying(f):
     workloads = [o for (_, k, _), o in kube.objects.items() if k == "Deployment"]
     applied, listed = dict(kube.objects), sum(kube.listed.values())
     half = [_ready(w) if i % 2 else w for i, w in enumerate(workloads)]
-    reconciler.refresh_status("uid-1", half)
+    reconciler.refresh_status("uid-1", lambda: half)
     assert conditions(kube)[c.READY]["status"] == "False"
     experts = sum(1 for i, w in enumerate(workloads) if i % 2 and w["metadata"]["labels"][COMPONENT] == "expert")
     assert 0 < experts and conditions(kube)[c.EXPERTS_READY]["message"].startswith(f"{experts}/")
-    refreshed = reconciler.refresh_status("uid-1", [_ready(w) for w in workloads])
+    refreshed = reconciler.refresh_status("uid-1", lambda: [_ready(w) for w in workloads])
     assert conditions(kube)[c.READY]["status"] == "True" and refreshed.plan is outcome.plan
     assert kube.objects == applied and sum(kube.listed.values()) == listed  # no apply, no list
     # Another MoEDeployment's children count for nothing; a spec change waits for its reconcile.
-    assert reconciler.refresh_status("uid-2", workloads) is None
+    assert reconciler.refresh_status("uid-2", lambda: workloads) is None
     kube.moed["metadata"] = {**kube.moed["metadata"], "generation": 2}
-    assert reconciler.refresh_status("uid-1", workloads) is None
+    assert reconciler.refresh_status("uid-1", lambda: workloads) is None
     assert conditions(kube)[c.READY]["status"] == "True"
 
 
@@ -471,7 +471,7 @@ def test_experts_ready_counts_the_plans_services_only(f):
     # A ready expert Deployment the plan does not hold (a plan before's, not yet deleted) is no readiness of it.
     stranger = copy.deepcopy(expert)
     stranger["metadata"]["name"] += "-old"
-    reconciler.refresh_status("uid-1", [w for w in workloads if w is not expert] + [stranger])
+    reconciler.refresh_status("uid-1", lambda: [w for w in workloads if w is not expert] + [stranger])
     want = conditions(kube)[c.EXPERTS_READY]["message"].split()[0].split("/")[1]
     assert conditions(kube)[c.EXPERTS_READY]["message"].startswith(f"{int(want) - 1}/{want} ")
     assert conditions(kube)[c.READY]["status"] == "False"
