@@ -18,8 +18,10 @@ torch.profiler summaries of a few batch-32 decode steps say where a step's time 
 
 The layer count is cut to fit the lent machine and one run of a few minutes: the figures per step
 scale with layers, and the ratios (to the roofline, between configurations) are what the goals read.
-A full-depth model fits one run in process alone (`--modes ""`, e.g. `run_h200.sh frontend-full`:
-Qwen3-30B-A3B at 48 layers, written to frontend_full_<machine>.json).
+A full-depth model (`run_h200.sh frontend-full`: Qwen3-30B-A3B at 48 layers) fits one call in process
+alone (`--modes ""`, frontend_full_<machine>.json); transformers and the expert functions take a call each
+(`--modes transformers` or `--modes disaggregated --lean`, another `--name`), on the checkpoint the first
+call kept (`--checkpoint-dir`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import contextlib
 import cProfile
 import os
 import pstats
+import shutil
 import statistics
 import sys
 import tempfile
@@ -69,6 +72,26 @@ def timed(fn, device, repeats: int) -> float:
         sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+START = time.monotonic()
+
+
+def progress(what: str) -> None:
+    """A timestamped line on stderr as each part ends: a run cut short by its time limit still says where it got."""
+    print(f"[{time.monotonic() - START:6.0f} s] {what}", file=sys.stderr, flush=True)
+
+
+def kept_checkpoint(preset: Preset, folder: Path) -> Path:
+    """The preset's checkpoint in `folder`: reused when an earlier run finished writing it, else written."""
+    done = folder / ".complete"
+    if done.exists() and done.read_text() == preset.name:
+        return folder
+    if folder.exists():
+        shutil.rmtree(folder)  # another preset's, or cut short while being written
+    make_checkpoint(preset, folder, progress=False)
+    done.write_text(preset.name)
+    return folder
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -263,7 +286,8 @@ def run_frontend(fe: Frontend, table, args, device, vocab, hw, profile: bool, co
     # The same engine without one of its parts: launching every kernel itself (what the graphs save),
     # reading each step's tokens before the next pass starts (what the look-ahead saves); with --compile,
     # `compile`: with its decode passes compiled (frontend/compiled.py), replayed as graphs and launched op by op.
-    variants: dict[str, dict] = {"engine_eager": {"graphs": None}, "engine_no_lookahead": {"lookahead": None}}
+    variants: dict[str, dict] = {} if args.lean else {"engine_eager": {"graphs": None},
+                                                      "engine_no_lookahead": {"lookahead": None}}
     if compile:
         compiled = CompiledDecode(fe.model)
         variants["engine_compiled"] = {"decode_model": compiled}
@@ -282,6 +306,7 @@ def run_frontend(fe: Frontend, table, args, device, vocab, hw, profile: bool, co
             row["vs_roofline"] = row["tokens_per_s"] / row["roofline_tokens_per_s"]
             row["prefill_roofline_ms"] = prefill_flops(fe, b, args.prompt) / hw["matmul_flops_per_s"] * 1e3
         rows.append(row)
+        progress(f"{fe.model_id} batch {b}, forward pass alone: {row['tokens_per_s']:.1f} tokens/s")
     # batch 32 is the goals' batch (the largest there is in a shorter run)
     profiled = 32 if 32 in args.batch_list else args.batch_list[-1]
     for row in rows:
@@ -294,7 +319,8 @@ def run_frontend(fe: Frontend, table, args, device, vocab, hw, profile: bool, co
         if waits:  # the engine thread's waits per linked step, medians: for the functions' answers, then the end
             row["engine"]["link_wait_ms"] = {name: statistics.median(w[i] for w in waits) * 1e3
                                              for i, name in enumerate(("answers", "end"))}
-        if row["engine"]["linked_layers"]:  # the same engine with every remote layer as calls through shared memory
+        progress(f"batch {b}, engine: {row['engine']['tokens_per_s']:.1f} tokens/s")
+        if row["engine"]["linked_layers"] and not args.lean:  # the same engine with every remote layer as calls through shared memory
             fe.dispatcher.use_device_links(False)
             try:
                 row["engine_calls"] = engine_decode(fe, b, args.prompt, args.steps, args.warmup, vocab)
@@ -325,11 +351,12 @@ def run_disaggregated(ckpt: Path, bundles, model_id: str, tmp: str, args, device
     # The folder frontend and expert functions share: tmpfs where there is one, as /dev/shm is in production.
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else tmp) as shm_folder, \
             expert_processes(ckpt, bundles, model_id, ready_timeout=600, shm_dir=Path(shm_folder)) as experts:
+        progress(f"{len(bundles)} expert functions ready")
         fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, shm_dir=Path(shm_folder), device_links=True,
                                      predictor=args.predictor, max_batch=max(args.batch_list)))
         try:
             remote_table = table_for_bundles(model_id, bundles, experts.addresses, version=2)
-            rows = run_frontend(fe, remote_table, args, device, vocab, hw, profile=True)
+            rows = run_frontend(fe, remote_table, args, device, vocab, hw, profile=not args.lean)
             if not all(client.shared_memory for client in fe.dispatcher._clients.values()):
                 raise RuntimeError(f"the expert functions did not attach segments in {shm_folder}")
         finally:
@@ -355,6 +382,12 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also run kubemoe's engine with its decode passes compiled (torch.compile, "
                              "frontend/compiled.py), with and without CUDA graphs, beside the same engine uncompiled")
+    parser.add_argument("--lean", action="store_true",
+                        help="only what the goals read: no engine without graphs or look-ahead, no calls variant, "
+                             "no profiles (full-depth models with expert functions, to fit one call)")
+    parser.add_argument("--checkpoint-dir", type=Path,
+                        help="generate the checkpoint here and keep it, or reuse it if an earlier run finished it "
+                             "(a full-depth model split over several runs on one machine)")
     parser.add_argument("--name", default="frontend", help="the results file's name before the machine's")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args()
@@ -369,27 +402,38 @@ def main() -> None:
     args.prompt = min(args.prompt, preset.config.get("max_position_embeddings", 4096) - args.warmup - args.steps - 2)
     hw = hardware(device)
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = make_checkpoint(preset, Path(tmp) / preset.name, progress=False)
+        ckpt = kept_checkpoint(preset, args.checkpoint_dir) if args.checkpoint_dir else \
+            make_checkpoint(preset, Path(tmp) / preset.name, progress=False)
+        progress(f"checkpoint {ckpt}")
         checkpoint = {"arch": preset.arch, "preset": preset.name, "dtype": preset.dtype, "config": dict(preset.config)}
         from transformers import AutoConfig, AutoModelForCausalLM
 
         vocab = AutoConfig.from_pretrained(ckpt).vocab_size
         mono_rows: list = none
         if "transformers" in modes:
-            mono = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, preset.dtype)).to(device).eval()
-            mono_rows = [decode_rate(mono, b, args.prompt, args.steps, args.warmup, device, vocab)
-                         for b in args.batch_list]
+            # On a GPU straight onto it (accelerate's device_map; its wheel is in .whl): a full-depth model
+            # loaded into host memory first would not fit there beside its files in /dev/shm.
+            placement = {"device_map": str(device)} if device.type != "cpu" else {}
+            mono = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, preset.dtype), **placement).eval()
+            progress("transformers loaded")
+            mono_rows = []
+            for b in args.batch_list:
+                mono_rows.append(decode_rate(mono, b, args.prompt, args.steps, args.warmup, device, vocab))
+                progress(f"transformers batch {b}: {mono_rows[-1]['tokens_per_s']:.1f} tokens/s")
             del mono
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
         fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, predictor=args.predictor,
                                      max_batch=max(args.batch_list)))
+        progress("kubemoe in process loaded")
         bundles = bundles_by_count(fe.adapter.moe_layers, fe.adapter.num_experts, args.experts)
         local_table = table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles})
-        local_rows = run_frontend(fe, local_table, args, device, vocab, hw, profile=True, compile=args.compile)
+        local_rows = run_frontend(fe, local_table, args, device, vocab, hw, profile=not args.lean,
+                                  compile=args.compile)
         ttft_batch = 32 if 32 in args.batch_list else args.batch_list[-1]
         ttft = engine_ttft(fe, ttft_batch, args.prompt, vocab)
+        progress(f"time to first token {ttft['median_ms']:.1f} ms")
         fe.close()
         bare_rows: list = none
         if "no_predictor" in modes:
@@ -452,7 +496,7 @@ def main() -> None:
     print(f"engine time to first token, {ttft_batch} x {args.prompt}-token prompts: "
           f"median {ttft['median_ms']:.1f} ms, max {ttft['max_ms']:.1f} ms")
     write_results(args.name, device, rows, goals, out=Path(args.out), checkpoint=checkpoint, modes=sorted(modes),
-                  predictor=args.predictor, compile=args.compile, hardware=hw, ttft={"batch": ttft_batch, **ttft},
+                  predictor=args.predictor, compile=args.compile, lean=args.lean, hardware=hw, ttft={"batch": ttft_batch, **ttft},
                   expert_functions=args.experts,
                   # how the processes share the GPU: MPS where run_h200.sh started its daemon (KUBEMOE_MPS=1)
                   gpu_sharing="mps" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "time-slicing",

@@ -86,10 +86,12 @@ case "${1:-all}" in
     # batch 1-64, 512-token prompts, torch.profiler summaries; Mixtral sizes cut to 2 layers to fit one run
     python3 benchmarks/frontend_decode.py --device cuda --preset mixtral-4l --layers 2 --steps 20 --warmup 5 --out "$OUT" "${@:2}" ;;
   frontend-full)  # issue 17 item 5: Qwen3-30B-A3B at all 48 layers (~61 GB in bf16, generated here into /dev/shm, not
-    # carried), kubemoe in process only (transformers and expert functions at this depth do not fit one run)
+    # carried, and kept there for the next call while the machine stays warm), kubemoe in process; transformers and
+    # expert functions at this depth fit a call each: ARGS --modes transformers --name frontend_full_transformers,
+    # or --modes disaggregated --lean --name frontend_full_disagg
     df -h /dev/shm /tmp | tail -2
     TMPDIR=/dev/shm python3 benchmarks/frontend_decode.py --device cuda --arch qwen3_moe --preset qwen3-30b-a3b-8l --layers 48 \
-      --steps 20 --warmup 5 --modes "" --name frontend_full --out "$OUT" "${@:2}" ;;
+      --steps 20 --warmup 5 --modes "" --name frontend_full --checkpoint-dir /dev/shm/kubemoe-qwen3-48l --out "$OUT" "${@:2}" ;;
   frontend-mixtral)  # issue 17 item 5: Mixtral-8x7B sizes at all 32 layers (~94 GB in bf16, generated here into the
     # 128 GB /dev/shm, not carried), kubemoe in process only (as frontend-full; ~4 min); --layers N overrides
     df -h /dev/shm /tmp | tail -2
