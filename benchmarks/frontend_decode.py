@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import gc
 import os
 import pstats
 import shutil
@@ -80,6 +81,15 @@ START = time.monotonic()
 def progress(what: str) -> None:
     """A timestamped line on stderr as each part ends: a run cut short by its time limit still says where it got."""
     print(f"[{time.monotonic() - START:6.0f} s] {what}", file=sys.stderr, flush=True)
+
+
+def freed(device) -> None:
+    """The memory of the configurations dropped so far handed back, so the next one starts on an empty
+    device (a full-depth model does not fit twice)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        progress(f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB still allocated on {device}")
 
 
 def kept_checkpoint(preset: Preset, folder: Path) -> Path:
@@ -421,8 +431,7 @@ def main() -> None:
                 mono_rows.append(decode_rate(mono, b, args.prompt, args.steps, args.warmup, device, vocab))
                 progress(f"transformers batch {b}: {mono_rows[-1]['tokens_per_s']:.1f} tokens/s")
             del mono
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            freed(device)
 
         fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, predictor=args.predictor,
                                      max_batch=max(args.batch_list)))
@@ -434,18 +443,21 @@ def main() -> None:
         ttft_batch = 32 if 32 in args.batch_list else args.batch_list[-1]
         ttft = engine_ttft(fe, ttft_batch, args.prompt, vocab)
         progress(f"time to first token {ttft['median_ms']:.1f} ms")
+        model_id = fe.model_id
         fe.close()
+        del fe  # its experts' memory, before the next configuration loads its own
+        freed(device)
         bare_rows: list = none
         if "no_predictor" in modes:
-            fe = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, predictor="none",
-                                         max_batch=max(args.batch_list)))
-            bare_rows = run_frontend(fe, local_table, args, device, vocab, hw, profile=False)  # the predictor's cost
-            fe.close()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            bare = Frontend(FrontendConfig(checkpoint=ckpt, device=args.device, predictor="none",
+                                           max_batch=max(args.batch_list)))
+            bare_rows = run_frontend(bare, local_table, args, device, vocab, hw, profile=False)  # the predictor's cost
+            bare.close()
+            del bare
+            freed(device)
         shm_rows: list = none
         if "disaggregated" in modes:
-            shm_rows = run_disaggregated(ckpt, bundles, fe.model_id, tmp, args, device, vocab, hw)
+            shm_rows = run_disaggregated(ckpt, bundles, model_id, tmp, args, device, vocab, hw)
 
     rows = []
     print("decode tokens/s; model = the forward pass alone in a loop, engine = served (scheduler, sampling, streaming)")
