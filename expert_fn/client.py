@@ -231,18 +231,29 @@ class ExpertClient:
                    request_id: str = "", timeout: float | None = None,
                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, pb.ServerTiming]:
         """forward(), and the server's timing of the call (for benchmarks and tools). A tensor larger than
-        one message may carry goes as several calls at once, cut at row boundaries (the timing is the
-        first's); their outputs are joined in order. With `out` the reply is copied from where it
-        arrived straight into it (a frontend's buffer on the GPU: one copy, no tensor of its own)."""
-        if hidden.nbytes > self.max_call_bytes and hidden.shape[0] > 1:  # one row too large goes as it is
-            rows = max(1, self.max_call_bytes // (hidden.nbytes // hidden.shape[0]))
+        one part goes as several calls, cut at row boundaries (the timing is the first's); their outputs
+        are joined in order. With `out` the reply is copied from where it arrived straight into it (a
+        frontend's buffer on the GPU: one copy, no tensor of its own)."""
+        stream = await self._open(timeout) if self.streaming else None
+        # Through a segment (shared memory, or a TCP lane's arena) a part is at most half of it, two in flight:
+        # a long prefill's call then never waits for a region or falls back to inline (60x slower on the H200).
+        shared = stream is not None and stream.segment is not None
+        part_bytes = min(self.max_call_bytes, self.shm_bytes // 2) if shared else self.max_call_bytes
+        if hidden.nbytes > part_bytes and hidden.shape[0] > 1:  # one row too large goes as it is
+            rows = max(1, part_bytes // (hidden.nbytes // hidden.shape[0]))
             rid = request_id or next(self._ids)
             spans = [(start, start + sum(part_counts), part_experts, part_counts)
                      for start, part_experts, part_counts in split_rows(experts, counts, rows)]
-            parts = await asyncio.gather(*(
-                self.call(layer, part_experts, part_counts, hidden[start:end], request_id=f"{rid}/{n}", timeout=timeout,
-                          out=None if out is None else out[start:end])
-                for n, (start, end, part_experts, part_counts) in enumerate(spans)))
+            if shared and out is None:  # each part's reply leaves its region at once, for the parts after it
+                out = torch.empty_like(hidden)
+            in_flight = asyncio.Semaphore(2 if shared else len(spans))
+
+            async def part(n: int, start: int, end: int, part_experts: list[int], part_counts: list[int]):
+                async with in_flight:
+                    return await self.call(layer, part_experts, part_counts, hidden[start:end], request_id=f"{rid}/{n}",
+                                           timeout=timeout, out=None if out is None else out[start:end])
+
+            parts = await asyncio.gather(*(part(n, *span) for n, span in enumerate(spans)))
             return (torch.cat([y for y, _ in parts]) if out is None else out), parts[0][1]
         request = pb.ForwardRequest(model=self.model, request_id=request_id or next(self._ids), layer=layer,
                                     experts=experts, counts=counts)

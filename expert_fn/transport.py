@@ -14,7 +14,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 4096 tokens of Mixtral hidden states in 
 # host's /dev/shm outside containers; in pods, a hostPath mounted at the same place in both.
 DEFAULT_SHM_DIR = "/dev/shm"
 # A stream's segment: the calls in flight on it at once (a decode step's call is a few MiB at most;
-# a larger prefill call travels inline). A GPU expert function pins it, so all of it is used.
+# a larger prefill call goes through it in parts of half of it, client.py). A GPU expert function pins
+# it, so all of it is used.
 DEFAULT_SHM_SEGMENT_BYTES = 16 << 20
 
 HTTP2_WINDOW_BYTES = 64 << 20

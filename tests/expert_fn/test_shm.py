@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kubemoe import wire
-from kubemoe.expert_fn.client import ExpertClient
+from kubemoe.expert_fn.client import ExpertClient, _Stream
 from kubemoe.expert_fn.shm import (ALIGN, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError,
                                    shared_folder)
 from kubemoe.proto import kubemoe_pb2 as pb
@@ -196,14 +196,27 @@ async def test_tensors_go_through_shared_memory_with_the_inline_results(shm_serv
     await inline.close()
 
 
-async def test_a_call_larger_than_the_free_segment_travels_inline(shm_server, tmp_path):
+async def test_a_call_larger_than_the_segment_goes_through_it_in_parts(shm_server, tmp_path, monkeypatch):
+    """A long prefill's call: cut into parts of half the segment, two in flight, none inline (inline is
+    what a call that finds no free region falls back to: a region held elsewhere)."""
+    placed, place = [], _Stream.place  # (rows, whether they went into the segment) of each call sent
+
+    def watched(stream, request_id, hidden, msg):
+        placed.append((len(hidden), place(stream, request_id, hidden, msg)))
+        return placed[-1][1]
+
+    monkeypatch.setattr(_Stream, "place", watched)
     client = shm_server.client(shm_dir=tmp_path, shm_bytes=16 * H * 4)  # room for 16 tokens
     x = torch.randn(40, H)
-    small, big = await asyncio.gather(client.forward(0, [1], [8], x[:8]), client.forward(0, [2], [40], x))
-    assert client.shared_memory
+    big = await client.forward(0, [2, 5], [25, 15], x)
+    assert client.shared_memory and placed == [(8, True)] * 5
+    held = await client.forward(0, [1], [8], x[:8])  # its reply, still viewed, keeps half the segment
+    late = await client.forward(0, [3], [16], x[:16])  # 2 parts: one finds no free region and travels inline
+    assert sorted(placed[6:]) == [(8, False), (8, True)]
     inline = shm_server.client(streaming=False)
-    assert torch.equal(small, await inline.forward(0, [1], [8], x[:8]))
-    assert torch.equal(big, await inline.forward(0, [2], [40], x))
+    assert torch.equal(big, await inline.forward(0, [2, 5], [25, 15], x))
+    assert torch.equal(held, await inline.forward(0, [1], [8], x[:8]))
+    assert torch.equal(late, await inline.forward(0, [3], [16], x[:16]))
     await client.close()
     await inline.close()
 
