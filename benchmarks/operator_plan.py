@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -198,6 +199,28 @@ def until(check, timeout_s: float, what: str, interval_s: float = 0.25):
     raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
+WRITES = {"POST", "PUT", "PATCH", "APPLY", "DELETE", "DELETECOLLECTION", "CREATE", "UPDATE"}
+
+
+def api_writes(kube: Kube) -> Counter[str]:
+    """The API server's writes so far by resource[/subresource] and verb (its apiserver_request_total), from
+    whoever made them: the operator, kube-controller-manager, the scheduler, kwok."""
+    method, url, headers, _, _ = kube.api.param_serialize(method="GET", resource_path="/metrics",
+                                                           header_params={"Accept": "text/plain"},
+                                                           auth_settings=["BearerToken"])
+    response = kube.api.call_api(method, url, header_params=headers)
+    writes: Counter[str] = Counter()
+    for line in response.read().decode().splitlines():
+        if line.startswith("apiserver_request_total{"):
+            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.rindex("}")].split(",")
+                          if "=" in part)
+            labels = {k: v.strip('"') for k, v in labels.items()}
+            if labels.get("verb") in WRITES:
+                what = labels.get("resource", "?") + (f"/{labels['subresource']}" if labels.get("subresource") else "")
+                writes[f"{what} {labels['verb']}"] += int(float(line.rsplit(" ", 1)[1]))
+    return writes
+
+
 def converge(watch: Watch, t0: float, version_after: int, timeout_s: float, pids: dict[str, int]) -> dict:
     """Seconds from t0 until the routing table's version passes `version_after`, every pod is Ready,
     and the status is Ready for that plan (no replica kept warm past its keep-alive); then until the
@@ -207,6 +230,7 @@ def converge(watch: Watch, t0: float, version_after: int, timeout_s: float, pids
     does not finish within `timeout_s` says which and how far it got."""
     marks: dict = {}
     cpu_before = cpu_seconds(pids)
+    writes_before = api_writes(watch.kube)
     wall0 = time.time() - (time.monotonic() - t0)  # t0 on the wall clock, for the pods' transition times
 
     def plan_applied():
@@ -253,6 +277,8 @@ def converge(watch: Watch, t0: float, version_after: int, timeout_s: float, pids
         pods_ready()
     cpu = cpu_seconds(pids)
     marks["cpu_s"] = {name: round(cpu[name] - cpu_before.get(name, 0.0), 1) for name in cpu}
+    writes = api_writes(watch.kube) - writes_before
+    marks["api_writes"] = {"total": sum(writes.values()), **dict(writes.most_common())}
     return marks
 
 
@@ -281,7 +307,7 @@ def run(node_count: int, interval_s: float, timeout_s: float, budget_s: float) -
     started = time.monotonic()
     # The control plane is tuned as large clusters are (kubemoe/devcluster: controllers' client QPS and workers,
     # the nodes' lease cadence).
-    config = ClusterConfig(nodes=0, timeout_s=600, knative_crds=False, service_cidr="10.0.0.0/20")  # ~1300 Services
+    config = ClusterConfig(nodes=0, timeout_s=600, knative_crds=False)
     with Cluster(config) as cluster, tempfile.TemporaryDirectory() as tmp:
         for batch in range(0, node_count, 100):
             cluster.add_gpu_nodes(min(100, node_count - batch), 8, wait=False)

@@ -7,8 +7,13 @@ labels, and a fingerprint annotation that lets the operator skip objects that di
 Expert addresses in the routing table are cluster DNS names, never pod IPs: with runtime knative the
 Knative Service's address `<ksvc>.<ns>.svc.cluster.local:80` (Knative's ingress-free private path
 through the activator or straight to the pods when warm, speaking h2c); with runtime deployment the
-ClusterIP Service `<svc>.<ns>.svc.cluster.local:8080`. One address per (bundle, node) service, so the
-frontend's join-the-shortest-queue chooses between the nodes of a bundle.
+pods' own names under one headless Service of the deployment's expert functions,
+`<function>.<deployment>-experts.<ns>.svc.cluster.local:8080` (each function's pods take its name as
+their hostname). One address per (bundle, node) service, so the frontend's join-the-shortest-queue
+chooses between the nodes of a bundle. One headless Service, not a ClusterIP Service per function:
+at 1000 functions a Service each cost the API server a third of its writes (the Service, its cluster
+IP's IPAddress, Endpoints and EndpointSlices created and updated as pods turn Ready;
+benchmarks/operator_plan.py), and every node's kube-proxy a rule set each.
 """
 
 from __future__ import annotations
@@ -108,6 +113,8 @@ def render(deployment: MoEDeployment, plan: Plan, config: OperatorConfig) -> lis
     objects = [*_frontend(deployment, plan, config), _routing_configmap(deployment, plan)]
     if deployment.spec.experts.sharing.mode == "dra" and plan.mode != "offload":
         objects += [_gpu_claim(deployment, site) for site in sorted(plan.sites())]
+    if deployment.spec.experts.runtime == "deployment" and plan.mode != "offload":
+        objects.append(_experts_service(deployment))
     bundles = {b.name: b for b in plan.bundles}
     for (bundle, node), replicas in plan.services().items():
         objects.extend(_expert(deployment, bundles[bundle], node, replicas, None, config))
@@ -221,8 +228,24 @@ def compact_json(table) -> str:
 
 
 def expert_address(deployment: MoEDeployment, bundle: str, node: str) -> str:
-    port = KNATIVE_PORT if deployment.spec.experts.runtime == "knative" else EXPERT_PORT
-    return f"{expert_name(deployment, bundle, node)}.{deployment.namespace}.svc.cluster.local:{port}"
+    name, namespace = expert_name(deployment, bundle, node), deployment.namespace
+    if deployment.spec.experts.runtime == "knative":
+        return f"{name}.{namespace}.svc.cluster.local:{KNATIVE_PORT}"
+    return f"{name}.{experts_service_name(deployment)}.{namespace}.svc.cluster.local:{EXPERT_PORT}"
+
+
+def experts_service_name(deployment: MoEDeployment) -> str:
+    return child_name(deployment.name, "experts")
+
+
+def _experts_service(deployment: MoEDeployment) -> Object:
+    """Runtime deployment: the headless Service under which each expert function's pods are found by its
+    name (their hostname); the cluster DNS answers with the pods' IPs once they are Ready."""
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": experts_service_name(deployment), "labels": labels(deployment, EXPERT)},
+            "spec": {"clusterIP": "None", "selector": {INSTANCE: deployment.name, COMPONENT: EXPERT},
+                     "ports": [{"name": "h2c", "port": EXPERT_PORT, "targetPort": "h2c",
+                                "appProtocol": "kubernetes.io/h2c"}]}}
 
 
 # -- expert functions ---------------------------------------------------------------------------------
@@ -278,14 +301,12 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
         return [{"apiVersion": KNATIVE[0], "kind": KNATIVE[1], "metadata": meta, "spec": {"template": {
             "metadata": {"labels": pod_labels, "annotations": template_annotations}, "spec": pod}}}]
     container["readinessProbe"] = {"grpc": {"port": args.port}, "periodSeconds": 5}
+    pod["hostname"], pod["subdomain"] = name, experts_service_name(deployment)  # its address (expert_address)
     match = {INSTANCE: deployment.name, COMPONENT: EXPERT, BUNDLE_LABEL: bundle_name, NODE_LABEL: node_hash(site)}
     return [
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": {
             "replicas": replicas, "selector": {"matchLabels": match},
             "template": {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod}}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": {**meta, "annotations": dict(annotations)}, "spec": {
-            "selector": match,
-            "ports": [{"name": "h2c", "port": EXPERT_PORT, "targetPort": "h2c", "appProtocol": "kubernetes.io/h2c"}]}},
     ]
 
 

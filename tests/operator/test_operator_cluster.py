@@ -41,10 +41,10 @@ def test_deployment_runtime_end_to_end(cluster, api, operator, namespace, f):
     body = hostpath_body(f, "tiny", namespace)
     f.apply(cluster, body)
 
-    # Children: frontend Deployment + Service, routing ConfigMap, 4 expert Deployments + Services.
+    # Children: frontend Deployment + Service, routing ConfigMap, 4 expert Deployments under one headless Service.
     def all_children():
         found = children(api, namespace, "tiny")
-        return len(found["Deployment"]) == 5 and len(found["Service"]) == 5 and found["ConfigMap"] and found
+        return len(found["Deployment"]) == 5 and len(found["Service"]) == 2 and found["ConfigMap"] and found
     found = f.wait(all_children, 60, "the operator to create the frontend, routing table and 4 expert services", operator)
     owner_uid = f.moed(api, namespace, "tiny")["metadata"]["uid"]
     for obj in found["Deployment"] + found["Service"] + found["ConfigMap"]:
@@ -151,7 +151,7 @@ def test_restart_mid_way_creates_no_duplicates(cluster, api, operator, namespace
            "PlanApplied after the restart", operator)
     found = children(api, namespace, "again")
     names = [(kind, o["metadata"]["name"]) for kind, objs in found.items() for o in objs]
-    assert len(names) == len(set(names)) == 5 + 5 + 1  # Deployments, Services, ConfigMap
+    assert len(names) == len(set(names)) == 5 + 2 + 1  # Deployments, Services (frontend, headless experts), ConfigMap
     apps = client.AppsV1Api(api)
     replica_sets = apps.list_namespaced_replica_set(namespace).items
     assert len(replica_sets) == 5  # no Deployment was rolled: the restart re-applied nothing that changed

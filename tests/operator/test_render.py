@@ -61,10 +61,13 @@ def test_frontend_deployment_service_and_rbac(f):
                               "verbs": ["get", "list", "watch"]}]
 
 
-def test_deployment_runtime_renders_a_pinned_deployment_and_service_per_bundle_and_node(f):
+def test_deployment_runtime_renders_a_pinned_deployment_per_bundle_and_node_under_one_headless_service(f):
     _, p, objects = rendered(f)
     experts = [o for o in by_kind(objects, "Deployment") if o["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"]
     assert len(experts) == 4 == len(p.services())
+    headless = [o for o in by_kind(objects, "Service") if o["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"]
+    assert [(s["metadata"]["name"], s["spec"]["clusterIP"]) for s in headless] == [("tiny-experts", "None")]
+    assert headless[0]["spec"]["selector"] == {"app.kubernetes.io/instance": "tiny", "app.kubernetes.io/component": "expert"}
     for d in experts:
         node = d["metadata"]["annotations"]["kubemoe.io/node"]
         pod = d["spec"]["template"]["spec"]
@@ -73,10 +76,11 @@ def test_deployment_runtime_renders_a_pinned_deployment_and_service_per_bundle_a
         args = pod["containers"][0]["args"]
         assert args[0] == "expert-fn" and args[args.index("--port") + 1] == "8080"
         assert pod["containers"][0]["ports"] == [{"name": "h2c", "containerPort": 8080}]
+        assert (pod["hostname"], pod["subdomain"]) == (d["metadata"]["name"], "tiny-experts")  # its DNS name
     routing = by_kind(objects, "ConfigMap")[0]
     table = parse_table(routing["data"]["routing.json"])
     routes = build_route_map(table, "tiny", [0, 1], 4)  # the frontend accepts it: every expert once
-    assert all(a.endswith(".default.svc.cluster.local:8080") for a in routes.addresses())
+    assert routes.addresses() == {f"{d['metadata']['name']}.tiny-experts.default.svc.cluster.local:8080" for d in experts}
 
 
 def test_knative_runtime_annotations_affinity_and_address(f):

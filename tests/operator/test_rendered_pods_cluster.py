@@ -310,16 +310,17 @@ def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, 
             pod_spec = expert["spec"]["template"]["spec"]
             pods.append(Pod(f"{expert['metadata']['name']}-0", namespace, f"127.0.0.{10 + i}", pod_spec,
                             tmp_path / f"expert-{i}", host_paths, extra_env=token(pod_spec)).start())
-            # Knative's cluster-local address (port 80) reaches the pod's only container port; a Service
-            # reaches the container port its targetPort names.
+            # Knative's cluster-local address (port 80) reaches the pod's only container port; a pod under
+            # a headless Service is <hostname>.<subdomain>, the container port its targetPort names.
             name = expert["metadata"]["name"]
             if runtime == "knative":
                 network.routes[(f"{name}.{namespace}.svc.cluster.local", 80)] = pods[-1].port("h2c")
             else:
-                service = next(s for s in services if s["metadata"]["name"] == name)
+                service = next(s for s in services if s["metadata"]["name"] == pod_spec["subdomain"])
+                assert service["spec"]["clusterIP"] == "None" and pod_spec["hostname"] == name
                 for port in service["spec"]["ports"]:
-                    network.routes[(f"{name}.{namespace}.svc.cluster.local", port["port"])] = pods[-1].port(
-                        port["targetPort"])
+                    network.routes[(f"{name}.{service['metadata']['name']}.{namespace}.svc.cluster.local",
+                                    port["port"])] = pods[-1].port(port["targetPort"])
         pod_spec = frontend["spec"]["template"]["spec"]
         assert token(pod_spec), "the frontend watches the routing ConfigMap with its ServiceAccount's token"
         pods.append(Pod("run-frontend-0", namespace, "127.0.0.2", pod_spec, tmp_path / "frontend", host_paths,
