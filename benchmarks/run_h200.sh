@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run kubemoe's GPU benchmarks and tests on the lent H200 (the device tool): carries .whl
-# (transformers, grpcio, protobuf at kubemoe's versions; the machine's image has older ones) and,
+# (transformers, grpcio, protobuf at kubemoe's versions, the machine's image has older ones; accelerate
+# and psutil for transformers' device_map and the offload peer) and,
 # for the tests, .whl-test (pytest and the test suite's imports; `pip download --python-version 3.12
 # --only-binary=:all: -d .whl-test pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf
 # prometheus-client aiohttp click pyyaml tqdm openai`). Results go into $OUT.
@@ -88,7 +89,8 @@ case "${1:-all}" in
   frontend-full)  # issue 17 item 5: Qwen3-30B-A3B at all 48 layers (~61 GB in bf16, generated here into /dev/shm, not
     # carried, and kept there for the next call while the machine stays warm), kubemoe in process; transformers and
     # expert functions at this depth fit a call each: ARGS --modes transformers --name frontend_full_transformers,
-    # or --modes disaggregated --lean --name frontend_full_disagg
+    # or --modes disaggregated --lean --name frontend_full_disagg (with KUBEMOE_MPS=1, as the 2-layer goal runs:
+    # time-sliced, 3 processes' context switches cost ~0.5 ms per layer at 48 layers)
     df -h /dev/shm /tmp | tail -2
     TMPDIR=/dev/shm python3 benchmarks/frontend_decode.py --device cuda --arch qwen3_moe --preset qwen3-30b-a3b-8l --layers 48 \
       --steps 20 --warmup 5 --modes "" --name frontend_full --checkpoint-dir /dev/shm/kubemoe-qwen3-48l --out "$OUT" "${@:2}" ;;
