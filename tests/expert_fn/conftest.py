@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kubemoe.expert_fn.client import ExpertClient
+from kubemoe.expert_fn.client import ExpertClient, _Stream
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.metrics import ExpertFnMetrics
 from kubemoe.expert_fn.server import build_server
@@ -75,3 +75,16 @@ def health():
 def serving():
     return wait_serving
 
+
+@pytest.fixture
+def placed(monkeypatch) -> list[tuple[int, bool]]:
+    """(rows, whether they went into the stream's segment or arena) of each call a client sends from now on:
+    False is a call that found no free region and travelled inline."""
+    calls, place = [], _Stream.place
+
+    def watched(stream, request_id, hidden, msg):
+        calls.append((len(hidden), place(stream, request_id, hidden, msg)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(_Stream, "place", watched)
+    return calls

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kubemoe import wire
-from kubemoe.expert_fn.client import ExpertClient, _Stream
+from kubemoe.expert_fn.client import ExpertClient
 from kubemoe.expert_fn.shm import (ALIGN, HEADER_BYTES, METADATA_KEY, Allocator, Segment, SharedMemoryError,
                                    shared_folder)
 from kubemoe.proto import kubemoe_pb2 as pb
@@ -196,16 +196,9 @@ async def test_tensors_go_through_shared_memory_with_the_inline_results(shm_serv
     await inline.close()
 
 
-async def test_a_call_larger_than_the_segment_goes_through_it_in_parts(shm_server, tmp_path, monkeypatch):
+async def test_a_call_larger_than_the_segment_goes_through_it_in_parts(shm_server, tmp_path, placed):
     """A long prefill's call: cut into parts of half the segment, two in flight, none inline (inline is
     what a call that finds no free region falls back to: a region held elsewhere)."""
-    placed, place = [], _Stream.place  # (rows, whether they went into the segment) of each call sent
-
-    def watched(stream, request_id, hidden, msg):
-        placed.append((len(hidden), place(stream, request_id, hidden, msg)))
-        return placed[-1][1]
-
-    monkeypatch.setattr(_Stream, "place", watched)
     client = shm_server.client(shm_dir=tmp_path, shm_bytes=16 * H * 4)  # room for 16 tokens
     x = torch.randn(40, H)
     big = await client.forward(0, [2, 5], [25, 15], x)

@@ -76,6 +76,20 @@ async def test_calls_between_processes_without_a_shared_folder_take_the_tcp_lane
     await client.close()
 
 
+async def test_a_call_larger_than_the_lanes_arena_goes_over_the_lane_in_parts(tcp_server, placed):
+    """A long prefill's call over a TCP lane: parts of half the arena (none inline), each reply copied out of
+    its region."""
+    x = torch.randn(100, H)
+    want = await tcp_server.client(streaming=False).forward(1, [2, 5], [60, 40], x)
+    client = tcp_server.client(shm_bytes=16 * H * 4)  # an arena of 16 rows: parts of 8
+    got = await client.forward(1, [2, 5], [60, 40], x)
+    assert client.transport == "tcp" and not client._stream.lane.closed
+    assert placed == [(8, True)] * 12 + [(4, True)]
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert client._stream.allocator.in_use == 0  # no part's region is held by the joined reply
+    await client.close()
+
+
 async def test_shared_memory_wins_where_both_sides_see_the_folder_and_no_data_port_means_inline(
         tiny_checkpoint, serve, tmp_path):
     async with serve(tiny_checkpoint(ARCH), data_port=0, shm_dir=tmp_path) as server:
