@@ -38,6 +38,8 @@ import statistics
 import sys
 import tempfile
 import time
+import types
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -91,7 +93,35 @@ def freed(device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        progress(f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB still allocated on {device}")
+        held = torch.cuda.memory_allocated(device)
+        progress(f"{held / 2**30:.1f} GiB still allocated on {device}")
+        if held > 2**30:  # at Qwen3's 48 layers 54 GiB of a dropped frontend stayed: say who holds them
+            for holder, (count, nbytes) in tensor_holders(device)[:8]:
+                progress(f"  {nbytes / 2**30:.1f} GiB in {count} tensors held by {holder}")
+
+
+def tensor_holders(device) -> list[tuple[str, tuple[int, int]]]:
+    """Tensors on `device` that Python still reaches, by what refers to them (the referrers' types, and
+    a module's or dict's owner where there is one), most bytes first."""
+    def names(referrers, depth: int = 3) -> set[str]:
+        # a module's parameters and an object's attributes sit in dicts (two deep for a Module): name their owner
+        found = set()
+        for r in referrers:
+            if isinstance(r, dict) and depth:
+                found |= names(gc.get_referrers(r), depth - 1)
+            elif not isinstance(r, (list, types.FrameType)):
+                found.add(type(r).__qualname__)
+        return found
+
+    found: dict[str, list[int]] = {}
+    with warnings.catch_warnings():  # isinstance on every object touches deprecated module proxies
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and obj.device == device]
+    for tensor in tensors:
+        entry = found.setdefault(", ".join(sorted(names(gc.get_referrers(tensor)))) or "nothing Python tracks", [0, 0])
+        entry[0] += 1
+        entry[1] += tensor.untyped_storage().nbytes()
+    return sorted(((k, (n, b)) for k, (n, b) in found.items()), key=lambda kv: -kv[1][1])
 
 
 def kept_checkpoint(preset: Preset, folder: Path) -> Path:
