@@ -6,13 +6,15 @@ Create, update and resume reconcile the spec; the timer pulls the frontends' /lo
 delete only reports (owner references let the garbage collector remove the children, so no
 finalizer is needed). Settings come from the environment once (`OperatorConfig.from_env`).
 
-Nodes, pods and the expert/frontend Deployments (and Knative Services) are kept from watches (Kopf
-indices): a reconcile lists none of the cluster's nodes and pods, and a child's change (its pods Ready)
-brings the owner's status up to date within a second (status_follower.py).
+Nodes (a Kopf index), pods and the expert/frontend Deployments and Knative Services (watch.py: watches of
+the operator's own, an event a dict update) are kept from watches: a reconcile lists none of the cluster's
+nodes and pods, and a child's change (its pods Ready) brings the owner's status up to date within a second
+(status_follower.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import kopf
@@ -23,17 +25,20 @@ from kubemoe.operator.kube import Kube
 from kubemoe.operator.loads import FrontendLoads
 from kubemoe.operator.plan import NodeInfo
 from kubemoe.operator.reconcile import Outcome, Reconciler, Watched
-from kubemoe.operator.render import MANAGED_BY, MANAGER
+from kubemoe.operator.render import KNATIVE, MANAGED_BY, MANAGER
 from kubemoe.operator.spec import GROUP, KIND, PLURAL, VERSION
 from kubemoe.operator.status_follower import StatusFollower
+from kubemoe.operator.watch import ListWatch
 
 CONFIG = OperatorConfig.from_env()
 RESOURCE = (GROUP, VERSION, PLURAL)
 CHILD_LABELS = {MANAGED_BY: MANAGER}  # the workloads this operator made
+CHILD_KINDS = (("apps/v1", "Deployment"), KNATIVE)  # whose readiness the status follows
+PODS_LISTED_S = 60.0
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -> None:
     from kubernetes import config as kube_config
     from kubernetes.client import ApiClient
 
@@ -52,6 +57,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -> 
     memo.reconciler = Reconciler(kube, CONFIG)
     memo.load_source = FrontendLoads(kube, CONFIG.loads_port, CONFIG.loads_timeout_s)
     memo.status_follower = StatusFollower()
+    start_watches(kube.api, memo, asyncio.get_running_loop())
     logger.info("kubemoe operator: peering %r (priority %d), loads every %.0fs", settings.peering.name,
                 settings.peering.priority, CONFIG.loads_interval_s)
 
@@ -59,7 +65,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -> 
 class OwnDiffBase(kopf.AnnotationsDiffBaseStorage):
     """Kopf builds a diff base (a deep copy of the body) for every event of every kind it watches; only
     MoEDeployment has handlers that compare one (create, update, the timer's idling). At 1000 nodes the
-    pods' and children's events made that copy about a fifth of the operator's CPU (py-spy)."""
+    nodes', pods' and children's events (then all watched by Kopf) made that copy about a fifth of the
+    operator's CPU (py-spy)."""
 
     def build(self, *, body: kopf.Body, extra_fields=None) -> kopf.BodyEssence:
         if body.get("kind", KIND) != KIND:  # kopf names the kind of listed items too
@@ -67,66 +74,72 @@ class OwnDiffBase(kopf.AnnotationsDiffBaseStorage):
         return super().build(body=body, extra_fields=extra_fields)
 
 
-# INDICES: kopf passes each index to every handler as a keyword argument named after it (node_infos,
-# all_pods, children_index); its callback protocols list only the arguments it always passes, so mypy
-# refuses handlers that name an index. The `type: ignore[arg-type]` on their decorators is for that alone.
-# The index functions are async: kopf runs a sync handler in a thread and waits for it, which at 1000 nodes
-# was about a fifth of the operator's CPU for what is a dict lookup per event.
+def start_watches(api, memo: kopf.Memo, loop: asyncio.AbstractEventLoop) -> None:
+    """The pods (capacity counts those of every namespace, so only when every namespace is watched) and the
+    operator's Deployments and Knative Services in the namespaces it watches; a child's change brings its
+    owner's status up to date (Ready follows the pods within a second, not at the next timer tick)."""
+    def changed(child: dict) -> None:  # in a watch's thread: the follower lives on Kopf's loop
+        for uid in owner_uids(child):
+            loop.call_soon_threadsafe(follow, uid)
+
+    def follow(uid: str) -> None:
+        # The children are read when the refresh writes, not before it waits for another status write.
+        memo.status_follower.changed(uid, lambda: memo.reconciler.refresh_status(uid, lambda: children_of(memo, uid)))
+
+    selector = ",".join(f"{k}={v}" for k, v in CHILD_LABELS.items())
+    memo.children = [ListWatch(api, api_version, kind, namespace, selector, on_change=changed).start()
+                     for api_version, kind in CHILD_KINDS for namespace in CONFIG.watch_namespaces or [None]]
+    memo.pods = None if CONFIG.watch_namespaces else ListWatch(api, "v1", "Pod").start()
+
+
+def children_of(memo: kopf.Memo, uid: str) -> list[dict]:
+    return [child for watch in memo.children for child in watch.values() if uid in owner_uids(child)]
+
+
+@kopf.on.cleanup()
+async def stop_watches(memo: kopf.Memo, **_) -> None:
+    for watch in [*memo.get("children", ()), memo.get("pods")]:
+        if watch is not None:
+            watch.stop()
+
+
+# INDICES: kopf passes each index to every handler as a keyword argument named after it (node_infos); its
+# callback protocols list only the arguments it always passes, so mypy refuses handlers that name an index.
+# The `type: ignore[arg-type]` on their decorators is for that alone. The index function is async: kopf runs
+# a sync handler in a thread and waits for it.
 @kopf.index("v1", "nodes")
 async def node_infos(body, **_) -> NodeInfo:
     # Parsed once per change of a node (kwok's and kubelets' heartbeats are leases: nodes rarely change).
     return NodeInfo.from_node(body)
 
 
-@kopf.index("v1", "pods")
-async def all_pods(body, **_) -> dict:
-    # What every pod holds on its node, for capacity.py (the planner fills only what they leave). All
-    # under one key: kopf reads a returned dict as {key: value}, so the pod itself would be split by field.
-    return {None: dict(body)}
-
-
-@kopf.index("apps", "v1", "deployments", labels=CHILD_LABELS)
-@kopf.index("serving.knative.dev", "v1", "services", labels=CHILD_LABELS)
-async def children_index(body, **_) -> dict[str, dict]:
-    # The expert and frontend workloads by owner uid: what their readiness is, for the status.
-    return {uid: dict(body) for uid in owner_uids(body)}
-
-
 def owner_uids(body) -> list[str]:
     return [ref["uid"] for ref in body["metadata"].get("ownerReferences") or [] if ref.get("kind") == KIND]
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
-@kopf.on.event("serving.knative.dev", "v1", "services", labels=CHILD_LABELS)  # type: ignore[arg-type]  # see INDICES
-async def child_changed(body, memo: kopf.Memo, children_index: kopf.Index, **_) -> None:
-    # Ready in the status follows the pods within a second, not at the next timer tick.
-    reconciler = memo.reconciler
-    for uid in owner_uids(body):
-        # The index is read when the refresh writes (a copy: the watches keep changing it meanwhile), not
-        # before it waits for another status write.
-        memo.status_follower.changed(
-            uid, lambda uid=uid: reconciler.refresh_status(uid, lambda: [*children_index.get(uid, ())]))
-
-
-def watched(node_infos: kopf.Index, all_pods: kopf.Index) -> Watched:
-    # Copies: the watches keep changing the indices while a reconcile runs in its thread. Nodes are
-    # cluster-wide always; pods only when every namespace is watched (capacity counts pods of them all).
-    return Watched([*node_infos.get(None, ())], None if CONFIG.watch_namespaces else [*all_pods.get(None, ())])
+def watched(node_infos: kopf.Index, memo: kopf.Memo) -> Watched:
+    # Copies: the watches keep changing while a reconcile runs in its thread. Nodes are cluster-wide always;
+    # pods only when every namespace is watched (capacity counts pods of them all), and only once listed:
+    # a plan on an empty list would fill GPUs that pods hold.
+    pods = memo.pods
+    if pods is not None and not pods.synced.wait(PODS_LISTED_S):
+        raise kopf.TemporaryError(f"the cluster's pods are not listed yet (after {PODS_LISTED_S:.0f}s)", delay=10)
+    return Watched([*node_infos.get(None, ())], None if pods is None else pods.values())
 
 
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE, field="spec")  # type: ignore[arg-type]  # see INDICES
-def reconcile(body, memo: kopf.Memo, node_infos: kopf.Index, all_pods: kopf.Index, **_) -> None:
+def reconcile(body, memo: kopf.Memo, node_infos: kopf.Index, **_) -> None:
     # A spec change re-plans with the loads last seen (kept per object in memo by the timer).
-    report(body, memo.reconciler.reconcile(body, memo.get("loads"), watched=watched(node_infos, all_pods)))
+    report(body, memo.reconciler.reconcile(body, memo.get("loads"), watched=watched(node_infos, memo)))
 
 
 @kopf.timer(*RESOURCE, interval=CONFIG.loads_interval_s, initial_delay=CONFIG.loads_interval_s, idle=None)  # type: ignore[arg-type]  # see INDICES
-def replan(body, memo: kopf.Memo, node_infos: kopf.Index, all_pods: kopf.Index, **_) -> None:
+def replan(body, memo: kopf.Memo, node_infos: kopf.Index, **_) -> None:
     # Asks the frontends for fresh loads (or keeps the last ones when none answers) and re-plans with them.
     outcome = memo.reconciler.reconcile(body, memo.get("loads"), source=memo.load_source,
-                                        watched=watched(node_infos, all_pods))
+                                        watched=watched(node_infos, memo))
     memo.loads = outcome.loads
     if outcome.loads_error:
         kopf.event(body, type="Warning", reason="LoadsUnavailable", message=outcome.loads_error)
