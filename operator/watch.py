@@ -36,8 +36,8 @@ class NotServed(Exception):
 
 class ListWatch:
     """The objects of one kind (in one namespace, or all; matching a label selector) as the API server has
-    them, by uid. `on_change(obj)` runs in the watch's thread for each object listed, added or modified
-    (not deleted), so keep it short (the operator hands it to its event loop)."""
+    them, by uid. `on_change(obj)` runs in the watch's thread for each object listed, added, modified or
+    deleted (after it is gone from `values()`), so keep it short (the operator hands it to its event loop)."""
 
     def __init__(self, api_client, api_version: str, kind: str, namespace: str | None = None,
                  label_selector: str = "", on_change: Callable[[Object], None] | None = None):
@@ -124,7 +124,7 @@ class ListWatch:
                     self._objects.pop(obj["metadata"]["uid"], None)
                 else:
                     self._objects[obj["metadata"]["uid"]] = obj
-            if self.on_change and kind != "DELETED":
+            if self.on_change:
                 self.on_change(obj)
             if self._stopped.is_set():
                 break

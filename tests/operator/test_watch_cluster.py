@@ -38,7 +38,10 @@ def test_a_list_watch_follows_creates_updates_and_deletes_across_watches(api, na
 
     def changed(obj):
         with lock:
-            seen.append((obj["metadata"]["name"], obj["data"]["v"]))
+            seen.append((obj["metadata"]["name"], obj["data"]["v"], obj["metadata"]["name"] in names(watch)))
+
+    def names(watch) -> set[str]:
+        return {o["metadata"]["name"] for o in watch.values()}
 
     watch = ListWatch(api, "v1", "ConfigMap", namespace, "team=a", on_change=changed).start()
     try:
@@ -52,8 +55,9 @@ def test_a_list_watch_follows_creates_updates_and_deletes_across_watches(api, na
                                                                                              ("after", "1")})
         core.delete_namespaced_config_map("after", namespace)
         until(lambda: [o["metadata"]["name"] for o in watch.values()] == ["before"])
-        with lock:
-            assert seen[0] == ("before", "0") and ("after", "1") in seen and ("before", "2") in seen
+        with lock:  # each change told once the watch holds it; the delete once it is gone
+            assert seen[0] == ("before", "0", True) and ("before", "2", True) in seen
+            assert [s for s in seen if s[0] == "after"] == [("after", "1", True), ("after", "1", False)]
     finally:
         watch.stop()
 
