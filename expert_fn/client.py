@@ -234,7 +234,7 @@ class ExpertClient:
         one part goes as several calls, cut at row boundaries (the timing is the first's); their outputs
         are joined in order. With `out` the reply is copied from where it arrived straight into it (a
         frontend's buffer on the GPU: one copy, no tensor of its own)."""
-        stream = await self._open(timeout) if self.streaming else None
+        stream = None if not self.streaming else self._stream if self._stream is not None else await self._open(timeout)
         # Through a segment (shared memory, or a TCP lane's arena) a part is at most half of it, two in flight:
         # a long prefill's call then never waits for a region or falls back to inline (60x slower on the H200).
         shared = stream is not None and stream.segment is not None
@@ -257,17 +257,16 @@ class ExpertClient:
             return (torch.cat([y for y, _ in parts]) if out is None else out), parts[0][1]
         request = pb.ForwardRequest(model=self.model, request_id=request_id or next(self._ids), layer=layer,
                                     experts=experts, counts=counts)
-        if self.streaming:
-            return await self._call_streamed(request, hidden, timeout, out)
+        if stream is not None:
+            return await self._call_streamed(stream, request, hidden, timeout, out)
         wire.encode_into(hidden, request.hidden)  # in place: no second copy of the bytes
         response = await self._stub.Forward(request, timeout=timeout)
         reply = wire.decode(response.hidden)  # aliases the response's bytes, which nothing else holds
         return _delivered(reply, hidden.device, out), response.timing
 
-    async def _call_streamed(self, request: pb.ForwardRequest, hidden: torch.Tensor, timeout: float | None,
-                             out: torch.Tensor | None) -> tuple[torch.Tensor, pb.ServerTiming]:
+    async def _call_streamed(self, stream: _Stream, request: pb.ForwardRequest, hidden: torch.Tensor,
+                             timeout: float | None, out: torch.Tensor | None) -> tuple[torch.Tensor, pb.ServerTiming]:
         rid = request.request_id
-        stream = self._stream if self._stream is not None else await self._open(timeout)
         if rid in stream.pending:
             raise ValueError(f"request_id {rid!r} is already in flight on this client; ids must be unique")
         loop = asyncio.get_running_loop()
