@@ -84,7 +84,8 @@ def start_watches(api, memo: kopf.Memo, loop: asyncio.AbstractEventLoop) -> None
 
     def follow(uid: str) -> None:
         # The children are read when the refresh writes, not before it waits for another status write.
-        memo.status_follower.changed(uid, lambda: memo.reconciler.refresh_status(uid, lambda: children_of(memo, uid)))
+        # (refresh_status keeps those `uid` owns.)
+        memo.status_follower.changed(uid, lambda: memo.reconciler.refresh_status(uid, lambda: all_children(memo)))
 
     selector = ",".join(f"{k}={v}" for k, v in CHILD_LABELS.items())
     memo.children = [ListWatch(api, api_version, kind, namespace, selector, on_change=changed).start()
@@ -92,8 +93,8 @@ def start_watches(api, memo: kopf.Memo, loop: asyncio.AbstractEventLoop) -> None
     memo.pods = None if CONFIG.watch_namespaces else ListWatch(api, "v1", "Pod").start()
 
 
-def children_of(memo: kopf.Memo, uid: str) -> list[dict]:
-    return [child for watch in memo.children for child in watch.values() if uid in owner_uids(child)]
+def all_children(memo: kopf.Memo) -> list[dict]:
+    return [child for watch in memo.children for child in watch.values()]
 
 
 @kopf.on.cleanup()
