@@ -17,14 +17,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Any, Callable
+from typing import Callable
 from urllib.parse import urlencode
 
 from kubemoe.operator.kube import path
+from kubemoe.operator.render import Object
 
 log = logging.getLogger(__name__)
 
-Object = dict[str, Any]
 RETRY_S = (1.0, 30.0)  # the pause after a failed list or watch: doubling from the first to the second
 NOT_SERVED_RETRY_S = 60.0  # a kind the server does not serve (404)
 WATCH_S = 300  # how long the server keeps one watch open before this lists again from where it was
@@ -63,7 +63,7 @@ class ListWatch:
             return list(self._objects.values())
 
     def _run(self) -> None:
-        pause = RETRY_S[0]
+        pause, told = RETRY_S[0], False
         while not self._stopped.is_set():
             try:
                 version = self._list()
@@ -71,8 +71,10 @@ class ListWatch:
                 while not self._stopped.is_set():
                     version = self._watch(version)
             except NotServed:
-                log.info("%s %s are not served here (yet); looking again in %.0fs", self.api_version, self.kind,
-                         NOT_SERVED_RETRY_S)
+                if not told:  # once: without Knative installed this stays so for good
+                    log.info("%s %s are not served here (yet); looking again every %.0fs", self.api_version,
+                             self.kind, NOT_SERVED_RETRY_S)
+                    told = True
                 self._stopped.wait(NOT_SERVED_RETRY_S)
             except Exception as e:  # noqa: BLE001 - the watch goes on: list again after a pause
                 log.warning("watch of %s failed (%s); listing again in %.0fs", self.url, e, pause)
