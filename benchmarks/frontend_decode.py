@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import cProfile
 import gc
+import multiprocessing
 import os
 import pstats
 import shutil
@@ -407,6 +409,23 @@ def run_disaggregated(ckpt: Path, bundles, model_id: str, tmp: str, args, device
     return rows, ttft
 
 
+def disaggregated_apart(mps_pipe: str | None, *call) -> tuple[list[dict], dict]:
+    """run_disaggregated in a process of its own, the only one here that is a client of the MPS daemon (with
+    its expert functions): kubemoe in process and transformers stay the GPU's sole users, as they would be
+    serving alone (at 48 layers the in-process engine ran 110 tok/s at batch 1 as an MPS client, 143 alone),
+    and the memory the configuration held ends with its process."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=join_mps, initargs=(mps_pipe, START)) as pool:
+        return pool.submit(run_disaggregated, *call).result()
+
+
+def join_mps(pipe: str | None, start: float) -> None:
+    global START
+    START = start  # progress() counts from the run's start (the monotonic clock is the machine's)
+    if pipe:  # before CUDA starts in this process: it reads the variable once, when it starts
+        os.environ["CUDA_MPS_PIPE_DIRECTORY"] = pipe
+
+
 def ttft_batch(args) -> int:
     """The batch whose time to first token is measured: 32, the goals' (the largest there is in a shorter run)."""
     return 32 if 32 in args.batch_list else args.batch_list[-1]
@@ -445,6 +464,9 @@ def main() -> None:
     if modes - set(MODES):
         parser.error(f"--modes: unknown {sorted(modes - set(MODES))}; choose from {', '.join(MODES)}")
     none = [None] * len(args.batch_list)
+    # The MPS daemon run_h200.sh started (KUBEMOE_MPS=1) serves the disaggregated configuration's processes only;
+    # this one leaves it before CUDA starts here (hardware() below), so it uses the GPU alone
+    mps_pipe = os.environ.pop("CUDA_MPS_PIPE_DIRECTORY", None)
 
     preset = cut_preset(args.arch, args.preset, args.layers)
     args.prompt = min(args.prompt, preset.config.get("max_position_embeddings", 4096) - args.warmup - args.steps - 2)
@@ -463,11 +485,10 @@ def main() -> None:
         shm_rows: list = none
         shm_ttft = None
         if "disaggregated" in modes:
-            # First: its frontend holds no experts, and the expert functions' processes end with it. On the
-            # H200, 54 of an in-process Qwen3-48-layer frontend's 61 GB stayed allocated after it was closed
-            # and dropped (not so on a CPU; not found yet), and the expert functions did not fit beside them.
-            shm_rows, shm_ttft = run_disaggregated(ckpt, bundles, model_id, tmp, args, device, vocab, hw)
-            freed(device)
+            # First, while this process holds nothing on the device: on the H200, 54 of an in-process
+            # Qwen3-48-layer frontend's 61 GB stayed allocated after it was closed and dropped (not so on a
+            # CPU; not found yet), and the expert functions did not fit beside them.
+            shm_rows, shm_ttft = disaggregated_apart(mps_pipe, ckpt, bundles, model_id, tmp, args, device, vocab, hw)
         mono_rows: list = none
         if "transformers" in modes:
             # On a GPU straight onto it (accelerate's device_map; its wheel is in .whl): a full-depth model
@@ -556,7 +577,8 @@ def main() -> None:
                   ttft_disaggregated=shm_ttft and {"batch": ttft_batch(args), **shm_ttft},
                   expert_functions=args.experts,
                   # how the processes share the GPU: MPS where run_h200.sh started its daemon (KUBEMOE_MPS=1)
-                  gpu_sharing="mps" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "time-slicing",
+                  # (the disaggregated configuration's processes; the others run alone on the GPU)
+                  gpu_sharing="mps" if mps_pipe else "time-slicing",
                   method=f"model: median decode step of {args.steps} after {args.warmup} warm-up steps after a "
                          f"batched {args.prompt}-token prefill, greedy, the forward pass alone; engine: the same "
                          "through the engine as served (requests sent at once, median gap between a request's tokens "

@@ -88,9 +88,9 @@ case "${1:-all}" in
     python3 benchmarks/frontend_decode.py --device cuda --preset mixtral-4l --layers 2 --steps 20 --warmup 5 --out "$OUT" "${@:2}" ;;
   frontend-full)  # issue 17 item 5: Qwen3-30B-A3B at all 48 layers (~61 GB in bf16, generated here into /dev/shm, not
     # carried, and kept there for the next call while the machine stays warm), kubemoe in process; transformers and
-    # expert functions at this depth fit a call each: ARGS --modes transformers --name frontend_full_transformers,
-    # or --modes disaggregated --lean --name frontend_full_disagg (with KUBEMOE_MPS=1, as the 2-layer goal runs:
-    # time-sliced, 3 processes' context switches cost ~0.5 ms per layer at 48 layers)
+    # expert functions at this depth fit one more call: ARGS --modes transformers,disaggregated --lean
+    # --name frontend_full_disagg (with KUBEMOE_MPS=1, as the 2-layer goal runs: time-sliced, 3 processes' context
+    # switches cost ~0.5 ms per layer at 48 layers; only the disaggregated configuration's processes join MPS)
     df -h /dev/shm /tmp | tail -2
     TMPDIR=/dev/shm python3 benchmarks/frontend_decode.py --device cuda --arch qwen3_moe --preset qwen3-30b-a3b-8l --layers 48 \
       --steps 20 --warmup 5 --modes "" --name frontend_full --checkpoint-dir /dev/shm/kubemoe-qwen3-48l --out "$OUT" "${@:2}" ;;
