@@ -9,6 +9,8 @@
 # (gpu-tests [PATHS]: the GPU tests under PATHS, default all of tests/)
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
 set -euo pipefail
+# Required: git on that machine may answer a stale HEAD (it did: results of code at 61a5e03 say 8a1f177)
+: "${KUBEMOE_COMMIT:?set KUBEMOE_COMMIT to the sha the tree was taken from, read where it was committed}"
 # Once per machine, under a lock: on a two-GPU host two of these run side by side (CUDA_VISIBLE_DEVICES=0 and 1)
 install() (  # install TARGET PIP-ARGS...: skipped when an earlier run finished the same install
   exec 9>"$1.lock"; flock 9; [ -f "$1/.installed" ] || { python3 -m pip install -q --no-compile --upgrade --target "$@"; touch "$1/.installed"; }
