@@ -6,8 +6,8 @@ of 1000 fake GPU nodes, from `kubectl apply` to Ready with every pod Ready, and 
 
 The operator runs as in a cluster: the chart installed with helm, `python -m kubemoe.operator.cli` (kopf,
 peering) with the chart's ServiceAccount token (its RBAC), pulling /loads every --interval seconds. Runtime
-deployment, so that pods exist: kube-controller-manager makes ReplicaSets and pods, kube-scheduler binds
-them to the planned nodes, kwok (the nodes' kubelet) marks them Running and Ready. This process only
+pods, so that pods exist: the operator makes the expert functions' pods (kube-controller-manager the
+frontend's ReplicaSet and pods), kube-scheduler binds them to the planned nodes, kwok (the nodes' kubelet) marks them Running and Ready. This process only
 watches the API (and serves the frontends' /loads on their pods' IPs, which kwok takes from loopback):
 
 - create: `kubectl apply` -> PlanApplied=True (every object applied) -> every pod Ready -> Ready=True.
@@ -55,7 +55,8 @@ from kubemoe.devcluster import Cluster, ClusterConfig  # noqa: E402
 from kubemoe.load_report import PROTOBUF  # noqa: E402
 from kubemoe.operator.kube import ApiError, Kube  # noqa: E402
 from kubemoe.operator.plan import Loads, NodeInfo, plan  # noqa: E402
-from kubemoe.operator.render import COMPONENT, EXPERT, FINGERPRINT_ANNOTATION, KINDS, OPTIONAL_KINDS  # noqa: E402
+from kubemoe.operator.render import (COMPONENT, EXPERT, FINGERPRINT_ANNOTATION, FUNCTION_LABEL, KINDS,  # noqa: E402
+                                     OPTIONAL_KINDS)
 from kubemoe.operator.spec import API_VERSION, KIND, MoESpec  # noqa: E402
 from kubemoe.ports import FRONTEND_HTTP  # noqa: E402
 from kubemoe.proto import kubemoe_pb2 as pb  # noqa: E402
@@ -68,7 +69,7 @@ IDLE_S = 20.0  # seconds of CPU accounting before the MoEDeployment is applied
 DEEPSEEK_V3 = {
     "model": {"uri": "hostpath:///models/deepseek-v3", "layout": {  # no PVC here to bind
         "moeLayers": list(range(3, 61)), "expertsPerLayer": 256, "expertBytes": 3 * 7168 * 2048 * 2}},
-    "experts": {"runtime": "deployment", "bundleBytes": "2Gi",  # 24 experts per bundle: 11 bundles per layer
+    "experts": {"runtime": "pods", "bundleBytes": "2Gi",  # 24 experts per bundle: 11 bundles per layer
                 "scaling": {"keepAlive": "1s"}, "placement": {"tolerations": [{"operator": "Exists"}]}},
     "frontend": {"replicas": FRONTENDS},
     "cost": {"gpuHourPrice": 2.5},
@@ -161,17 +162,20 @@ class Watch:
         return found
 
     def expert_workloads(self) -> int:
-        """The deployment's expert Deployments in the API (those of retired functions until they are deleted)."""
-        return len(self.kube.list("apps/v1", "Deployment", NAMESPACE,
-                                  f"app.kubernetes.io/instance={NAME},{COMPONENT}={EXPERT}"))
+        """The deployment's expert functions in the API (those retired until their pods are deleted)."""
+        return len({p["metadata"]["labels"].get(FUNCTION_LABEL) for p in self.kube.list(
+            "v1", "Pod", NAMESPACE, f"app.kubernetes.io/instance={NAME},{COMPONENT}={EXPERT}")
+            if not p["metadata"].get("deletionTimestamp")})
 
     def pods(self) -> tuple[int, int, float]:
-        """(pods wanted by the deployment's Deployments, pods Ready, when the last of them turned Ready: the
-        latest Ready lastTransitionTime, wall-clock seconds, whole seconds as the API keeps them)."""
+        """(pods wanted: the frontend Deployment's replicas and the expert pods the operator made, pods Ready,
+        when the last of them turned Ready: the latest Ready lastTransitionTime, wall-clock seconds, whole
+        seconds as the API keeps them)."""
         selector = f"app.kubernetes.io/instance={NAME}"
+        pods = [p for p in self.kube.list("v1", "Pod", NAMESPACE, selector) if not p["metadata"].get("deletionTimestamp")]
         wanted = sum(d["spec"].get("replicas", 1) for d in self.kube.list("apps/v1", "Deployment", NAMESPACE, selector))
-        ready = [c for p in self.kube.list("v1", "Pod", NAMESPACE, selector) if not p["metadata"].get("deletionTimestamp")
-                 for c in p["status"].get("conditions", []) if c["type"] == "Ready" and c["status"] == "True"]
+        wanted += sum(1 for p in pods if p["metadata"]["labels"].get(COMPONENT) == EXPERT)
+        ready = [c for p in pods for c in p["status"].get("conditions", []) if c["type"] == "Ready" and c["status"] == "True"]
         last = max((dt.datetime.fromisoformat(c["lastTransitionTime"].replace("Z", "+00:00")).timestamp()
                     for c in ready), default=float("nan"))
         return wanted, len(ready), last
@@ -392,7 +396,8 @@ def main() -> None:
         reached = [seconds(big, s, "ready_s") for s in steps if s in big]
         goals["converge_s_1000_nodes"] = Goal(max(reached), "<= 10")
     write_results("operator", torch.device("cpu"), rows, goals, model="DeepSeek-V3 layout (58 x 256, bf16)",
-                  runtime="deployment: kube-controller-manager, kube-scheduler and kwok pods",
+                  runtime="pods: the operator's expert pods, kube-scheduler and kwok (the frontend's Deployment: "
+                          "kube-controller-manager)",
                   operator="python -m kubemoe.operator.cli (kopf, peering) with the chart's RBAC",
                   converge_means="kubectl apply (or the frontends' new loads) -> status Ready=True with "
                                  "every pod Ready; converge_s_1000_nodes is the slowest of create, loads "

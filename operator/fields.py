@@ -14,7 +14,7 @@ from kubemoe.operator.schema import (DURATION_PATTERN, Duration, Integer, List, 
                                      Rule, String, parse_duration)
 
 MODES = ("distributed", "offload", "auto")
-RUNTIMES = ("knative", "deployment")
+RUNTIMES = ("knative", "pods")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}  # the weight dtypes a model may be served in
 DTYPES = tuple(DTYPE_BYTES)
 PREDICTORS = ("llapor", "frequency")
@@ -38,8 +38,8 @@ URI_PATTERN = r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|hostpath:///.+|s3://
 KNATIVE_MAX_KEEP_ALIVE = "1h"
 KNATIVE_KEEP_ALIVE_MESSAGE = (f"spec.experts.scaling.keepAlive is at most {KNATIVE_MAX_KEEP_ALIVE} with runtime knative "
                               "(Knative caps the scale-down-delay it is rendered as at 1h): write 1h or less, or set "
-                              "spec.experts.runtime: deployment, which keeps replicas warm for any keepAlive")
-DRA_NEEDS_DEPLOYMENT_MESSAGE = ("spec.experts.gpuSharing.mode dra needs spec.experts.runtime: deployment (Knative "
+                              "spec.experts.runtime: pods, which keeps replicas warm for any keepAlive")
+DRA_NEEDS_DEPLOYMENT_MESSAGE = ("spec.experts.gpuSharing.mode dra needs spec.experts.runtime: pods (Knative "
                                 "Serving rejects pods with resourceClaims, knative/serving#15332): set runtime: "
                                 "deployment, or share GPUs with mode timeSlicing or mps")
 SHARED_GPUS_MESSAGE = ("spec.experts.gpus counts whole GPUs per replica and applies to gpuSharing.mode exclusive; "
@@ -186,8 +186,9 @@ GPU_SHARING = Object(
 _MAX_KEEP_ALIVE_S = parse_duration(KNATIVE_MAX_KEEP_ALIVE, "KNATIVE_MAX_KEEP_ALIVE")
 
 EXPERTS = Object("The expert functions: bundles of routed experts, one service per (bundle, node).", {
-    "runtime": String("What runs expert functions: knative (Knative Services, scale per bundle) or deployment "
-                      "(Deployments + ClusterIP Services, for clusters without Knative).",
+    "runtime": String("What runs expert functions: knative (Knative Services, scale per bundle) or pods "
+                      "(pods the operator makes and replaces itself under one headless Service, for clusters "
+                      "without Knative).",
                       default="knative", enum=RUNTIMES),
     "image": String("Container image of the expert functions. Default: the operator's --expert-image "
                     "(Helm value images.expertFn)."),
@@ -211,8 +212,8 @@ EXPERTS = Object("The expert functions: bundles of routed experts, one service p
          lambda e: e["runtime"] != "knative" or parse_duration(e["scaling"]["keepAlive"], "keepAlive") <= _MAX_KEEP_ALIVE_S),
     Rule("!has(self.gpuSharing) || self.gpuSharing.mode == 'exclusive' || !has(self.gpus) || self.gpus == 1",
          SHARED_GPUS_MESSAGE, lambda e: e["gpuSharing"]["mode"] == "exclusive" or e["gpus"] == 1),
-    Rule("!has(self.gpuSharing) || self.gpuSharing.mode != 'dra' || self.runtime == 'deployment'",
-         DRA_NEEDS_DEPLOYMENT_MESSAGE, lambda e: e["gpuSharing"]["mode"] != "dra" or e["runtime"] == "deployment"),
+    Rule("!has(self.gpuSharing) || self.gpuSharing.mode != 'dra' || self.runtime == 'pods'",
+         DRA_NEEDS_DEPLOYMENT_MESSAGE, lambda e: e["gpuSharing"]["mode"] != "dra" or e["runtime"] == "pods"),
 ))
 
 OFFLOAD = Object("The offload path (LayerScope) for single-GPU nodes: the frontend holds every expert.", {

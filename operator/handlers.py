@@ -6,7 +6,7 @@ Create, update and resume reconcile the spec; the timer pulls the frontends' /lo
 delete only reports (owner references let the garbage collector remove the children, so no
 finalizer is needed). Settings come from the environment once (`OperatorConfig.from_env`).
 
-Nodes (a Kopf index), pods and the expert/frontend Deployments and Knative Services (watch.py: watches of
+Nodes (a Kopf index), pods and the expert pods, frontend Deployments and Knative Services (watch.py: watches of
 the operator's own, an event a dict update) are kept from watches: a reconcile lists none of the cluster's
 nodes and pods, and a child's change (its pods Ready) brings the owner's status up to date within a second
 (status_follower.py).
@@ -33,7 +33,7 @@ from kubemoe.operator.watch import ListWatch
 CONFIG = OperatorConfig.from_env()
 RESOURCE = (GROUP, VERSION, PLURAL)
 CHILD_LABELS = {MANAGED_BY: MANAGER}  # the workloads this operator made
-CHILD_KINDS = (("apps/v1", "Deployment"), KNATIVE)  # whose readiness the status follows
+CHILD_KINDS = (("v1", "Pod"), ("apps/v1", "Deployment"), KNATIVE)  # whose readiness the status follows
 PODS_LISTED_S = 60.0
 
 
@@ -76,8 +76,9 @@ class OwnDiffBase(kopf.AnnotationsDiffBaseStorage):
 
 def start_watches(api, memo: kopf.Memo, loop: asyncio.AbstractEventLoop) -> None:
     """The pods (capacity counts those of every namespace, so only when every namespace is watched) and the
-    operator's Deployments and Knative Services in the namespaces it watches; a child's change brings its
-    owner's status up to date (Ready follows the pods within a second, not at the next timer tick)."""
+    operator's pods, Deployments and Knative Services in the namespaces it watches (its pods from the
+    cluster-wide watch where there is one); a child's change brings its owner's status up to date (Ready
+    follows the pods within a second, not at the next timer tick)."""
     def changed(child: dict) -> None:  # in a watch's thread: the follower lives on Kopf's loop
         for uid in owner_uids(child):
             loop.call_soon_threadsafe(follow, uid)
@@ -88,13 +89,15 @@ def start_watches(api, memo: kopf.Memo, loop: asyncio.AbstractEventLoop) -> None
         memo.status_follower.changed(uid, lambda: memo.reconciler.refresh_status(uid, lambda: all_children(memo)))
 
     selector = ",".join(f"{k}={v}" for k, v in CHILD_LABELS.items())
+    memo.pods = None if CONFIG.watch_namespaces else ListWatch(api, "v1", "Pod", on_change=changed).start()
+    kinds = [kind for kind in CHILD_KINDS if memo.pods is None or kind != ("v1", "Pod")]
     memo.children = [ListWatch(api, api_version, kind, namespace, selector, on_change=changed).start()
-                     for api_version, kind in CHILD_KINDS for namespace in CONFIG.watch_namespaces or [None]]
-    memo.pods = None if CONFIG.watch_namespaces else ListWatch(api, "v1", "Pod").start()
+                     for api_version, kind in kinds for namespace in CONFIG.watch_namespaces or [None]]
 
 
 def all_children(memo: kopf.Memo) -> list[dict]:
-    return [child for watch in memo.children for child in watch.values()]
+    watches = [*memo.children, *([memo.pods] if memo.pods is not None else [])]
+    return [child for watch in watches for child in watch.values()]
 
 
 @kopf.on.cleanup()

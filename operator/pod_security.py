@@ -22,10 +22,12 @@ _SOURCES = {"node-shm": "spec.dataPath.sameNode hostShm (or set sameNode: tcp)",
 
 
 def host_path_volumes(objects: Iterable[Mapping[str, Any]]) -> list[str]:
-    """Names of the hostPath volumes in the objects' pod templates (Deployments, Knative Services), once each."""
+    """Names of the hostPath volumes in the objects' pods (Pods, Deployments' and Knative Services' templates),
+    once each."""
     names: list[str] = []
     for obj in objects:
-        pod = ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
+        spec = obj.get("spec") or {}
+        pod = spec if obj.get("kind") == "Pod" else (spec.get("template") or {}).get("spec") or {}
         for volume in pod.get("volumes", []):
             if "hostPath" in volume and volume["name"] not in names:
                 names.append(volume["name"])

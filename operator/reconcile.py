@@ -24,8 +24,9 @@ from kubemoe.operator.kube import ApiError, Kube
 from kubemoe.operator.loads import LoadSource
 from kubemoe.operator.plan import (NO_LOADS, Decisions, Loads, NodeInfo, Plan, PlanError, decisions, plan,
                                    with_dra_devices)
-from kubemoe.operator.render import (COMPONENT, EXPERT, FINGERPRINT_ANNOTATION, FRONTEND, KINDS, KNATIVE,
-                                     OPTIONAL_KINDS, RETIRED_ANNOTATION, ROUTING, observe, render, selector)
+from kubemoe.operator.render import (COMPONENT, EXPERT, EXPERT_KINDS, FINGERPRINT_ANNOTATION, FRONTEND, KINDS,
+                                     OPTIONAL_KINDS, RETIRED_ANNOTATION, ROUTING, function_of, observe, render,
+                                     selector)
 from kubemoe.operator.spec import API_VERSION, KIND, MoEDeployment, MoESpec, SpecError
 
 Object = dict[str, Any]
@@ -71,7 +72,7 @@ class _Applied:
     plan: Plan
     loads: Loads
     generation: int
-    services: AbstractSet[ObjectKey] | None = None  # its expert services' keys (what ExpertsReady counts)
+    services: Mapping[ObjectKey, str] | None = None  # its expert objects' keys -> function (what ExpertsReady counts)
 
 
 def key_of(obj: Mapping[str, Any]) -> ObjectKey:
@@ -139,7 +140,7 @@ class Reconciler:
 
     def _apply(self, body: Mapping[str, Any], deployment: MoEDeployment, loads: Loads, now: float,
                watched: Watched | None) -> Outcome:
-        children = self._children(deployment)
+        children = self._children(deployment, watched)
         mode = deployment.spec.mode
         previous = observe(deployment.spec, mode, children.values())
         nodes = list(watched.nodes) if watched else [NodeInfo.from_node(n) for n in self.kube.list("v1", "Node")]
@@ -156,7 +157,7 @@ class Reconciler:
         if new.mode == "distributed" and deployment.spec.experts.runtime == "knative" and not self._has_knative():
             missing = c.Condition(c.PLAN_APPLIED, False, c.RUNTIME_MISSING,
                                   "runtime knative needs Knative Serving (serving.knative.dev/v1 Services): install "
-                                  "it (see the chart's README) or set spec.experts.runtime: deployment")
+                                  "it (see the chart's README) or set spec.experts.runtime: pods")
             return self._finish(body, deployment, new, list(children.values()), Changes(), loads, missing, retry=True)
 
         changes = Changes()
@@ -166,8 +167,12 @@ class Reconciler:
             return self._finish(body, deployment, new, list(children.values()), Changes(), loads,
                                 c.Condition(c.PLAN_APPLIED, False, c.POD_SECURITY_FORBIDDEN, forbidden), retry=True)
         wanted.sort(key=_apply_order)
+        # Pods that ended (evicted, their node lost) or are going: deleted now, made again by the next reconcile
+        # (a pod's name is free only once it is gone), as a Deployment's controller would replace them.
+        ended = {key for key, o in children.items() if _ended(o)}
         try:
-            stale = [o for o in wanted if _fingerprint(children.get(key_of(o)) or {"metadata": {}}) != _fingerprint(o)]
+            stale = [o for o in wanted if key_of(o) not in ended
+                     and _fingerprint(children.get(key_of(o)) or {"metadata": {}}) != _fingerprint(o)]
             changes.unchanged = len(wanted) - len(stale)
             # Apply in order groups (experts, frontend, routing table last), each group concurrently:
             # a DeepSeek-V3-sized plan is ~650 objects, one round trip each.
@@ -181,8 +186,8 @@ class Reconciler:
                                  f"the API server refused an object ({e.message}); the operator retries")
             return self._finish(body, deployment, new, list(children.values()), changes, loads, failed, retry=True)
         changes.decisions = decisions(previous, new)
-        rendered = {key_of(o) for o in wanted}
-        services = frozenset(key_of(o) for o in wanted if _is_expert_service(o))
+        rendered = {key_of(o) for o in wanted} - ended
+        services = {key_of(o): function_of(o) for o in wanted if _is_expert_service(o)}
         # The plan is in the cluster (routing table included): its status now, and refreshes from here on
         # follow its pods while what left the plan is deleted.
         outcome = self._finish(body, deployment, new, list(children.values()), changes, loads, None, retry=False,
@@ -190,7 +195,12 @@ class Reconciler:
                                services=services)
         # What left the plan (its keep-alive over) or is no longer rendered, concurrently: one at a time,
         # the 844 functions a move retires at 1000 nodes took 23 s (concurrently still ~9 s on 2 cores).
-        gone = [key for key in children if key not in rendered]
+        # A function's pods of an older spec stay until its new ones are Ready (a Deployment's surge): the
+        # next reconcile deletes them.
+        starting = {function_of(o) for o in wanted if o["kind"] == "Pod" and _is_expert_service(o)
+                    and not _service_ready(children.get(key_of(o)) or o)}
+        gone = [key for key, o in children.items() if key not in rendered and not o["metadata"].get("deletionTimestamp")
+                and not (key[1] == "Pod" and not _ended(o) and function_of(o) in starting)]
         try:
             with ThreadPoolExecutor(max_workers=self.config.apply_concurrency) as pool:
                 list(pool.map(lambda key: self.kube.delete(key[0], key[1], deployment.namespace, key[2]), gone))
@@ -203,11 +213,17 @@ class Reconciler:
 
     # -- observation --------------------------------------------------------------------------------
 
-    def _children(self, deployment: MoEDeployment) -> dict[ObjectKey, Object]:
+    def _children(self, deployment: MoEDeployment, watched: Watched | None) -> dict[ObjectKey, Object]:
         found: dict[ObjectKey, Object] = {}
         for api_version, kind in KINDS:
+            items: Iterable[Mapping[str, Any]]
             try:
-                items = self.kube.list(api_version, kind, deployment.namespace, selector(deployment, ""))
+                if kind == "Pod" and watched is not None and watched.pods is not None:
+                    # From the watch: ~1000 expert pods listed every reconcile were megabytes a tick. One the
+                    # watch has not seen yet is applied again (unchanged, the API server changes nothing).
+                    items = [p for p in watched.pods if p["metadata"].get("namespace") == deployment.namespace]
+                else:
+                    items = self.kube.list(api_version, kind, deployment.namespace, selector(deployment, ""))
             except ApiError as e:
                 if e.status == 404 and (api_version, kind) in OPTIONAL_KINDS:
                     continue  # Knative not installed, or no DRA API: nothing of that kind to find
@@ -215,7 +231,7 @@ class Reconciler:
             for item in items:
                 owners = item["metadata"].get("ownerReferences") or []
                 if any(o.get("uid") == deployment.uid for o in owners):  # never touch what is not ours
-                    found[key_of(item)] = item
+                    found[key_of(item)] = dict(item)
         return found
 
     def _resource_slices(self) -> list[Object]:
@@ -246,7 +262,7 @@ class Reconciler:
 
     def _finish(self, body: Mapping[str, Any], deployment: MoEDeployment | None, new: Plan | None,
                 children: list[Object], changes: Changes, loads: Loads, error: c.Condition | None, retry: bool,
-                fresh: AbstractSet[ObjectKey] = frozenset(), services: AbstractSet[ObjectKey] | None = None,
+                fresh: AbstractSet[ObjectKey] = frozenset(), services: Mapping[ObjectKey, str] | None = None,
                 publish: bool = True) -> Outcome:
         """Writes the status; with `publish` (a reconcile), the plan becomes what refreshes evaluate (or none,
         on an error), in the same step, so that no refresh writes the status of a plan older than the last."""
@@ -261,7 +277,7 @@ class Reconciler:
 
     def _write_status(self, body: Mapping[str, Any], deployment: MoEDeployment | None, new: Plan | None,
                       children: list[Object], changes: Changes, loads: Loads, error: c.Condition | None, retry: bool,
-                      fresh: AbstractSet[ObjectKey], services: AbstractSet[ObjectKey] | None) -> Outcome:
+                      fresh: AbstractSet[ObjectKey], services: Mapping[ObjectKey, str] | None) -> Outcome:
         meta = body["metadata"]
         generation = int(meta.get("generation", 0))
         live = {key_of(o): o for o in children if key_of(o) not in fresh}
@@ -353,12 +369,20 @@ def _frontend_ready(live: Mapping[ObjectKey, Object], error: c.Condition | None)
 
 
 def _is_expert_service(obj: Mapping[str, Any]) -> bool:
-    return ((obj["metadata"].get("labels") or {}).get(COMPONENT) == EXPERT and obj["kind"] in ("Deployment", KNATIVE[1])
-            and obj["apiVersion"] != "v1" and RETIRED_ANNOTATION not in (obj["metadata"].get("annotations") or {}))
+    """An object of a function of the plan (a pod of it, or its Knative Service), not one kept warm."""
+    return ((obj["metadata"].get("labels") or {}).get(COMPONENT) == EXPERT
+            and (obj["apiVersion"], obj["kind"]) in EXPERT_KINDS
+            and RETIRED_ANNOTATION not in (obj["metadata"].get("annotations") or {}))
+
+
+def _ended(obj: Mapping[str, Any]) -> bool:
+    """A pod that will not serve again: it failed or finished (evicted, its node lost), or it is going."""
+    return obj["kind"] == "Pod" and (bool(obj["metadata"].get("deletionTimestamp"))
+                                     or (obj.get("status") or {}).get("phase") in ("Failed", "Succeeded"))
 
 
 def _experts_ready(new: Plan | None, live: Mapping[ObjectKey, Object], error: c.Condition | None,
-                   planned: AbstractSet[ObjectKey] | None = None) -> c.Condition:
+                   planned: Mapping[ObjectKey, str] | None = None) -> c.Condition:
     if new is None:
         if error is not None:
             return c.Condition(c.EXPERTS_READY, False, error.reason,
@@ -369,9 +393,13 @@ def _experts_ready(new: Plan | None, live: Mapping[ObjectKey, Object], error: c.
     # The plan's own services where known (a refresh): the watch also holds those of the plan before, not yet
     # retired or deleted, and while the next plan is applied, this one's services it retires (still routed to
     # until its routing table is applied) carry the retired-at annotation already.
-    services = [o for k, o in live.items() if (k in planned if planned is not None else _is_expert_service(o))]
+    if planned is None:
+        planned = {k: function_of(o) for k, o in live.items() if _is_expert_service(o)}
+    functions: dict[str, bool] = {}  # a function is ready when each of its planned objects is
+    for key, function in planned.items():
+        functions[function] = functions.get(function, True) and key in live and _service_ready(live[key])
     want = len(new.services())
-    ready = sum(1 for o in services if _service_ready(o))
+    ready = sum(functions.values())
     if error is not None:  # the new plan is not (all) in the cluster: what runs is not what was planned
         return c.Condition(c.EXPERTS_READY, False, error.reason,
                            f"{ready}/{want} expert services of the new plan ready; it was not applied: {error.message}")
@@ -387,8 +415,9 @@ def _experts_ready(new: Plan | None, live: Mapping[ObjectKey, Object], error: c.
 
 def _service_ready(obj: Mapping[str, Any]) -> bool:
     status = obj.get("status") or {}
-    if obj["kind"] == "Deployment":
-        return _ready_replicas(obj) >= obj["spec"].get("replicas", 1)
+    if obj["kind"] == "Pod":
+        return not _ended(obj) and any(x.get("type") == "Ready" and x.get("status") == "True"
+                                       for x in status.get("conditions", []))
     current = status.get("observedGeneration") == obj["metadata"].get("generation")
     return current and any(x.get("type") == "Ready" and x.get("status") == "True" for x in status.get("conditions", []))
 

@@ -6,14 +6,19 @@ labels, and a fingerprint annotation that lets the operator skip objects that di
 
 Expert addresses in the routing table are cluster DNS names, never pod IPs: with runtime knative the
 Knative Service's address `<ksvc>.<ns>.svc.cluster.local:80` (Knative's ingress-free private path
-through the activator or straight to the pods when warm, speaking h2c); with runtime deployment the
+through the activator or straight to the pods when warm, speaking h2c); with runtime pods the
 pods' own names under one headless Service of the deployment's expert functions,
 `<function>.<deployment>-experts.<ns>.svc.cluster.local:8080` (each function's pods take its name as
 their hostname). One address per (bundle, node) service, so the frontend's join-the-shortest-queue
 chooses between the nodes of a bundle. One headless Service, not a ClusterIP Service per function:
 at 1000 functions a Service each cost the API server a third of its writes (the Service, its cluster
 IP's IPAddress, Endpoints and EndpointSlices created and updated as pods turn Ready;
-benchmarks/operator_plan.py), and every node's kube-proxy a rule set each.
+benchmarks/operator_plan.py), and every node's kube-proxy a rule set each. For the same reason a
+function's pods are the operator's own, not a Deployment's: ReplicaSets, their and the Deployments' status
+and events were two thirds of the writes when ~640 functions start (benchmarks/experiments/
+workload_kinds_probe.py: 640 bare pods Ready in 4.8 s, 640 one-replica Deployments in 12.2 s). The
+operator does what the Deployment did: it re-creates a pod that ended and replaces a changed one only
+once its successor is Ready (reconcile.py).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ Object = dict[str, Any]
 NAME, INSTANCE, COMPONENT = "app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component"
 PART_OF, MANAGED_BY = "app.kubernetes.io/part-of", "app.kubernetes.io/managed-by"
 BUNDLE_LABEL = "kubemoe.io/bundle"
+FUNCTION_LABEL = "kubemoe.io/function"     # runtime pods: the function (its hostname) a pod is a replica of
 NODE_LABEL = "kubemoe.io/node-hash"         # node names may exceed the 63 characters of a label value
 NODE_ANNOTATION = "kubemoe.io/node"
 GPU_ANNOTATION = "kubemoe.io/gpu"           # gpuSharing dra: the GPU of the node (site node/gpuN) it runs on
@@ -63,7 +69,9 @@ RESOURCE_CLAIM = ("resource.k8s.io/v1", "ResourceClaim")  # GA since Kubernetes 
 # a GPU's ResourceClaim before the pods that use it).
 KINDS = (("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"),
          ("rbac.authorization.k8s.io/v1", "RoleBinding"), RESOURCE_CLAIM, ("v1", "ConfigMap"), ("v1", "Service"),
-         ("apps/v1", "Deployment"), KNATIVE)
+         ("v1", "Pod"), ("apps/v1", "Deployment"), KNATIVE)
+# The kinds of an expert function's objects: runtime pods, one per replica; runtime knative, one a function.
+EXPERT_KINDS = (("v1", "Pod"), KNATIVE)
 # Kinds whose API a cluster may not serve (Knative not installed, Kubernetes before 1.34): nothing to list.
 OPTIONAL_KINDS = (KNATIVE, RESOURCE_CLAIM)
 # The API version of the NVIDIA DRA driver's opaque GpuConfig.
@@ -113,7 +121,7 @@ def render(deployment: MoEDeployment, plan: Plan, config: OperatorConfig) -> lis
     objects = [*_frontend(deployment, plan, config), _routing_configmap(deployment, plan)]
     if deployment.spec.experts.sharing.mode == "dra" and plan.mode != "offload":
         objects += [_gpu_claim(deployment, site) for site in sorted(plan.sites())]
-    if deployment.spec.experts.runtime == "deployment" and plan.mode != "offload":
+    if deployment.spec.experts.runtime == "pods" and plan.mode != "offload":
         objects.append(_experts_service(deployment))
     bundles = {b.name: b for b in plan.bundles}
     for (bundle, node), replicas in plan.services().items():
@@ -239,7 +247,7 @@ def experts_service_name(deployment: MoEDeployment) -> str:
 
 
 def _experts_service(deployment: MoEDeployment) -> Object:
-    """Runtime deployment: the headless Service under which each expert function's pods are found by its
+    """Runtime pods: the headless Service under which each expert function's pods are found by its
     name (their hostname); the cluster DNS answers with the pods' IPs once they are Ready."""
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": {"name": experts_service_name(deployment), "labels": labels(deployment, EXPERT)},
@@ -302,12 +310,19 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
             "metadata": {"labels": pod_labels, "annotations": template_annotations}, "spec": pod}}}]
     container["readinessProbe"] = {"grpc": {"port": args.port}, "periodSeconds": 5}
     pod["hostname"], pod["subdomain"] = name, experts_service_name(deployment)  # its address (expert_address)
-    match = {INSTANCE: deployment.name, COMPONENT: EXPERT, BUNDLE_LABEL: bundle_name, NODE_LABEL: node_hash(site)}
-    return [
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": {
-            "replicas": replicas, "selector": {"matchLabels": match},
-            "template": {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod}}},
-    ]
+    # A pod's spec cannot change: its name carries the spec's hash, so a changed spec renders new pods
+    # (the old ones are deleted once these are Ready) and a changed annotation (retired, replicas) patches.
+    revision = _digest(json.dumps(pod, sort_keys=True))[:8]
+    return [{"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": f"{name}-{revision}-{i}", "labels": {**pod_labels, FUNCTION_LABEL: name},
+                          "annotations": {**annotations, **pod_annotations}},
+             "spec": pod} for i in range(replicas)]
+
+
+def function_of(obj: Mapping[str, Any]) -> str:
+    """The expert function an expert object belongs to: a pod's label, a Knative Service's own name."""
+    meta = obj["metadata"]
+    return (meta.get("labels") or {}).get(FUNCTION_LABEL) or meta["name"]
 
 
 def _gpu_share(spec: MoESpec, bundle: Bundle) -> Object:
@@ -450,7 +465,8 @@ def observe(spec: MoESpec, mode: str, children: Iterable[Object]) -> Plan:
     retired: dict[ServiceKey, Retired] = {}
     version = 0
     table = None
-    services: dict[str, ServiceKey] = {}  # object name (the first label of its address) -> (bundle, node)
+    services: dict[str, ServiceKey] = {}  # function name (the first label of its address) -> (bundle, node)
+    seen: set[str] = set()
     for obj in children:
         meta = obj["metadata"]
         annotations, obj_labels = meta.get("annotations") or {}, meta.get("labels") or {}
@@ -458,8 +474,12 @@ def observe(spec: MoESpec, mode: str, children: Iterable[Object]) -> Plan:
             version = max(version, int(annotations.get(VERSION_ANNOTATION, "0") or 0))
             table = (obj.get("data") or {}).get(CONFIGMAP_KEY)
             continue
-        if obj_labels.get(COMPONENT) != EXPERT or (obj["apiVersion"], obj["kind"]) not in (("apps/v1", "Deployment"), KNATIVE):
-            continue  # one object per expert service: its Service (runtime deployment) would count twice
+        if obj_labels.get(COMPONENT) != EXPERT or (obj["apiVersion"], obj["kind"]) not in EXPERT_KINDS:
+            continue  # the experts' headless Service (runtime pods) is no function
+        function = function_of(obj)
+        if function in seen:
+            continue  # another replica (runtime pods): the annotations say how many
+        seen.add(function)
         bundle, node = obj_labels.get(BUNDLE_LABEL), annotations.get(NODE_ANNOTATION)
         replicas = int(annotations.get(REPLICAS_ANNOTATION, "1"))
         if not bundle or not node:
@@ -470,7 +490,7 @@ def observe(spec: MoESpec, mode: str, children: Iterable[Object]) -> Plan:
             retired[(bundle, node)] = Retired(replicas, float(annotations[RETIRED_ANNOTATION]))
         else:
             nodes.setdefault(bundle, []).extend([node] * replicas)
-            services[meta["name"]] = (bundle, node)
+            services[function] = (bundle, node)
     return Plan(mode, tuple(spec.bundles()), {b: tuple(sorted(n)) for b, n in nodes.items()}, retired, version,
                 hosted=_hosted_in(table, services))
 

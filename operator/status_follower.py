@@ -1,7 +1,7 @@
-"""A MoEDeployment's status follows its children: when a child Deployment or Knative Service changes (its
-pods became Ready), the owner's status is evaluated again soon after, not at the next timer tick.
+"""A MoEDeployment's status follows its children: when a child pod, Deployment or Knative Service changes
+(its pods became Ready), the owner's status is evaluated again soon after, not at the next timer tick.
 
-Changes come in bursts (hundreds of expert Deployments turn Ready within seconds of each other), so each
+Changes come in bursts (hundreds of expert pods turn Ready within seconds of each other), so each
 owner is refreshed at most once per `delay_s`, one refresh at a time: the first change schedules a refresh,
 later ones until it runs ride along with it, and changes while it runs make one more after it. The refresh
 itself (one GET and one status patch) runs in a worker thread and reads the watch when it starts.

@@ -1,5 +1,5 @@
-"""What the operator only reads, kept from a list and a watch of its own: the cluster's pods (capacity) and the
-Deployments and Knative Services it made (their readiness, for the status).
+"""What the operator reads, kept from a list and a watch of its own: the cluster's pods (capacity) and the
+pods, Deployments and Knative Services it made (their readiness, for the status).
 
 Kopf could keep them (indices), but it handles every event of every kind it watches through its whole
 machinery (~1.5 ms an event, py-spy at 1000 nodes): a step that starts 1000 pods brings ~5000 pod and

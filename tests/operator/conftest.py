@@ -32,7 +32,7 @@ SMALL_SPEC = {
     "model": {"uri": "pvc://models/tiny", "layout": {"moeLayers": [0, 1], "expertsPerLayer": 4,
                                                      "expertBytes": "128Mi"}},
     "frontend": {"replicas": 1, "gpus": 0},
-    "experts": {"runtime": "deployment", "bundleBytes": "256Mi"},
+    "experts": {"runtime": "pods", "bundleBytes": "256Mi"},
     "cost": {"gpuHourPrice": 2.0},
 }
 

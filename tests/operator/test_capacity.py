@@ -46,7 +46,7 @@ def deployment(f, name: str, mode: str, layers: int = 2, experts: int = 4, exper
                        model={"uri": "pvc://m/x", "layout": {"moeLayers": list(range(layers)), "expertsPerLayer": experts,
                                                              "expertBytes": f"{expert_mib}Mi"}},
                        frontend={"replicas": frontends, "gpus": frontend_gpus},
-                       experts={"runtime": "deployment", "bundleBytes": f"{expert_mib}Mi", "gpuSharing": sharing,
+                       experts={"runtime": "pods", "bundleBytes": f"{expert_mib}Mi", "gpuSharing": sharing,
                                 "scaling": {"maxReplicasPerExpert": max_replicas}})
     return MoEDeployment.from_body(body)
 
@@ -58,10 +58,14 @@ def skewed(d: MoEDeployment, factor: float = 50.0) -> Loads:
 
 
 def pods_of(d: MoEDeployment, p, frontend_nodes: list[str] = ()) -> list[dict]:
-    """The pods the operator's rendered Deployments make, bound where they were planned (frontends to
-    `frontend_nodes`, in turn; Pending without)."""
+    """The pods the operator renders (expert functions, bound where they were planned) and its frontend
+    Deployment makes (bound to `frontend_nodes`, in turn; Pending without)."""
     made = []
     for obj in render(d, p, OperatorConfig()):
+        if obj["kind"] == "Pod":
+            node = obj["metadata"]["annotations"]["kubemoe.io/node"]
+            made.append({"metadata": obj["metadata"], "spec": {**obj["spec"], "nodeName": node},
+                         "status": {"phase": "Running"}})
         if obj["kind"] != "Deployment":
             continue
         template = obj["spec"]["template"]

@@ -147,17 +147,17 @@ def test_every_feature_gated_podspec_field_is_in_the_charts_knative_instructions
         assert f"{FEATURE_FLAGS[field]}: enabled" in readme, f"{field} needs {FEATURE_FLAGS[field]}"
 
 
-# -- keepAlive above Knative's 1h cap: refused (runtime deployment keeps services warm for any keepAlive) ----
+# -- keepAlive above Knative's 1h cap: refused (runtime pods keeps services warm for any keepAlive) ----
 
 @pytest.mark.parametrize("keep_alive", ["61m", "1h0m1s", "2h", "24h"])
 def test_a_keepalive_over_an_hour_is_refused_with_runtime_knative(f, keep_alive):
     body = f.moed_body(experts={"runtime": "knative", "scaling": {"keepAlive": keep_alive}})
-    with pytest.raises(SpecError, match="keepAlive is at most 1h with runtime knative.*runtime: deployment"):
+    with pytest.raises(SpecError, match="keepAlive is at most 1h with runtime knative.*runtime: pods"):
         MoEDeployment.from_body(body)
 
 
-def test_a_long_keepalive_is_kept_with_runtime_deployment(f):
-    deployment = MoEDeployment.from_body(f.moed_body(experts={"runtime": "deployment", "scaling": {"keepAlive": "24h"}}))
+def test_a_long_keepalive_is_kept_with_runtime_pods(f):
+    deployment = MoEDeployment.from_body(f.moed_body(experts={"runtime": "pods", "scaling": {"keepAlive": "24h"}}))
     assert deployment.spec.experts.scaling.keep_alive_s == 24 * 3600
 
 

@@ -13,7 +13,7 @@ LAYOUT = {"moeLayers": [0, 1], "expertsPerLayer": 8, "expertBytes": "1Gi", "expe
 
 
 def spec_of(f, **overrides) -> MoESpec:
-    body = f.moed_body(model={"uri": "pvc://models/m", "layout": LAYOUT}, experts={"runtime": "deployment",
+    body = f.moed_body(model={"uri": "pvc://models/m", "layout": LAYOUT}, experts={"runtime": "pods",
                                                                                   "bundleBytes": "8Gi"}, **overrides)
     return MoESpec.parse(body["spec"])
 

@@ -27,6 +27,8 @@ def children(api, namespace: str, name: str) -> dict[str, list[dict]]:
         "Service": [s.to_dict() for s in core.list_namespaced_service(namespace, label_selector=selector).items],
         "ConfigMap": [c.to_dict() for c in core.list_namespaced_config_map(namespace, label_selector=selector).items],
         "KnativeService": ksvcs,
+        "Pod": [p.to_dict() for p in core.list_namespaced_pod(  # the expert functions' (runtime pods)
+            namespace, label_selector=f"{selector},app.kubernetes.io/component=expert").items],
     }
 
 
@@ -37,17 +39,18 @@ def hostpath_body(f, name: str, namespace: str) -> dict:
     return body
 
 
-def test_deployment_runtime_end_to_end(cluster, api, operator, namespace, f):
+def test_pods_runtime_end_to_end(cluster, api, operator, namespace, f):
     body = hostpath_body(f, "tiny", namespace)
     f.apply(cluster, body)
 
-    # Children: frontend Deployment + Service, routing ConfigMap, 4 expert Deployments under one headless Service.
+    # Children: frontend Deployment + Service, routing ConfigMap, 4 expert pods under one headless Service.
     def all_children():
         found = children(api, namespace, "tiny")
-        return len(found["Deployment"]) == 5 and len(found["Service"]) == 2 and found["ConfigMap"] and found
+        return len(found["Deployment"]) == 1 and len(found["Pod"]) == 4 and len(found["Service"]) == 2 \
+            and found["ConfigMap"] and found
     found = f.wait(all_children, 60, "the operator to create the frontend, routing table and 4 expert services", operator)
     owner_uid = f.moed(api, namespace, "tiny")["metadata"]["uid"]
-    for obj in found["Deployment"] + found["Service"] + found["ConfigMap"]:
+    for obj in found["Deployment"] + found["Service"] + found["ConfigMap"] + found["Pod"]:
         assert [o["uid"] for o in obj["metadata"]["owner_references"]] == [owner_uid]
     service = next(s for s in found["Service"] if s["metadata"]["name"] == "tiny-frontend")
     assert {(p["name"], p["port"]) for p in service["spec"]["ports"]} == {("http", 8000), ("grpc", 50051)}
@@ -55,7 +58,7 @@ def test_deployment_runtime_end_to_end(cluster, api, operator, namespace, f):
     # Expert pods run on exactly the planned fake GPU nodes; the MoEDeployment becomes Ready.
     core = client.CoreV1Api(api)
     planned = {d["metadata"]["labels"]["kubemoe.io/bundle"]: d["metadata"]["annotations"]["kubemoe.io/node"]
-               for d in found["Deployment"] if d["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"}
+               for d in found["Pod"]}
 
     def expert_pods_running():
         pods = core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=expert").items
@@ -98,8 +101,8 @@ def test_deployment_runtime_end_to_end(cluster, api, operator, namespace, f):
         [route] = [r for r in f.routing_table(api, namespace, "tiny")["routes"] if r["bundle"] == bundle]
         return [e["address"] for e in route["endpoints"]]
 
-    functions = {d["metadata"]["name"]: d["metadata"]["labels"]["kubemoe.io/bundle"] for d in found["Deployment"]
-                 if d["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"}
+    functions = {d["metadata"]["labels"]["kubemoe.io/function"]: d["metadata"]["labels"]["kubemoe.io/bundle"]
+                 for d in found["Pod"]}
     version = f.routing_table(api, namespace, "tiny")["version"]
     server = f.LoadServer(frontend_pod.status.pod_ip, report((0, 1)))
     try:
@@ -113,7 +116,7 @@ def test_deployment_runtime_end_to_end(cluster, api, operator, namespace, f):
         assert status["plan"]["unplaced"] == 0 and status["loads"]["frontends"] == 1
         own, host = endpoints("l0-e0-1")
         assert functions[own.split(".")[0]] == "l0-e0-1" and functions[host.split(".")[0]] != "l0-e0-1"
-        assert len(children(api, namespace, "tiny")["Deployment"]) == 5
+        assert len(children(api, namespace, "tiny")["Pod"]) == 4
         f.wait(lambda: "l0-e0-1 1->2" in reasons().get("ScaledOut", "")
                and "l0-e0-1 in" in reasons().get("HostedInPlace", ""), 30, "ScaledOut and HostedInPlace events", operator)
         # The load moves to the other bundle: the in-place replica leaves the table (the function keeps
@@ -151,10 +154,11 @@ def test_restart_mid_way_creates_no_duplicates(cluster, api, operator, namespace
            "PlanApplied after the restart", operator)
     found = children(api, namespace, "again")
     names = [(kind, o["metadata"]["name"]) for kind, objs in found.items() for o in objs]
-    assert len(names) == len(set(names)) == 5 + 2 + 1  # Deployments, Services (frontend, headless experts), ConfigMap
+    # The frontend's Deployment, 4 expert pods, Services (frontend, headless experts), ConfigMap
+    assert len(names) == len(set(names)) == 1 + 4 + 2 + 1
     apps = client.AppsV1Api(api)
     replica_sets = apps.list_namespaced_replica_set(namespace).items
-    assert len(replica_sets) == 5  # no Deployment was rolled: the restart re-applied nothing that changed
+    assert len(replica_sets) == 1  # the frontend was not rolled: the restart re-applied nothing that changed
 
 
 def test_knative_runtime_renders_pinned_services_with_the_plan(cluster, api, operator, namespace, f):

@@ -122,7 +122,7 @@ def test_placement_respects_selector_taints_and_gpu_capacity(f):
     tainted = NodeInfo("tainted", 8, None, taints=({"key": "nvidia.com/gpu", "effect": "NoSchedule"},))
     other = NodeInfo("a100", 8, None, labels={"nvidia.com/gpu.product": "A100"})
     h100 = NodeInfo("h100", 8, None, labels={"nvidia.com/gpu.product": "H100"})
-    spec = spec_of(f, experts={"runtime": "deployment", "bundleBytes": "256Mi",
+    spec = spec_of(f, experts={"runtime": "pods", "bundleBytes": "256Mi",
                                "placement": {"nodeSelector": {"nvidia.com/gpu.product": "H100"}}})
     assert [n.name for n in eligible_nodes(spec, [tainted, other, h100])] == ["h100"]
     assert plan(spec, Loads(), [tainted, other, h100], None, NOW).node_names == {"h100"}

@@ -13,7 +13,7 @@ from kubemoe.operator.kube import ApiError
 from kubemoe.operator.plan import Loads, NodeInfo
 from kubemoe.operator.pod_security import ENFORCE_LABEL as ENFORCE
 from kubemoe.operator.reconcile import Reconciler, Watched
-from kubemoe.operator.render import COMPONENT, RETIRED_ANNOTATION
+from kubemoe.operator.render import COMPONENT, RETIRED_ANNOTATION, function_of
 from kubemoe.operator.spec import KIND
 from kubemoe.operator.status_follower import StatusFollower
 
@@ -76,7 +76,7 @@ class Clock:
 
 
 def setup(f, nodes=4, **experts):
-    body = f.moed_body(experts={"runtime": "deployment", "bundleBytes": "128Mi",
+    body = f.moed_body(experts={"runtime": "pods", "bundleBytes": "128Mi",
                                 "scaling": {"keepAlive": "10m", "maxReplicasPerExpert": 4}, **experts})
     kube, clock = MemoryKube(api_nodes(nodes)), Clock()
     return body, kube, clock, Reconciler(kube, OperatorConfig(), clock)
@@ -91,9 +91,13 @@ def step(body, reconciler, kube, loads):
 
 
 def services(kube, retired):
-    return {o["metadata"]["name"] for (_, k, _), o in kube.objects.items() if k == "Deployment"
-            and o["metadata"]["labels"].get("app.kubernetes.io/component") == "expert"
-            and (RETIRED_ANNOTATION in o["metadata"]["annotations"]) == retired}
+    """The expert functions (their pods' function label) in the API, those kept warm or those of the plan."""
+    return {function_of(o) for o in expert_pods(kube) if (RETIRED_ANNOTATION in o["metadata"]["annotations"]) == retired}
+
+
+def expert_pods(kube):
+    return [o for (_, k, _), o in kube.objects.items()
+            if k == "Pod" and o["metadata"]["labels"].get("app.kubernetes.io/component") == "expert"]
 
 
 def test_status_and_events_follow_the_warm_pool(f):
@@ -142,17 +146,54 @@ def test_expired_services_are_deleted_concurrently(f):
     """A move at 1000 nodes retires hundreds of functions: deleted one round trip at a time they held the
     deployment's lock (and so its status) for 23 s."""
     body, _, clock, _ = setup(f)
-    kube = MeetingKube(api_nodes(4), meet=3)  # the three retired functions' Deployments
+    kube = MeetingKube(api_nodes(4), meet=3)  # the three retired functions' pods
     reconciler = Reconciler(kube, OperatorConfig(), clock)
     step(body, reconciler, kube, SKEWED)
     clock.now += 60
     step(body, reconciler, kube, MOVED)
-    retired = services(kube, retired=True)
+    retired = [o["metadata"]["name"] for o in expert_pods(kube) if RETIRED_ANNOTATION in o["metadata"]["annotations"]]
     assert len(retired) == 3
     clock.now += 601  # past keepAlive: all three go in one reconcile
     outcome, found = step(body, reconciler, kube, MOVED)
     assert outcome.error is None and not services(kube, retired=True)
-    assert sorted(outcome.changes.deleted) == sorted(f"Deployment/{name}" for name in retired)
+    assert sorted(outcome.changes.deleted) == sorted(f"Pod/{name}" for name in retired)
+
+
+def names(pods):
+    return {o["metadata"]["name"] for o in pods}
+
+
+def test_a_pod_that_ended_is_deleted_and_made_again(f):
+    """Runtime pods: what a Deployment's controller did for an evicted pod (or one of a lost node), the
+    operator does: delete it, and make it again once its name is free."""
+    body, kube, clock, reconciler = setup(f)
+    reconciler.reconcile(body, Loads())
+    pod = expert_pods(kube)[0]
+    name, count = pod["metadata"]["name"], len(expert_pods(kube))
+    pod["status"] = {"phase": "Failed", "reason": "Evicted"}
+    outcome = reconciler.reconcile(body, Loads())
+    assert outcome.error is None and outcome.changes.deleted == [f"Pod/{name}"]
+    assert name not in names(expert_pods(kube)) and f"Pod/{name}" not in outcome.changes.applied
+    again = reconciler.reconcile(body, Loads())
+    assert f"Pod/{name}" in again.changes.applied and len(expert_pods(kube)) == count
+
+
+def test_a_changed_spec_replaces_the_pods_once_their_successors_are_ready(f):
+    """Pods are immutable: a new image makes new pods; the old ones keep serving until those are Ready (a
+    Deployment's surge), then the next reconcile deletes them."""
+    body, kube, clock, reconciler = setup(f)
+    reconciler.reconcile(body, Loads())
+    old = names(expert_pods(kube))
+    body["spec"]["experts"]["image"] = "kubemoe/expert-fn:new"
+    outcome = reconciler.reconcile(body, Loads())
+    new = names(expert_pods(kube)) - old
+    assert len(new) == len(old) and old <= names(expert_pods(kube)) and not outcome.changes.deleted
+    assert reconciler.reconcile(body, Loads()).changes.deleted == []  # still starting: the old ones stay
+    for key, o in list(kube.objects.items()):
+        if o["metadata"]["name"] in new:
+            kube.objects[key] = _ready(o)
+    outcome = reconciler.reconcile(body, Loads())
+    assert names(expert_pods(kube)) == new and sorted(outcome.changes.deleted) == sorted(f"Pod/{n}" for n in old)
 
 
 def test_replicas_that_fit_nowhere_are_in_the_status_and_warned_about_once(f):
@@ -190,7 +231,7 @@ def conditions(kube):
 
 def failures(f):
     """(reason, body, kube, what the message must tell the user): every way a plan is refused."""
-    deployment = {"runtime": "deployment", "bundleBytes": "128Mi"}
+    deployment = {"runtime": "pods", "bundleBytes": "128Mi"}
     no_layout = f.moed_body(experts=deployment)
     del no_layout["spec"]["model"]["layout"]
     return [
@@ -201,7 +242,7 @@ def failures(f):
         (c.INSUFFICIENT_CAPACITY, f.moed_body(experts={**deployment, "gpus": 8}), MemoryKube(api_nodes(1)),
          "fit on no node"),
         (c.RUNTIME_MISSING, f.moed_body(experts={"runtime": "knative"}), NoKnativeKube(api_nodes(2)),
-         "install it (see the chart's README) or set spec.experts.runtime: deployment"),
+         "install it (see the chart's README) or set spec.experts.runtime: pods"),
         (c.APPLY_FAILED, f.moed_body(experts=deployment), RefusingKube(api_nodes(2)), "exceeded quota"),
         (c.POD_SECURITY_FORBIDDEN, f.moed_body(experts=deployment, dataPath={"sameNode": "hostShm"}),
          MemoryKube(api_nodes(2), {ENFORCE: "restricted"}),
@@ -231,9 +272,8 @@ def test_a_refused_plan_is_what_ready_frontend_and_experts_report(f):
 def test_a_refused_update_keeps_the_running_plan_and_says_the_new_one_was_refused(f):
     body, kube, clock, reconciler = setup(f, nodes=2)
     step(body, reconciler, kube, Loads())
-    for (v, k, n), o in kube.objects.items():  # every pod ready, as the controllers would report
-        if k == "Deployment":
-            o["status"] = {"observedGeneration": 0, "readyReplicas": o["spec"]["replicas"]}
+    for key, o in kube.objects.items():  # every pod ready, as the controllers would report
+        kube.objects[key] = _ready(o)
     assert conditions(kube)[c.PLAN_APPLIED]["status"] == "True"
     kube.nodes = []  # every GPU node gone: the next plan is refused
     clock.now += 30
@@ -249,9 +289,8 @@ def test_a_refused_update_keeps_the_running_plan_and_says_the_new_one_was_refuse
 def test_unplaced_replicas_leave_the_model_ready_and_say_so(f):
     body, kube, clock, reconciler = setup(f, nodes=5, gpus=4)  # 10 slots for 8 bundles and a hot one
     step(body, reconciler, kube, Loads({(0, 0): 1000.0, (0, 1): 1.0}, 10.0, 1))
-    for (v, k, n), o in kube.objects.items():
-        if k == "Deployment":
-            o["status"] = {"observedGeneration": 0, "readyReplicas": o["spec"]["replicas"]}
+    for key, o in kube.objects.items():
+        kube.objects[key] = _ready(o)
     step(body, reconciler, kube, Loads({(0, 0): 1000.0, (0, 1): 1.0}, 10.0, 1))
     found = conditions(kube)
     for kind in (c.READY, c.EXPERTS_READY, c.PLAN_APPLIED):
@@ -295,21 +334,22 @@ def test_the_timer_plans_with_fresh_loads_and_keeps_the_last_ones_when_none_come
 # -- Pod Security and spec.dataPath.sameNode hostShm ----------------------------------------------------
 
 def test_host_shm_is_applied_where_pod_security_allows_host_paths_and_tcp_never_asks(f):
-    host_shm = f.moed_body(experts={"runtime": "deployment", "bundleBytes": "128Mi"}, dataPath={"sameNode": "hostShm"})
+    host_shm = f.moed_body(experts={"runtime": "pods", "bundleBytes": "128Mi"}, dataPath={"sameNode": "hostShm"})
     for labels in ({}, {ENFORCE: "privileged"}):
         kube = MemoryKube(api_nodes(2), labels)
         outcome = Reconciler(kube, OperatorConfig(), Clock()).reconcile(host_shm, Loads())
         assert outcome.error is None and kube.namespaces_read == 1
-        pods = [o["spec"]["template"]["spec"] for (_, k, _), o in kube.objects.items() if k == "Deployment"]
+        pods = [o["spec"]["template"]["spec"] if k == "Deployment" else o["spec"]
+                for (_, k, _), o in kube.objects.items() if k in ("Deployment", "Pod")]
         assert len(pods) == 1 + 8 and all(any(v["name"] == "node-shm" for v in pod["volumes"]) for pod in pods)
     kube = MemoryKube(api_nodes(2), {ENFORCE: "restricted"})  # tcp renders no hostPath: nothing to ask
-    outcome = Reconciler(kube, OperatorConfig(), Clock()).reconcile(f.moed_body(experts={"runtime": "deployment"}),
+    outcome = Reconciler(kube, OperatorConfig(), Clock()).reconcile(f.moed_body(experts={"runtime": "pods"}),
                                                                      Loads())
     assert outcome.error is None and kube.namespaces_read == 0 and kube.objects
 
 
 def test_labelling_the_namespace_privileged_lets_the_refused_plan_through(f):
-    body = f.moed_body(experts={"runtime": "deployment", "bundleBytes": "128Mi"}, dataPath={"sameNode": "hostShm"})
+    body = f.moed_body(experts={"runtime": "pods", "bundleBytes": "128Mi"}, dataPath={"sameNode": "hostShm"})
     kube, clock = MemoryKube(api_nodes(2), {ENFORCE: "baseline"}), Clock()
     reconciler = Reconciler(kube, OperatorConfig(), clock)
     refused = reconciler.reconcile(body, Loads())
@@ -320,7 +360,7 @@ def test_labelling_the_namespace_privileged_lets_the_refused_plan_through(f):
     assert reconciler.reconcile(body, Loads()).error is None and kube.objects
 def test_the_mode_auto_chose_is_in_the_status_and_an_event_when_it_changes(f):
     # 4 bundles of a whole GPU each, one node of one 24 GiB GPU: offload, 3/4 of the GPU for experts.
-    body = f.moed_body(mode="auto", experts={"runtime": "deployment", "bundleBytes": "256Mi"})
+    body = f.moed_body(mode="auto", experts={"runtime": "pods", "bundleBytes": "256Mi"})
     kube, clock = MemoryKube(api_nodes(1, gpus=1, gpu_memory_mib=24576)), Clock()
     reconciler = Reconciler(kube, OperatorConfig(), clock)
     _, found = step(body, reconciler, kube, Loads())
@@ -341,25 +381,35 @@ def test_the_mode_auto_chose_is_in_the_status_and_an_event_when_it_changes(f):
 # -- watched nodes and pods, status following the children ---------------------------------------------
 
 def _ready(workload):
-    """A Deployment as kube-controller-manager reports it once its pods are Ready."""
+    """A pod as the kubelet reports it once Ready; a Deployment as kube-controller-manager does once its pods
+    are; anything else as it is."""
     ready = copy.deepcopy(workload)
-    ready["metadata"]["generation"] = 1
-    ready["status"] = {"observedGeneration": 1, "readyReplicas": ready["spec"].get("replicas", 1)}
+    if workload["kind"] == "Pod":
+        ready["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+    elif workload["kind"] == "Deployment":
+        ready["metadata"]["generation"] = 1
+        ready["status"] = {"observedGeneration": 1, "readyReplicas": ready["spec"].get("replicas", 1)}
     return ready
+
+
+def workloads_of(kube):
+    """The frontend's Deployment and the expert functions' pods."""
+    return [o for (_, k, _), o in kube.objects.items() if k in ("Deployment", "Pod")]
 
 
 def test_watched_nodes_and_pods_are_planned_on_without_listing_the_cluster(f):
     body, kube, clock, reconciler = setup(f)
     listed = reconciler.reconcile(body, SKEWED)
-    assert kube.listed["Node"] == 1 and kube.listed["Pod"] == 1
+    assert kube.listed["Node"] == 1 and kube.listed["Pod"] == 2  # the cluster's, and the deployment's own
     kube.listed.clear()
-    watched = Watched([NodeInfo.from_node(n) for n in api_nodes(4)], [])
+    # The watch holds every pod of the cluster: the deployment's own too, which it therefore does not list
+    watched = Watched([NodeInfo.from_node(n) for n in api_nodes(4)], expert_pods(kube))
     again = reconciler.reconcile(body, SKEWED, watched=watched)
     assert kube.listed["Node"] == 0 and kube.listed["Pod"] == 0
     assert again.plan.nodes == listed.plan.nodes and not again.changes.applied
     # A watch of some namespaces only (pods None): pods are listed, capacity counts every namespace's.
     reconciler.reconcile(body, SKEWED, watched=Watched(watched.nodes, None))
-    assert kube.listed["Node"] == 0 and kube.listed["Pod"] == 1
+    assert kube.listed["Node"] == 0 and kube.listed["Pod"] == 2
 
 
 def test_status_follows_the_children_without_planning_or_applying(f):
@@ -367,12 +417,13 @@ def test_status_follows_the_children_without_planning_or_applying(f):
     outcome = reconciler.reconcile(body, SKEWED)
     assert conditions(kube)[c.READY]["status"] == "False"  # nothing Ready yet
     kube.moed = {**body, "status": kube.status}
-    workloads = [o for (_, k, _), o in kube.objects.items() if k == "Deployment"]
+    workloads = workloads_of(kube)
     applied, listed = dict(kube.objects), sum(kube.listed.values())
-    half = [_ready(w) if i % 2 else w for i, w in enumerate(workloads)]
+    functions = sorted({function_of(w) for w in workloads if w["kind"] == "Pod"})
+    half = [_ready(w) if w["kind"] == "Deployment" or functions.index(function_of(w)) % 2 else w for w in workloads]
     reconciler.refresh_status("uid-1", lambda: half)
     assert conditions(kube)[c.READY]["status"] == "False"
-    experts = sum(1 for i, w in enumerate(workloads) if i % 2 and w["metadata"]["labels"][COMPONENT] == "expert")
+    experts = len(functions) // 2  # every pod of every other function Ready
     assert 0 < experts and conditions(kube)[c.EXPERTS_READY]["message"].startswith(f"{experts}/")
     refreshed = reconciler.refresh_status("uid-1", lambda: [_ready(w) for w in workloads])
     assert conditions(kube)[c.READY]["status"] == "True" and refreshed.plan is outcome.plan
@@ -445,16 +496,15 @@ def test_the_status_follows_the_pods_while_a_reconcile_deletes_what_left_the_pla
         assert kube.deleting.wait(5)
         # The plan without them is published before the prune; refreshes are not held up by it.
         assert kube.status["plan"]["retired"] == 0
-        workloads = [o for (_, k, _), o in kube.objects.items() if k == "Deployment"
-                     and RETIRED_ANNOTATION not in o["metadata"].get("annotations", {})]
+        workloads = [o for o in workloads_of(kube) if RETIRED_ANNOTATION not in o["metadata"].get("annotations", {})]
         done = []
         refresher = threading.Thread(target=lambda: done.append(reconciler.refresh_status(
-            "uid-1", lambda: [_ready(w) for w in kube.objects.values() if w["kind"] == "Deployment"])))
+            "uid-1", lambda: [_ready(w) for w in workloads_of(kube)])))
         refresher.start()
         refresher.join(2)
         assert done and done[0] is not None and conditions(kube)[c.READY]["status"] == "True"
         assert conditions(kube)[c.EXPERTS_READY]["message"].startswith(
-            f"{sum(1 for w in workloads if w['metadata']['labels'][COMPONENT] == 'expert')}/")
+            f"{len({function_of(w) for w in workloads if w['metadata']['labels'][COMPONENT] == 'expert'})}/")
     finally:
         kube.gate.set()
         pruning.join(5)
@@ -465,9 +515,9 @@ def test_experts_ready_counts_the_plans_services_only(f):
     body, kube, clock, reconciler = setup(f)
     reconciler.reconcile(body, SKEWED)
     kube.moed = {**body, "status": kube.status}
-    workloads = [_ready(o) for (_, k, _), o in kube.objects.items() if k == "Deployment"]
+    workloads = [_ready(o) for o in workloads_of(kube)]
     expert = next(w for w in workloads if w["metadata"]["labels"][COMPONENT] == "expert")
-    # A ready expert Deployment the plan does not hold (a plan before's, not yet deleted) is no readiness of it.
+    # A ready expert pod the plan does not hold (a spec before's, not yet deleted) is no readiness of it.
     stranger = copy.deepcopy(expert)
     stranger["metadata"]["name"] += "-old"
     reconciler.refresh_status("uid-1", lambda: [w for w in workloads if w is not expert] + [stranger])

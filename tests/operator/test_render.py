@@ -2,7 +2,8 @@ import json
 
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.plan import Loads, plan
-from kubemoe.operator.render import (FINGERPRINT_ANNOTATION, RETIRED_ANNOTATION, child_name, observe, render)
+from kubemoe.operator.render import (FINGERPRINT_ANNOTATION, RETIRED_ANNOTATION, child_name, function_of, observe,
+                                     render)
 from kubemoe.operator.spec import MoEDeployment
 from kubemoe.routing_table import build_route_map, parse_table
 
@@ -61,26 +62,45 @@ def test_frontend_deployment_service_and_rbac(f):
                               "verbs": ["get", "list", "watch"]}]
 
 
-def test_deployment_runtime_renders_a_pinned_deployment_per_bundle_and_node_under_one_headless_service(f):
-    _, p, objects = rendered(f)
-    experts = [o for o in by_kind(objects, "Deployment") if o["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"]
-    assert len(experts) == 4 == len(p.services())
+def expert_pods(objects):
+    return [o for o in by_kind(objects, "Pod") if o["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"]
+
+
+def test_pods_runtime_renders_pinned_pods_per_bundle_and_node_under_one_headless_service(f):
+    hot = Loads({(0, 0): 300.0, (0, 1): 300.0, (0, 2): 100.0})  # a bundle scaled out: a function of 2 replicas
+    _, p, objects = rendered(f, loads=hot, experts={"runtime": "pods", "bundleBytes": "256Mi",
+                                                    "scaling": {"maxReplicasPerExpert": 4}})
+    experts = expert_pods(objects)
+    assert len({function_of(o) for o in experts}) == len(p.services()) and len(experts) == sum(p.services().values())
+    assert max(p.services().values()) > 1 and not by_kind(objects, "Deployment")[1:]  # only the frontend's
+    for d in experts:  # a function's replicas: its name, the spec's hash, an index
+        assert d["metadata"]["name"].startswith(function_of(d) + "-")
+        assert d["metadata"]["annotations"]["kubemoe.io/replicas"] == str(p.services()[(
+            d["metadata"]["labels"]["kubemoe.io/bundle"], d["metadata"]["annotations"]["kubemoe.io/node"])])
     headless = [o for o in by_kind(objects, "Service") if o["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"]
     assert [(s["metadata"]["name"], s["spec"]["clusterIP"]) for s in headless] == [("tiny-experts", "None")]
     assert headless[0]["spec"]["selector"] == {"app.kubernetes.io/instance": "tiny", "app.kubernetes.io/component": "expert"}
     for d in experts:
         node = d["metadata"]["annotations"]["kubemoe.io/node"]
-        pod = d["spec"]["template"]["spec"]
+        pod = d["spec"]
         terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
         assert terms == [{"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]
         args = pod["containers"][0]["args"]
         assert args[0] == "expert-fn" and args[args.index("--port") + 1] == "8080"
         assert pod["containers"][0]["ports"] == [{"name": "h2c", "containerPort": 8080}]
-        assert (pod["hostname"], pod["subdomain"]) == (d["metadata"]["name"], "tiny-experts")  # its DNS name
+        assert (pod["hostname"], pod["subdomain"]) == (function_of(d), "tiny-experts")  # its DNS name
     routing = by_kind(objects, "ConfigMap")[0]
     table = parse_table(routing["data"]["routing.json"])
     routes = build_route_map(table, "tiny", [0, 1], 4)  # the frontend accepts it: every expert once
-    assert routes.addresses() == {f"{d['metadata']['name']}.tiny-experts.default.svc.cluster.local:8080" for d in experts}
+    assert routes.addresses() == {f"{function_of(d)}.tiny-experts.default.svc.cluster.local:8080" for d in experts}
+
+
+def test_a_changed_pod_spec_renders_pods_of_new_names_and_a_changed_annotation_the_same_pods(f):
+    """Pods are immutable: a new image must be new pods (the old ones go once these are Ready), while a
+    retired function's pods must stay the ones running (kept warm)."""
+    before = {o["metadata"]["name"] for o in expert_pods(rendered(f)[2])}
+    image = {o["metadata"]["name"] for o in expert_pods(rendered(f, experts={"image": "kubemoe/expert-fn:new"})[2])}
+    assert len(image) == len(before) and not image & before
 
 
 def test_knative_runtime_annotations_affinity_and_address(f):
@@ -110,21 +130,21 @@ def test_retired_service_renders_unchanged_template_and_leaves_the_routing_table
     assert previous.nodes == first.nodes and previous.version == first.version
     _, second, again = rendered(f, previous=previous)
     assert len(second.retired) == 1
-    retired = [o for o in again if RETIRED_ANNOTATION in o["metadata"]["annotations"] and o["kind"] == "Deployment"]
-    assert len(retired) == len(second.retired)
+    retired = [o for o in again if RETIRED_ANNOTATION in o["metadata"]["annotations"] and o["kind"] == "Pod"]
+    assert len({function_of(o) for o in retired}) == len(second.retired)
     before = {(o["kind"], o["metadata"]["name"]): o for o in objects}
-    for obj in retired:
-        assert obj["spec"]["template"] == before[("Deployment", obj["metadata"]["name"])]["spec"]["template"]  # pods stay warm
+    for obj in retired:  # the same pods, only annotated: they stay warm
+        assert obj["spec"] == before[("Pod", obj["metadata"]["name"])]["spec"]
     table = parse_table(by_kind(again, "ConfigMap")[0]["data"]["routing.json"])
     addresses = {e.address for r in table.routes for e in r.endpoints}
-    assert not any(o["metadata"]["name"] in a for o in retired for a in addresses)
+    assert not any(function_of(o) + "." in a for o in retired for a in addresses)
     assert table.version == first.version + 1
     assert set(observe(deployment.spec, "distributed", again).retired) == set(second.retired)
 
 
 def test_replicas_hosted_in_place_are_endpoints_of_running_functions_and_read_back(f):
     # Four nodes, one expert a bundle; the load turns hot on expert 0 after a first, even plan.
-    spec = {"experts": {"runtime": "deployment", "bundleBytes": "128Mi", "scaling": {"maxReplicasPerExpert": 4,
+    spec = {"experts": {"runtime": "pods", "bundleBytes": "128Mi", "scaling": {"maxReplicasPerExpert": 4,
                                                                                     "keepAlive": "2m"}}}
     deployment, even, objects = rendered(f, nodes=4, loads=Loads({(0, e): 100.0 for e in range(4)}), **spec)
     previous = observe(deployment.spec, "distributed", objects)
@@ -133,18 +153,17 @@ def test_replicas_hosted_in_place_are_endpoints_of_running_functions_and_read_ba
     assert len(hot.hosted["l0-e0-0"]) == 3 and hot.services().keys() == even.services().keys()  # no new service
     table = parse_table(by_kind(again, "ConfigMap")[0]["data"]["routing.json"])
     [route] = [r for r in table.routes if r.bundle == "l0-e0-0"]
-    names = {o["metadata"]["name"]: (o["metadata"]["labels"]["kubemoe.io/bundle"], o["metadata"]["annotations"]["kubemoe.io/node"])
-             for o in by_kind(again, "Deployment") if o["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"}
+    names = {function_of(o): (o["metadata"]["labels"]["kubemoe.io/bundle"], o["metadata"]["annotations"]["kubemoe.io/node"])
+             for o in expert_pods(again)}
     hosts = sorted(names[e.address.split(".")[0]] for e in route.endpoints[1:])
     assert hosts == sorted(hot.hosted["l0-e0-0"]) and sum(e.weight for e in route.endpoints) == 1.0
     # Every function follows the table at its own address, as the frontend's account (reads that ConfigMap only).
-    for d in by_kind(again, "Deployment"):
-        if d["metadata"]["labels"]["app.kubernetes.io/component"] == "expert":
-            pod = d["spec"]["template"]["spec"]
-            args = pod["containers"][0]["args"]
-            assert args[args.index("--address") + 1].startswith(d["metadata"]["name"] + ".")
-            assert args[args.index("--routing-configmap") + 1] == "default/tiny-routing"
-            assert args[args.index("--drop-after") + 1] == "120" and pod["serviceAccountName"] == "tiny-frontend"
+    for d in expert_pods(again):
+        pod = d["spec"]
+        args = pod["containers"][0]["args"]
+        assert args[args.index("--address") + 1].startswith(function_of(d) + ".")
+        assert args[args.index("--routing-configmap") + 1] == "default/tiny-routing"
+        assert args[args.index("--drop-after") + 1] == "120" and pod["serviceAccountName"] == "tiny-frontend"
     assert observe(deployment.spec, "distributed", again).hosted == hot.hosted
 
 

@@ -161,6 +161,8 @@ class Pod:
             volume = volumes[mount["name"]]
             if "hostPath" in volume:
                 mounts[mount["mountPath"]] = host_paths[volume["hostPath"]["path"]]
+            elif "projected" in volume and volume["name"].startswith("kube-api-access-"):
+                continue  # the ServiceAccount token admission added to a pod: service_account_env stands for it
             else:
                 assert "emptyDir" in volume, volume
                 mounts[mount["mountPath"]] = self.folder / mount["name"]
@@ -219,12 +221,16 @@ def apply_and_wait(cluster, api, operator, f, body: dict) -> dict:
     return status()
 
 
-def frontend_deployments(api, namespace: str, instance: str) -> tuple[dict, dict[str, dict]]:
-    """The frontend Deployment the operator created and the other Deployments (expert services)."""
+def workloads(api, namespace: str, instance: str) -> tuple[dict, dict[str, dict]]:
+    """The frontend Deployment the operator created and the expert functions' pods (runtime pods), by name;
+    and that it created no other Deployment."""
     selector = f"app.kubernetes.io/instance={instance},app.kubernetes.io/managed-by=kubemoe-operator"
-    deployments = {d["metadata"]["name"]: d for d in (api.sanitize_for_serialization(x) for x in client.AppsV1Api(
-        api).list_namespaced_deployment(namespace, label_selector=selector).items)}
-    return deployments.pop(f"{instance}-frontend"), deployments
+    [frontend] = [api.sanitize_for_serialization(x) for x in client.AppsV1Api(api).list_namespaced_deployment(
+        namespace, label_selector=selector).items]
+    assert frontend["metadata"]["name"] == f"{instance}-frontend"
+    pods = {p["metadata"]["name"]: p for p in (api.sanitize_for_serialization(x) for x in client.CoreV1Api(
+        api).list_namespaced_pod(namespace, label_selector=f"{selector},app.kubernetes.io/component=expert").items)}
+    return frontend, pods
 
 
 def service_account_env(cluster, namespace: str, folder: Path, pod_spec: dict) -> dict[str, str]:
@@ -271,7 +277,7 @@ def test_the_dockerfiles_serving_images_run_kubemoe(f):
         assert f"ENTRYPOINT {json.dumps(ENTRYPOINT)}" in section, stage
 
 
-@pytest.mark.parametrize("runtime, same_node", [("deployment", "tcp"), ("knative", "tcp"), ("deployment", "hostShm")])
+@pytest.mark.parametrize("runtime, same_node", [("pods", "tcp"), ("knative", "tcp"), ("pods", "hostShm")])
 def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, api, operator, namespace, f,
                                                                         tiny_checkpoint, tmp_path, runtime, same_node):
     checkpoint = tiny_checkpoint("mixtral")
@@ -287,15 +293,16 @@ def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, 
                        dataPath={"sameNode": same_node})
     assert apply_and_wait(cluster, api, operator, f, body)["mode"] == "distributed"
 
-    # What the operator created: the frontend Deployment, one expert service per bundle, and their Services.
+    # What the operator created: the frontend Deployment, one expert function per bundle (a Knative Service,
+    # or a pod under the headless Service), and their Services.
     selector = "app.kubernetes.io/instance=run,app.kubernetes.io/managed-by=kubemoe-operator"
     objects, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
-    frontend, deployments = frontend_deployments(api, namespace, "run")
+    frontend, expert_pods = workloads(api, namespace, "run")
     if runtime == "knative":
         experts = objects.list_namespaced_custom_object(namespace=namespace, label_selector=selector, **KSVC)["items"]
-        assert not deployments
+        assert not expert_pods  # Knative makes them (no controller runs here)
     else:
-        experts = list(deployments.values())
+        experts = list(expert_pods.values())
     assert len(experts) == len(layout["moeLayers"])
     services = [api.sanitize_for_serialization(s) for s in
                 core.list_namespaced_service(namespace, label_selector=selector).items]
@@ -307,12 +314,12 @@ def test_the_rendered_frontend_and_expert_functions_serve_a_completion(cluster, 
             return service_account_env(cluster, namespace, tmp_path, pod_spec)
 
         for i, expert in enumerate(experts):
-            pod_spec = expert["spec"]["template"]["spec"]
+            pod_spec = expert["spec"] if runtime == "pods" else expert["spec"]["template"]["spec"]
             pods.append(Pod(f"{expert['metadata']['name']}-0", namespace, f"127.0.0.{10 + i}", pod_spec,
                             tmp_path / f"expert-{i}", host_paths, extra_env=token(pod_spec)).start())
             # Knative's cluster-local address (port 80) reaches the pod's only container port; a pod under
             # a headless Service is <hostname>.<subdomain>, the container port its targetPort names.
-            name = expert["metadata"]["name"]
+            name = pod_spec.get("hostname") or expert["metadata"]["name"]  # the function's
             if runtime == "knative":
                 network.routes[(f"{name}.{namespace}.svc.cluster.local", 80)] = pods[-1].port("h2c")
             else:
@@ -380,11 +387,11 @@ def test_the_rendered_offload_frontend_serves_a_completion_with_a_cpu_resident_g
     body = f.moed_body(name="off", namespace=namespace, mode="offload",
                        model={"uri": f"hostpath://{HOSTPATH}", "dtype": "float32", "layout": layout},
                        frontend={"replicas": 1, "gpus": 0, "placement": {"tolerations": [toleration]}},
-                       experts={"runtime": "deployment"},
+                       experts={"runtime": "pods"},
                        offload={"gpuMemoryBudget": budget, "predictorFile": "predictors/llapor.safetensors"})
     status = apply_and_wait(cluster, api, operator, f, body)
     assert (status["mode"], status["offload"]) == ("offload", {"gpuMemoryBudget": budget})
-    frontend, experts = frontend_deployments(api, namespace, "off")
+    frontend, experts = workloads(api, namespace, "off")
     assert not experts  # no expert functions: the frontend holds them
 
     pod_spec = frontend["spec"]["template"]["spec"]

@@ -5,7 +5,7 @@ driver's ResourceSlices), the chart installed, the real operator, the real sched
 A control plane of its own (the session's nodes do not share GPUs): one node per sharing mechanism, plus
 one whose whole GPUs take the frontends. Two things differ from the samples as shipped, because the test
 control plane cannot provide them: the checkpoint is a host path (a PVC `models` does not exist here and
-the scheduler would hold every pod), and runtime knative becomes deployment (no Knative controller runs
+the scheduler would hold every pod), and runtime knative becomes pods (no Knative controller runs
 here to make a Knative Service Ready); the Knative rendering is tested in test_knative.py and
 test_operator_cluster.py.
 """
@@ -51,7 +51,7 @@ def shared_cluster(tmp_path_factory, f):
 def as_tested(f, name: str) -> dict:
     body = copy.deepcopy(f.sample(name))
     body["spec"]["model"]["uri"] = f"hostpath:///models/{name}"
-    body["spec"]["experts"]["runtime"] = "deployment"
+    body["spec"]["experts"]["runtime"] = "pods"
     return body
 
 

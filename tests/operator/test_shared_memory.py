@@ -15,11 +15,13 @@ SHM_DIR = f"{NODE_SHM_MOUNT}/kubemoe-uid-1"  # the MoEDeployment's uid names its
 
 
 def pods(f, nodes=None, **overrides) -> dict[str, dict]:
-    """Pod specs of the rendered frontend and expert functions, by object name."""
+    """Pod specs of the rendered frontend and expert functions (their pods, or their Knative Services'
+    templates), by object name."""
     deployment = MoEDeployment.from_body(f.moed_body(**overrides))
     p = plan(deployment.spec, Loads(), nodes or f.gpu_nodes(2), None, 0.0)
-    return {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in render(deployment, p, OperatorConfig())
-            if o["kind"] in ("Deployment", "Service") and "template" in o["spec"]}
+    return {o["metadata"]["name"]: o["spec"] if o["kind"] == "Pod" else o["spec"]["template"]["spec"]
+            for o in render(deployment, p, OperatorConfig())
+            if o["kind"] == "Pod" or (o["kind"] in ("Deployment", "Service") and "template" in o["spec"])}
 
 
 def arg(container: dict, flag: str) -> str:
@@ -28,7 +30,7 @@ def arg(container: dict, flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
-@pytest.mark.parametrize("experts", [{"runtime": "deployment"}, KNATIVE])
+@pytest.mark.parametrize("experts", [{"runtime": "pods"}, KNATIVE])
 def test_tcp_renders_no_node_folder_and_the_restricted_security_context(f, experts):
     rendered = pods(f, experts=experts)
     assert len(rendered) == 5  # the frontend and four expert functions
@@ -41,7 +43,7 @@ def test_tcp_renders_no_node_folder_and_the_restricted_security_context(f, exper
             "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-@pytest.mark.parametrize("experts", [{"runtime": "deployment"}, KNATIVE])
+@pytest.mark.parametrize("experts", [{"runtime": "pods"}, KNATIVE])
 def test_host_shm_mounts_the_nodes_dev_shm_into_every_pod_with_one_folder_and_one_user(f, experts):
     rendered = pods(f, experts=experts, dataPath={"sameNode": "hostShm", "runAsUser": 4242})
     assert len(rendered) == 5

@@ -70,6 +70,7 @@ def test_host_shm_is_refused_in_a_restricted_namespace_and_applied_once_it_is_pr
                       operator)
     assert warnings[0].type == "Warning" and "set sameNode: tcp" in warnings[0].message
     assert not apps.list_namespaced_deployment(namespace, label_selector=SELECTOR).items  # nothing created
+    assert not core.list_namespaced_pod(namespace, label_selector=SELECTOR).items
     assert not core.list_namespaced_config_map(namespace, label_selector=SELECTOR).items
     assert not core.list_namespaced_service_account(namespace, label_selector=SELECTOR).items
 
@@ -78,11 +79,12 @@ def test_host_shm_is_refused_in_a_restricted_namespace_and_applied_once_it_is_pr
            "PlanApplied=True once the namespace is privileged", operator)
     uid = client.CustomObjectsApi(api).get_namespaced_custom_object(namespace=namespace, name="shm", **MOED)[
         "metadata"]["uid"]
-    stored = [api.sanitize_for_serialization(d) for d in
-              apps.list_namespaced_deployment(namespace, label_selector=SELECTOR).items]
-    assert len(stored) == 5  # the frontend and 4 expert functions, as the API server stores them
-    for deployment in stored:
-        pod = deployment["spec"]["template"]["spec"]
+    frontends = [api.sanitize_for_serialization(d)["spec"]["template"]["spec"] for d in
+                 apps.list_namespaced_deployment(namespace, label_selector=SELECTOR).items]
+    expert_pods = [api.sanitize_for_serialization(p)["spec"] for p in core.list_namespaced_pod(
+        namespace, label_selector=f"{SELECTOR},app.kubernetes.io/component=expert").items]
+    assert (len(frontends), len(expert_pods)) == (1, 4)  # the frontend and 4 expert functions, as the API server stores them
+    for pod in frontends + expert_pods:
         (container,) = pod["containers"]
         assert {"name": "node-shm", "hostPath": {"path": "/dev/shm", "type": "Directory"}} in pod["volumes"]
         assert {"name": "node-shm", "mountPath": NODE_SHM_MOUNT} in container["volumeMounts"]

@@ -81,8 +81,8 @@ def pods(api, namespace: str, component: str) -> list:
 
 
 def experts(api, namespace: str) -> dict[str, dict]:
-    """Expert Deployments by name."""
-    return {d.metadata.name: d for d in client.AppsV1Api(api).list_namespaced_deployment(
+    """Expert functions' pods (runtime pods) by name."""
+    return {p.metadata.name: p for p in client.CoreV1Api(api).list_namespaced_pod(
         namespace, label_selector="app.kubernetes.io/component=expert").items}
 
 
@@ -104,7 +104,7 @@ def trained_body() -> dict:
         "model": {"uri": "hostpath:///models/moe-base", "dtype": "bfloat16",
                   "layout": {"moeLayers": list(range(8)), "expertsPerLayer": 16, "expertBytes": "3Mi"}},
         "frontend": {"replicas": 1, "gpus": 0},
-        "experts": {"runtime": "deployment", "bundleBytes": "3Mi",  # one expert a bundle: scaled per expert
+        "experts": {"runtime": "pods", "bundleBytes": "3Mi",  # one expert a bundle: scaled per expert
                     "gpuSharing": {"mode": "timeSlicing", "resourceName": SHARED},
                     "scaling": {"cvThreshold": 0.2, "maxReplicasPerExpert": 4, "keepAlive": f"{KEEP_ALIVE_S}s"},
                     "placement": {"nodeSelector": {"nvidia.com/gpu.replicas": "48"}}},
@@ -208,7 +208,7 @@ def small_body(name: str, experts: int, node: str, **spec) -> dict:
         "model": {"uri": f"hostpath:///models/{name}",
                   "layout": {"moeLayers": [0], "expertsPerLayer": experts, "expertBytes": "256Mi"}},
         "frontend": {"replicas": 1, "gpus": 0},
-        "experts": {"runtime": "deployment", "bundleBytes": "256Mi",
+        "experts": {"runtime": "pods", "bundleBytes": "256Mi",
                     "placement": {"nodeSelector": {"kubernetes.io/hostname": node}}},
         "cost": {"gpuHourPrice": 2.0}, **spec}}
 

@@ -46,7 +46,7 @@ def sample_spec(f, name: str, **experts) -> MoESpec:
 
 
 def shared(f, mode: str, **sharing) -> MoEDeployment:
-    runtime = "deployment" if mode == "dra" else "knative"
+    runtime = "pods" if mode == "dra" else "knative"
     return MoEDeployment.from_body(f.moed_body(experts={"runtime": runtime, "bundleBytes": "256Mi",
                                                         "gpuSharing": {"mode": mode, **sharing}}))
 
@@ -130,7 +130,7 @@ def test_the_planner_never_fills_a_gpu_beyond_its_memory_or_shares(f, mode, node
     body = f.moed_body(model={"uri": "pvc://m/x", "layout": {"moeLayers": list(range(layers)),
                                                              "expertsPerLayer": experts,
                                                              "expertBytes": f"{expert_mib}Mi"}},
-                       experts={"runtime": "deployment", "bundleBytes": f"{expert_mib}Mi",
+                       experts={"runtime": "pods", "bundleBytes": f"{expert_mib}Mi",
                                 "scaling": {"maxReplicasPerExpert": max_replicas},
                                 "gpuSharing": {"mode": mode, "functionOverhead": "512Mi",
                                                **({} if mode == "dra" else {"resourceName": "nvidia.com/gpu.shared"})}})
@@ -163,8 +163,10 @@ def test_the_planner_never_fills_a_gpu_beyond_its_memory_or_shares(f, mode, node
 # -- rendering -----------------------------------------------------------------------------------------------
 
 def expert_pods(objects):
-    return [o["spec"]["template"]["spec"] for o in objects if o["kind"] in ("Deployment", "Service")
-            and o["apiVersion"] != "v1" and o["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"]
+    """The pod specs of the expert functions: their pods (runtime pods), or their Knative Services' templates."""
+    return [o["spec"] if o["kind"] == "Pod" else o["spec"]["template"]["spec"] for o in objects
+            if (o["apiVersion"], o["kind"]) in (("v1", "Pod"), ("serving.knative.dev/v1", "Service"))
+            and o["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"]
 
 
 def test_each_mode_renders_what_its_mechanism_schedules_by(f):
@@ -238,7 +240,7 @@ def test_a_plan_under_unchanged_loads_stays_as_it_is(f):
     (each hop retiring a copy and restarting its keepAlive, so retired copies never expired)."""
     spec = MoESpec.parse(f.moed_body(model={"uri": "pvc://m/x", "layout": {
         "moeLayers": list(range(8)), "expertsPerLayer": 16, "expertBytes": "3Mi"}}, experts={
-        "runtime": "deployment", "bundleBytes": "3Mi", "scaling": {"maxReplicasPerExpert": 4},
+        "runtime": "pods", "bundleBytes": "3Mi", "scaling": {"maxReplicasPerExpert": 4},
         "gpuSharing": {"mode": "timeSlicing", "resourceName": "nvidia.com/gpu.shared"}})["spec"])
     rng = random.Random(0)
     rates = {}

@@ -36,7 +36,7 @@ LAYOUT = {"moeLayers": [0, 1], "expertsPerLayer": 4, "expertBytes": "128Mi"}
 
 def offload_spec(budget="1Gi", layout=LAYOUT, **offload):
     return {"model": {"uri": "pvc://models/tiny", "layout": layout}, "mode": "offload",
-            "experts": {"runtime": "deployment"}, "offload": {"gpuMemoryBudget": budget, **offload}}
+            "experts": {"runtime": "pods"}, "offload": {"gpuMemoryBudget": budget, **offload}}
 
 
 # (id, dotted path under the body, value, what the API server's message must contain)
@@ -44,7 +44,7 @@ BAD_SPECS = [
     ("replicas-not-int", "spec.frontend.replicas", "two", "spec.frontend.replicas: Invalid value: \"string\""),
     ("replicas-negative", "spec.frontend.replicas", -1, "must be at least 0"),
     ("unknown-mode", "spec.mode", "hybrid", 'supported values: "distributed", "offload", "auto"'),
-    ("unknown-runtime", "spec.experts.runtime", "lambda", 'supported values: "knative", "deployment"'),
+    ("unknown-runtime", "spec.experts.runtime", "lambda", 'supported values: "knative", "pods"'),
     ("unknown-dtype", "spec.model.dtype", "int3", 'supported values: "bfloat16", "float16", "float32"'),
     ("missing-uri", "spec.model.uri", DELETE, "spec.model.uri: Required value"),
     ("hub-uri", "spec.model.uri", "hf://mistralai/Mixtral-8x7B", "spec.model.uri must be pvc://CLAIM/path"),
@@ -65,8 +65,8 @@ BAD_SPECS = [
     ("gpus-negative", "spec.experts.gpus", -1, "must be at least 0"),
     ("gpu-price-negative", "spec.cost.gpuHourPrice", -0.5, "gpuHourPrice must not be negative"),
     ("offload-without-section", "spec.mode", "offload", "mode offload needs spec.offload.gpuMemoryBudget"),
-    ("knative-fields-with-deployment-runtime", "spec.experts",
-     {"runtime": "deployment", "knative": {"progressDeadline": "5m"}},
+    ("knative-fields-with-pods-runtime", "spec.experts",
+     {"runtime": "pods", "knative": {"progressDeadline": "5m"}},
      "spec.experts.knative is only used with runtime knative"),
     ("offload-section-in-distributed", "spec.offload", {"gpuMemoryBudget": "20Gi"},
      "spec.offload is only used in mode offload or auto"),
@@ -79,18 +79,18 @@ BAD_SPECS = [
      "spec.experts.scaling.keepAlive is at most 1h with runtime knative"),
     ("unknown-gpu-sharing", "spec.experts.gpuSharing", {"mode": "mig"},
      'supported values: "exclusive", "timeSlicing", "mps", "dra"'),
-    ("shared-gpus-above-one", "spec.experts", {"runtime": "deployment", "gpus": 2, "gpuSharing": {"mode": "mps"}},
+    ("shared-gpus-above-one", "spec.experts", {"runtime": "pods", "gpus": 2, "gpuSharing": {"mode": "mps"}},
      "spec.experts.gpus counts whole GPUs per replica and applies to gpuSharing.mode exclusive"),
     ("dra-with-knative", "spec.experts", {"runtime": "knative", "gpuSharing": {"mode": "dra"}},
-     "gpuSharing.mode dra needs spec.experts.runtime: deployment"),
-    ("resource-name-with-dra", "spec.experts", {"runtime": "deployment", "gpuSharing": {
+     "gpuSharing.mode dra needs spec.experts.runtime: pods"),
+    ("resource-name-with-dra", "spec.experts", {"runtime": "pods", "gpuSharing": {
         "mode": "dra", "resourceName": "nvidia.com/gpu.shared"}},
      "resourceName is used with mode timeSlicing or mps"),
     ("resource-name-not-extended", "spec.experts.gpuSharing", {"mode": "timeSlicing", "resourceName": "gpu"},
      "resourceName must be an extended resource such as nvidia.com/gpu"),
     ("dra-strategy-with-time-slicing", "spec.experts.gpuSharing", {"mode": "timeSlicing", "draStrategy": "MPS"},
      "deviceClassName and draStrategy are used with mode dra"),
-    ("unknown-dra-strategy", "spec.experts", {"runtime": "deployment", "gpuSharing": {
+    ("unknown-dra-strategy", "spec.experts", {"runtime": "pods", "gpuSharing": {
         "mode": "dra", "draStrategy": "MIG"}}, 'supported values: "TimeSlicing", "MPS"'),
     ("unknown-same-node", "spec.dataPath.sameNode", "rdma", 'supported values: "tcp", "hostShm"'),
     ("run-as-root", "spec.dataPath.runAsUser", 0, "spec.dataPath.runAsUser must be at least 1"),
@@ -164,7 +164,7 @@ def test_an_offload_spec_at_the_working_set_is_accepted_by_the_server(api, chart
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("keep_alive, runtime", [("1h", "knative"), ("3600s", "knative"), ("24h", "deployment")])
+@pytest.mark.parametrize("keep_alive, runtime", [("1h", "knative"), ("3600s", "knative"), ("24h", "pods")])
 def test_keepalive_up_to_knatives_cap_or_any_with_deployments_is_accepted(api, chart, namespace, valid_body,
                                                                            keep_alive, runtime):
     body = _set(valid_body, "spec.experts", {"runtime": runtime, "scaling": {"keepAlive": keep_alive}})
