@@ -1,7 +1,7 @@
 """Issue 16 (converge_s_1000_nodes): does the kind of object an expert function's pod comes from decide how fast
-~640 of them start on the 2-core control plane? The operator's step writes ~8700 times today, most of them
+~640 of them start on the 2-core control plane (and for bare pods: server-side apply or create)? The operator's step writes ~8700 times today, most of them
 kube-controller-manager's (ReplicaSets, Deployment and ReplicaSet status, events) for one-replica Deployments.
-This probe creates N one-pod workloads pinned to N of 1000 kwok nodes, as Deployments and as bare Pods, 8 at a
+This probe creates N one-pod workloads pinned to N of 1000 kwok nodes, as Deployments and as bare Pods (applied; PodCreate: created), 8 at a
 time as the operator applies, and prints for each: seconds until every pod is Ready, API writes, CPU per process.
 
     python benchmarks/experiments/workload_kinds_probe.py --workloads 640
@@ -40,7 +40,7 @@ def pod_spec(i: int, node: str) -> dict:
 def workload(kind: str, i: int, node: str) -> dict:
     labels = {"probe": kind, "fn": str(i)}
     meta = {"name": f"fn-{i}", "namespace": NS, "labels": labels}
-    if kind == "Pod":
+    if kind in ("Pod", "PodCreate"):
         return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec(i, node)}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": {
         "replicas": 1, "selector": {"matchLabels": labels},
@@ -55,8 +55,9 @@ def ready_pods(kube: Kube, kind: str) -> int:
 def trial(kube: Kube, kind: str, nodes: list[str], pids: dict[str, int]) -> dict:
     cpu0, writes0 = cpu_seconds(pids), api_writes(kube)
     t0 = time.monotonic()
+    write = kube.create if kind == "PodCreate" else kube.apply
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda a: kube.apply(workload(kind, *a)), enumerate(nodes)))
+        list(pool.map(lambda a: write(workload(kind, *a)), enumerate(nodes)))
     applied = time.monotonic() - t0
     until(lambda: ready_pods(kube, kind) >= len(nodes), 300, f"{len(nodes)} pods Ready", interval_s=0.5)
     ready = time.monotonic() - t0
@@ -66,9 +67,9 @@ def trial(kube: Kube, kind: str, nodes: list[str], pids: dict[str, int]) -> dict
            "writes": sum(writes.values()) - sum(writes0.values()),
            "by_write": {k: v - writes0.get(k, 0) for k, v in writes.most_common() if v - writes0.get(k, 0) > 20}}
     print(json.dumps(row), flush=True)
-    group = "apps/v1" if kind == "Deployment" else "v1"
+    group, api_kind = ("apps/v1", "Deployment") if kind == "Deployment" else ("v1", "Pod")
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda i: kube.delete(group, kind, NS, f"fn-{i}"), range(len(nodes))))
+        list(pool.map(lambda i: kube.delete(group, api_kind, NS, f"fn-{i}"), range(len(nodes))))
     until(lambda: not kube.list("v1", "Pod", NS, f"probe={kind}"), 300, "pods gone", interval_s=1.0)
     return row
 
