@@ -364,6 +364,10 @@ def run(node_count: int, interval_s: float, timeout_s: float, budget_s: float) -
             row["conditions"] = (watch.moed().get("status") or {}).get("conditions")
             operator.send_signal(signal.SIGTERM)
             operator.wait(30)
+            # The operator's reconciles, each with where its time went (observe, plan, apply, status, prune)
+            row["reconciles"] = [line.split("] ", 1)[-1] for line in (Path(tmp) / "operator.log").read_text(
+                errors="replace").splitlines() if "plan version" in line and "applied" in line]
+            print("\n".join(f"    {line}" for line in row["reconciles"]), flush=True)
     return row
 
 

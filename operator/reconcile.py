@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -31,6 +32,7 @@ from kubemoe.operator.spec import API_VERSION, KIND, MoEDeployment, MoESpec, Spe
 
 Object = dict[str, Any]
 ObjectKey = tuple[str, str, str]  # (apiVersion, kind, name)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Changes:
     deleted: list[str] = field(default_factory=list)
     unchanged: int = 0
     decisions: Decisions | None = None                  # scaling and warm-pool decisions, once applied
+    seconds: dict[str, float] = field(default_factory=dict)  # where the reconcile's time went, by phase
 
 
 @dataclass
@@ -140,6 +143,13 @@ class Reconciler:
 
     def _apply(self, body: Mapping[str, Any], deployment: MoEDeployment, loads: Loads, now: float,
                watched: Watched | None) -> Outcome:
+        changes = Changes()
+        mark = [time.monotonic()]
+
+        def took(phase: str) -> None:
+            changes.seconds[phase] = round(time.monotonic() - mark[0], 3)
+            mark[0] = time.monotonic()
+
         children = self._children(deployment, watched)
         mode = deployment.spec.mode
         previous = observe(deployment.spec, mode, children.values())
@@ -149,6 +159,7 @@ class Reconciler:
         # What other pods hold (frontends, other MoEDeployments): the plan fills only the rest.
         pods = watched.pods if watched and watched.pods is not None else self.kube.list("v1", "Pod")
         nodes = with_taken(deployment.spec, nodes, pods, deployment.namespace, deployment.name)
+        took("observe")
         try:
             new = plan(deployment.spec, loads, nodes, previous, now)
         except PlanError as e:
@@ -160,7 +171,7 @@ class Reconciler:
                                   "it (see the chart's README) or set spec.experts.runtime: pods")
             return self._finish(body, deployment, new, list(children.values()), Changes(), loads, missing, retry=True)
 
-        changes = Changes()
+        took("plan")
         wanted = render(deployment, new, self.config)
         forbidden = self._pod_security_refusal(deployment, wanted)
         if forbidden is not None:  # a Deployment would be stored, and its pods then refused out of sight
@@ -185,6 +196,7 @@ class Reconciler:
             failed = c.Condition(c.PLAN_APPLIED, False, c.APPLY_FAILED,
                                  f"the API server refused an object ({e.message}); the operator retries")
             return self._finish(body, deployment, new, list(children.values()), changes, loads, failed, retry=True)
+        took("apply")
         changes.decisions = decisions(previous, new)
         rendered = {key_of(o) for o in wanted} - ended
         services = {key_of(o): function_of(o) for o in wanted if _is_expert_service(o)}
@@ -193,6 +205,7 @@ class Reconciler:
         outcome = self._finish(body, deployment, new, list(children.values()), changes, loads, None, retry=False,
                                fresh={key_of(o) for o in wanted if f"{o['kind']}/{o['metadata']['name']}" in changes.applied},
                                services=services)
+        took("status")
         # What left the plan (its keep-alive over) or is no longer rendered, concurrently: one at a time,
         # the 844 functions a move retires at 1000 nodes took 23 s (concurrently still ~9 s on 2 cores).
         # A function's pods of an older spec stay until its new ones are Ready (a Deployment's surge): the
@@ -209,6 +222,10 @@ class Reconciler:
                                  f"the API server refused a deletion ({e.message}); the operator retries")
             return self._finish(body, deployment, new, list(children.values()), changes, loads, failed, retry=True)
         changes.deleted += [f"{key[1]}/{key[2]}" for key in gone]
+        took("prune")
+        log.info("%s/%s: plan version %d, %d applied, %d unchanged, %d deleted in %.2fs (%s)", deployment.namespace,
+                 deployment.name, new.version, len(changes.applied), changes.unchanged, len(gone),
+                 sum(changes.seconds.values()), ", ".join(f"{k} {v:.2f}s" for k, v in changes.seconds.items()))
         return outcome
 
     # -- observation --------------------------------------------------------------------------------
