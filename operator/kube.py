@@ -81,6 +81,12 @@ class Kube:
         return self.request("apply", "PATCH", url, body=obj, content_type="application/apply-patch+yaml",
                             query={"fieldManager": self.field_manager, "force": str(force).lower()})
 
+    def merge_patch(self, obj: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+        """A JSON merge patch of the object `obj` names (its apiVersion, kind, namespace and name)."""
+        meta = obj["metadata"]
+        return self.request("patch", "PATCH", path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"]),
+                            body=patch, content_type="application/merge-patch+json")
+
     def list(self, api_version: str, kind: str, namespace: str | None = None, label_selector: str = "") -> list[dict]:
         data = self.request("list", "GET", path(api_version, kind, namespace),
                             query={"labelSelector": label_selector} if label_selector else None)

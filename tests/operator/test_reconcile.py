@@ -23,7 +23,7 @@ MOVED = Loads({(0, 0): 100.0, (0, 1): 100.0, (0, 2): 100.0, (0, 3): 800.0}, 50.0
 
 
 class MemoryKube:
-    """What the Reconciler uses of `Kube`, over a dict: apply, list by labels, delete, status."""
+    """What the Reconciler uses of `Kube`, over a dict: apply, create, merge patch, list by labels, delete, status."""
 
     def __init__(self, nodes, namespace_labels=None):
         self.objects, self.nodes, self.status = {}, nodes, {}
@@ -48,6 +48,16 @@ class MemoryKube:
 
     def apply(self, obj):
         self.objects[(obj["apiVersion"], obj["kind"], obj["metadata"]["name"])] = copy.deepcopy(obj)
+
+    def create(self, obj):
+        if (obj["apiVersion"], obj["kind"], obj["metadata"]["name"]) in self.objects:
+            raise ApiError(409, f'{obj["kind"]} "{obj["metadata"]["name"]}" already exists')
+        self.apply(obj)
+
+    def merge_patch(self, obj, patch):
+        meta = self.objects[(obj["apiVersion"], obj["kind"], obj["metadata"]["name"])]["metadata"]
+        for field, values in patch["metadata"].items():
+            meta[field] = {k: v for k, v in {**meta.get(field, {}), **values}.items() if v is not None}
 
     def delete(self, api_version, kind, namespace, name):
         self.objects.pop((api_version, kind, name), None)
@@ -217,6 +227,8 @@ class RefusingKube(MemoryKube):
     def apply(self, obj):
         from kubemoe.operator.kube import ApiError
         raise ApiError(403, f"{obj['kind']} {obj['metadata']['name']} is forbidden: exceeded quota")
+
+    create = apply
 
 
 class NoKnativeKube(MemoryKube):
@@ -410,6 +422,19 @@ def test_watched_nodes_and_pods_are_planned_on_without_listing_the_cluster(f):
     # A watch of some namespaces only (pods None): pods are listed, capacity counts every namespace's.
     reconciler.reconcile(body, SKEWED, watched=Watched(watched.nodes, None))
     assert kube.listed["Node"] == 0 and kube.listed["Pod"] == 2
+
+
+def test_a_watch_that_has_not_shown_the_pods_yet_neither_moves_them_nor_fails(f):
+    """Right after a reconcile made the pods, the watch may not list them yet: the next plan is the one
+    applied (not one re-placing what it does not see), and pods made already (409) are no failure."""
+    body, kube, clock, reconciler = setup(f)
+    first = reconciler.reconcile(body, SKEWED)
+    made = names(expert_pods(kube))
+    clock.now += 5
+    lagging = Watched([NodeInfo.from_node(n) for n in api_nodes(4)], [])  # no pod of it seen yet
+    again = reconciler.reconcile(body, SKEWED, watched=lagging)
+    assert again.error is None and again.plan.version == first.plan.version and again.plan.nodes == first.plan.nodes
+    assert names(expert_pods(kube)) == made and kube.status["plan"]["version"] == first.plan.version
 
 
 def test_status_follows_the_children_without_planning_or_applying(f):
