@@ -33,6 +33,9 @@ from kubemoe.operator.spec import API_VERSION, KIND, MoEDeployment, MoESpec, Spe
 Object = dict[str, Any]
 ObjectKey = tuple[str, str, str]  # (apiVersion, kind, name)
 log = logging.getLogger(__name__)
+# A pod this process created that the watch has not shown within this long is looked for again (client-go's
+# expectations wait 5 minutes).
+EXPECTATIONS_S = 60.0
 
 
 @dataclass
@@ -91,6 +94,8 @@ class Reconciler:
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._status_locks: defaultdict[str, threading.RLock] = defaultdict(threading.RLock)
         self._applied: dict[str, _Applied] = {}  # by uid; only a cache: a restart reconciles everything (resume)
+        # By uid: pods created (monotonic time) that the pod watch has not shown yet: made, not missing
+        self._expected: defaultdict[str, dict[ObjectKey, float]] = defaultdict(dict)
 
     def reconcile(self, body: Mapping[str, Any], loads: Loads | None = None,
                   source: LoadSource | None = None, watched: Watched | None = None) -> Outcome:
@@ -122,6 +127,7 @@ class Reconciler:
 
     def forget(self, uid: str) -> None:
         self._applied.pop(uid, None)
+        self._expected.pop(uid, None)
 
     def _reconcile(self, body: Mapping[str, Any], loads: Loads, source: LoadSource | None,
                    watched: Watched | None) -> Outcome:
@@ -187,8 +193,13 @@ class Reconciler:
         # Pods that ended (evicted, their node lost) or are going: deleted now, made again by the next reconcile
         # (a pod's name is free only once it is gone), as a Deployment's controller would replace them.
         ended = {key for key, o in children.items() if _ended(o)}
+        # Pods created by an earlier reconcile that the watch does not show yet (a second behind at 1000 pods):
+        # made, not missing; sent again, each was a 409 the API server had to answer while they started.
+        expected = self._expected[deployment.uid]
+        for key in [k for k, at in expected.items() if k in children or time.monotonic() - at > EXPECTATIONS_S]:
+            del expected[key]
         try:
-            stale = [o for o in wanted if key_of(o) not in ended
+            stale = [o for o in wanted if key_of(o) not in ended and key_of(o) not in expected
                      and _fingerprint(children.get(key_of(o)) or {"metadata": {}}) != _fingerprint(o)]
             changes.unchanged = len(wanted) - len(stale)
             # Running pods' labels and annotations (retired-at, replicas: what a restarted operator reads back)
@@ -201,7 +212,9 @@ class Reconciler:
             with ThreadPoolExecutor(max_workers=self.config.apply_concurrency) as pool:
                 for _, group in itertools.groupby(made, key=lambda o: _apply_order(o)[0]):
                     batch = list(group)
-                    list(pool.map(lambda o: self._write(o, children.get(key_of(o))), batch))
+                    for o, created in zip(batch, pool.map(lambda o: self._write(o, children.get(key_of(o))), batch)):
+                        if created:
+                            expected[key_of(o)] = time.monotonic()
                     changes.applied += [f"{o['kind']}/{o['metadata']['name']}" for o in batch]
         except ApiError as e:
             failed = c.Condition(c.PLAN_APPLIED, False, c.APPLY_FAILED,
@@ -240,13 +253,13 @@ class Reconciler:
                  sum(changes.seconds.values()), ", ".join(f"{k} {v:.2f}s" for k, v in changes.seconds.items()))
         return outcome
 
-    def _write(self, obj: Object, live: Mapping[str, Any] | None) -> None:
+    def _write(self, obj: Object, live: Mapping[str, Any] | None) -> bool:
         """Server-side apply, except for pods: created, and once they exist only their labels and annotations
         patched (a pod's spec cannot change: a new spec is a new pod, render.py). An apply of a whole pod costs
-        the API server more (the DeepSeek-V3 plan's 645 took 7.7 s on 2 cores)."""
+        the API server more (the DeepSeek-V3 plan's 645 took 7.7 s on 2 cores). True: a pod was created."""
         if obj["kind"] != "Pod":
             self.kube.apply(obj)
-            return
+            return False
         meta = obj["metadata"]
         if live is None:
             try:
@@ -254,11 +267,12 @@ class Reconciler:
             except ApiError as e:
                 if e.status != 409:  # 409: made already, the watch this reconcile read has not shown it yet
                     raise
-            return
+            return True
         dropped = {k: None for k in live["metadata"].get("annotations") or {}
                    if k.startswith("kubemoe.io/") and k not in meta["annotations"]}  # e.g. retired-at, reused
         self.kube.merge_patch(obj, {"metadata": {"labels": meta["labels"],
                                                  "annotations": {**meta["annotations"], **dropped}}})
+        return False
 
     # -- observation --------------------------------------------------------------------------------
 

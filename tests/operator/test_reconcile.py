@@ -426,15 +426,22 @@ def test_watched_nodes_and_pods_are_planned_on_without_listing_the_cluster(f):
 
 def test_a_watch_that_has_not_shown_the_pods_yet_neither_moves_them_nor_fails(f):
     """Right after a reconcile made the pods, the watch may not list them yet: the next plan is the one
-    applied (not one re-placing what it does not see), and pods made already (409) are no failure."""
+    applied (not one re-placing what it does not see), the pods it made are not sent again, and pods made
+    by another (409) are no failure."""
     body, kube, clock, reconciler = setup(f)
     first = reconciler.reconcile(body, SKEWED)
     made = names(expert_pods(kube))
+    sent, create = [], kube.create
+    kube.create = lambda obj: sent.append(obj["metadata"]["name"]) or create(obj)
     clock.now += 5
     lagging = Watched([NodeInfo.from_node(n) for n in api_nodes(4)], [])  # no pod of it seen yet
     again = reconciler.reconcile(body, SKEWED, watched=lagging)
     assert again.error is None and again.plan.version == first.plan.version and again.plan.nodes == first.plan.nodes
     assert names(expert_pods(kube)) == made and kube.status["plan"]["version"] == first.plan.version
+    assert not sent  # expected: made by this process, not yet watched
+    # Another operator's (or a restarted one's) reconcile knows of none of them: 409s, and no failure.
+    other = Reconciler(kube, OperatorConfig(), clock)
+    assert other.reconcile(body, SKEWED, watched=lagging).error is None and len(sent) == len(made)
 
 
 def test_status_follows_the_children_without_planning_or_applying(f):
