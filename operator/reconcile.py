@@ -269,7 +269,7 @@ class Reconciler:
                     raise
             return True
         dropped = {k: None for k in live["metadata"].get("annotations") or {}
-                   if k.startswith("kubemoe.io/") and k not in meta["annotations"]}  # e.g. retired-at, reused
+                   if k.startswith("kubemoe.io/") and k not in meta["annotations"]}  # e.g. retired-at, back in the plan
         self.kube.merge_patch(obj, {"metadata": {"labels": meta["labels"],
                                                  "annotations": {**meta["annotations"], **dropped}}})
         return False
@@ -282,8 +282,8 @@ class Reconciler:
             items: Iterable[Mapping[str, Any]]
             try:
                 if kind == "Pod" and watched is not None and watched.pods is not None:
-                    # From the watch: ~1000 expert pods listed every reconcile were megabytes a tick. One the
-                    # watch has not seen yet is applied again (unchanged, the API server changes nothing).
+                    # From the watch: ~1000 expert pods listed every reconcile were megabytes a tick. One it
+                    # does not show yet is expected if this process made it (_apply), else created (a 409).
                     items = [p for p in watched.pods if p["metadata"].get("namespace") == deployment.namespace]
                 else:
                     items = self.kube.list(api_version, kind, deployment.namespace, selector(deployment, ""))
