@@ -21,17 +21,15 @@ from kubemoe.operator import conditions as c
 from kubemoe.operator import pod_security
 from kubemoe.operator.capacity import with_taken
 from kubemoe.operator.config import OperatorConfig
+from kubemoe.operator.diff import Object, ObjectKey, diff, is_planned_expert, is_ready, key_of
 from kubemoe.operator.kube import ApiError, Kube
 from kubemoe.operator.loads import LoadSource
 from kubemoe.operator.plan import (NO_LOADS, Decisions, Loads, NodeInfo, Plan, PlanError, decisions, plan,
                                    with_dra_devices)
-from kubemoe.operator.render import (COMPONENT, EXPERT, EXPERT_KINDS, FINGERPRINT_ANNOTATION, FRONTEND, KINDS,
-                                     OPTIONAL_KINDS, RETIRED_ANNOTATION, ROUTING, function_of, observe, render,
-                                     selector)
+from kubemoe.operator.render import (COMPONENT, EXPERT, FRONTEND, KINDS, OPTIONAL_KINDS, ROUTING, function_of,
+                                     observe, render, selector)
 from kubemoe.operator.spec import API_VERSION, KIND, MoEDeployment, MoESpec, SpecError
 
-Object = dict[str, Any]
-ObjectKey = tuple[str, str, str]  # (apiVersion, kind, name)
 log = logging.getLogger(__name__)
 # A pod this process created that the watch has not shown within this long is looked for again (client-go's
 # expectations wait 5 minutes).
@@ -80,9 +78,6 @@ class _Applied:
     generation: int
     services: Mapping[ObjectKey, str] | None = None  # its expert objects' keys -> function (what ExpertsReady counts)
 
-
-def key_of(obj: Mapping[str, Any]) -> ObjectKey:
-    return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
 
 
 class Reconciler:
@@ -190,27 +185,16 @@ class Reconciler:
             return self._finish(body, deployment, new, list(children.values()), Changes(), loads,
                                 c.Condition(c.PLAN_APPLIED, False, c.POD_SECURITY_FORBIDDEN, forbidden), retry=True)
         wanted.sort(key=_apply_order)
-        # Pods that ended (evicted, their node lost) or are going: deleted now, made again by the next reconcile
-        # (a pod's name is free only once it is gone), as a Deployment's controller would replace them.
-        ended = {key for key, o in children.items() if _ended(o)}
-        # Pods created by an earlier reconcile that the watch does not show yet (a second behind at 1000 pods):
-        # made, not missing; sent again, each was a 409 the API server had to answer while they started.
-        expected = self._expected[deployment.uid]
+        expected = self._expected[deployment.uid]  # pods created, until the watch shows them (diff.py)
         for key in [k for k, at in expected.items() if k in children or time.monotonic() - at > EXPECTATIONS_S]:
             del expected[key]
+        todo = diff(wanted, children, expected.keys())
+        changes.unchanged = todo.unchanged
         try:
-            stale = [o for o in wanted if key_of(o) not in ended and key_of(o) not in expected
-                     and _fingerprint(children.get(key_of(o)) or {"metadata": {}}) != _fingerprint(o)]
-            changes.unchanged = len(wanted) - len(stale)
-            # Running pods' labels and annotations (retired-at, replicas: what a restarted operator reads back)
-            # are patched after the status: they change nothing that runs, and at 1000 nodes a move's 373
-            # were half the writes before the new plan's status.
-            annotate = [o for o in stale if o["kind"] == "Pod" and key_of(o) in children]
-            made = [o for o in stale if o["kind"] != "Pod" or key_of(o) not in children]
             # Apply in order groups (experts, frontend, routing table last), each group concurrently:
             # a DeepSeek-V3-sized plan is ~650 objects, one round trip each.
             with ThreadPoolExecutor(max_workers=self.config.apply_concurrency) as pool:
-                for _, group in itertools.groupby(made, key=lambda o: _apply_order(o)[0]):
+                for _, group in itertools.groupby(todo.made, key=lambda o: _apply_order(o)[0]):
                     batch = list(group)
                     for o, created in zip(batch, pool.map(lambda o: self._write(o, children.get(key_of(o))), batch)):
                         if created:
@@ -222,34 +206,28 @@ class Reconciler:
             return self._finish(body, deployment, new, list(children.values()), changes, loads, failed, retry=True)
         took("apply")
         changes.decisions = decisions(previous, new)
-        rendered = {key_of(o) for o in wanted} - ended
-        services = {key_of(o): function_of(o) for o in wanted if _is_expert_service(o)}
+        services = {key_of(o): function_of(o) for o in wanted if is_planned_expert(o)}
         # The plan is in the cluster (routing table included): its status now, and refreshes from here on
         # follow its pods while what left the plan is deleted.
         outcome = self._finish(body, deployment, new, list(children.values()), changes, loads, None, retry=False,
-                               fresh={key_of(o) for o in made}, services=services)
+                               fresh={key_of(o) for o in todo.made}, services=services)
         took("status")
-        # What left the plan (its keep-alive over) or is no longer rendered, concurrently: one at a time,
-        # the 844 functions a move retires at 1000 nodes took 23 s (concurrently still ~9 s on 2 cores).
-        # A function's pods of an older spec stay until its new ones are Ready (a Deployment's surge): the
-        # next reconcile deletes them.
-        starting = {function_of(o) for o in wanted if o["kind"] == "Pod" and _is_expert_service(o)
-                    and not _service_ready(children.get(key_of(o)) or o)}
-        gone = [key for key, o in children.items() if key not in rendered and not o["metadata"].get("deletionTimestamp")
-                and not (key[1] == "Pod" and not _ended(o) and function_of(o) in starting)]
+        # Running pods' labels and annotations, and what left the plan (its keep-alive over) or is no longer
+        # rendered, concurrently: one at a time, the 844 functions a move retires at 1000 nodes took 23 s
+        # (concurrently still ~9 s on 2 cores).
         try:
             with ThreadPoolExecutor(max_workers=self.config.apply_concurrency) as pool:
-                list(pool.map(lambda o: self._write(o, children[key_of(o)]), annotate))
-                changes.applied += [f"Pod/{o['metadata']['name']}" for o in annotate]
-                list(pool.map(lambda key: self.kube.delete(key[0], key[1], deployment.namespace, key[2]), gone))
+                list(pool.map(lambda o: self._write(o, children[key_of(o)]), todo.annotate))
+                changes.applied += [f"Pod/{o['metadata']['name']}" for o in todo.annotate]
+                list(pool.map(lambda key: self.kube.delete(key[0], key[1], deployment.namespace, key[2]), todo.gone))
         except ApiError as e:
             failed = c.Condition(c.PLAN_APPLIED, False, c.APPLY_FAILED,
                                  f"the API server refused a change ({e.message}); the operator retries")
             return self._finish(body, deployment, new, list(children.values()), changes, loads, failed, retry=True)
-        changes.deleted += [f"{key[1]}/{key[2]}" for key in gone]
+        changes.deleted += [f"{key[1]}/{key[2]}" for key in todo.gone]
         took("prune")
         log.info("%s/%s: plan version %d, %d applied, %d unchanged, %d deleted in %.2fs (%s)", deployment.namespace,
-                 deployment.name, new.version, len(changes.applied), changes.unchanged, len(gone),
+                 deployment.name, new.version, len(changes.applied), changes.unchanged, len(todo.gone),
                  sum(changes.seconds.values()), ", ".join(f"{k} {v:.2f}s" for k, v in changes.seconds.items()))
         return outcome
 
@@ -410,9 +388,6 @@ def _apply_order(obj: Object) -> tuple[int, int]:
     return group, KINDS.index(kind)
 
 
-def _fingerprint(obj: Mapping[str, Any]) -> str | None:
-    return (obj["metadata"].get("annotations") or {}).get(FINGERPRINT_ANNOTATION)
-
 
 def _frontend_ready(live: Mapping[ObjectKey, Object], error: c.Condition | None) -> c.Condition:
     deployment = next((o for (v, k, n), o in live.items() if k == "Deployment"
@@ -431,17 +406,6 @@ def _frontend_ready(live: Mapping[ObjectKey, Object], error: c.Condition | None)
                        + (f"; the plan was not applied: {error.message}" if error else ""))
 
 
-def _is_expert_service(obj: Mapping[str, Any]) -> bool:
-    """An object of a function of the plan (a pod of it, or its Knative Service), not one kept warm."""
-    return ((obj["metadata"].get("labels") or {}).get(COMPONENT) == EXPERT
-            and (obj["apiVersion"], obj["kind"]) in EXPERT_KINDS
-            and RETIRED_ANNOTATION not in (obj["metadata"].get("annotations") or {}))
-
-
-def _ended(obj: Mapping[str, Any]) -> bool:
-    """A pod that will not serve again: it failed or finished (evicted, its node lost), or it is going."""
-    return obj["kind"] == "Pod" and (bool(obj["metadata"].get("deletionTimestamp"))
-                                     or (obj.get("status") or {}).get("phase") in ("Failed", "Succeeded"))
 
 
 def _experts_ready(new: Plan | None, live: Mapping[ObjectKey, Object], error: c.Condition | None,
@@ -457,10 +421,10 @@ def _experts_ready(new: Plan | None, live: Mapping[ObjectKey, Object], error: c.
     # retired or deleted, and while the next plan is applied, this one's services it retires (still routed to
     # until its routing table is applied) carry the retired-at annotation already.
     if planned is None:
-        planned = {k: function_of(o) for k, o in live.items() if _is_expert_service(o)}
+        planned = {k: function_of(o) for k, o in live.items() if is_planned_expert(o)}
     functions: dict[str, bool] = {}  # a function is ready when each of its planned objects is
     for key, function in planned.items():
-        functions[function] = functions.get(function, True) and key in live and _service_ready(live[key])
+        functions[function] = functions.get(function, True) and key in live and is_ready(live[key])
     want = len(new.services())
     ready = sum(functions.values())
     if error is not None:  # the new plan is not (all) in the cluster: what runs is not what was planned
@@ -475,14 +439,6 @@ def _experts_ready(new: Plan | None, live: Mapping[ObjectKey, Object], error: c.
                            "fit on no GPU (PlanApplied says which and what to change)")
     return c.Condition(c.EXPERTS_READY, True, c.AS_EXPECTED, f"{ready}/{want} expert services ready")
 
-
-def _service_ready(obj: Mapping[str, Any]) -> bool:
-    status = obj.get("status") or {}
-    if obj["kind"] == "Pod":
-        return not _ended(obj) and any(x.get("type") == "Ready" and x.get("status") == "True"
-                                       for x in status.get("conditions", []))
-    current = status.get("observedGeneration") == obj["metadata"].get("generation")
-    return current and any(x.get("type") == "Ready" and x.get("status") == "True" for x in status.get("conditions", []))
 
 
 def _ready_replicas(deployment: Mapping[str, Any]) -> int:
