@@ -7,9 +7,8 @@ functions' pods (runtime pods) follow the rules a Deployment's controllers kept 
   the next reconcile (its name is free only once it is gone);
 - a pod this process created that the watch does not show yet is expected, not missing (client-go's
   expectations): sent again, each was a 409 the API server answered while ~1000 pods started;
-- a running pod whose labels or annotations changed (retired-at, replicas: what a restarted operator reads
-  back) is patched after the new plan's status, not before: it changes nothing that runs, and at 1000 nodes
-  a move's 373 such patches were half the writes before the status;
+- a running pod whose labels or annotations changed (a new operator's rendering: no plan changes them) is
+  patched after the new plan's status, not before, as it changes nothing that runs;
 - a function's pods of an older spec (another name: render.py) stay until all its new ones are Ready (a
   Deployment's surge); a later reconcile deletes them.
 """
@@ -19,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Mapping, Sequence
 
-from kubemoe.operator.render import (COMPONENT, EXPERT, EXPERT_KINDS, FINGERPRINT_ANNOTATION, RETIRED_ANNOTATION,
-                                     function_of)
+from kubemoe.operator.render import FINGERPRINT_ANNOTATION, function_of
 
 Object = dict[str, Any]
 ObjectKey = tuple[str, str, str]  # (apiVersion, kind, name)
@@ -45,20 +43,12 @@ def diff(wanted: Sequence[Object], children: Mapping[ObjectKey, Object], expecte
     stale = [o for o in wanted if key_of(o) not in ended and key_of(o) not in expected
              and _fingerprint(children.get(key_of(o)) or {"metadata": {}}) != _fingerprint(o)]
     rendered = {key_of(o) for o in wanted} - ended
-    starting = {function_of(o) for o in wanted if o["kind"] == "Pod" and is_planned_expert(o)
-                and not is_ready(children.get(key_of(o)) or o)}
+    starting = {function_of(o) for o in wanted if o["kind"] == "Pod" and not is_ready(children.get(key_of(o)) or o)}
     gone = [key for key, o in children.items() if key not in rendered and not o["metadata"].get("deletionTimestamp")
             and not (key[1] == "Pod" and not is_ended(o) and function_of(o) in starting)]
     return Diff(made=[o for o in stale if o["kind"] != "Pod" or key_of(o) not in children],
                 annotate=[o for o in stale if o["kind"] == "Pod" and key_of(o) in children],
                 gone=gone, unchanged=len(wanted) - len(stale))
-
-
-def is_planned_expert(obj: Mapping[str, Any]) -> bool:
-    """An object of a function of the plan (a pod of it, or its Knative Service), not one kept warm."""
-    return ((obj["metadata"].get("labels") or {}).get(COMPONENT) == EXPERT
-            and (obj["apiVersion"], obj["kind"]) in EXPERT_KINDS
-            and RETIRED_ANNOTATION not in (obj["metadata"].get("annotations") or {}))
 
 
 def is_ended(obj: Mapping[str, Any]) -> bool:

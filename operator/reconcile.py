@@ -21,13 +21,13 @@ from kubemoe.operator import conditions as c
 from kubemoe.operator import pod_security
 from kubemoe.operator.capacity import with_taken
 from kubemoe.operator.config import OperatorConfig
-from kubemoe.operator.diff import Object, ObjectKey, diff, is_planned_expert, is_ready, key_of
+from kubemoe.operator.diff import Object, ObjectKey, diff, is_ready, key_of
 from kubemoe.operator.kube import ApiError, Kube
 from kubemoe.operator.loads import LoadSource
 from kubemoe.operator.plan import (NO_LOADS, Decisions, Loads, NodeInfo, Plan, PlanError, decisions, plan,
                                    with_dra_devices)
 from kubemoe.operator.render import (COMPONENT, EXPERT, FRONTEND, KINDS, OPTIONAL_KINDS, ROUTING, function_of,
-                                     observe, render, selector)
+                                     observe, render, selector, service_of)
 from kubemoe.operator.spec import API_VERSION, KIND, MoEDeployment, MoESpec, SpecError
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ class Reconciler:
             return self._finish(body, deployment, new, list(children.values()), changes, loads, failed, retry=True)
         took("apply")
         changes.decisions = decisions(previous, new)
-        services = {key_of(o): function_of(o) for o in wanted if is_planned_expert(o)}
+        services = planned_functions(new, wanted)
         # The plan is in the cluster (routing table included): its status now, and refreshes from here on
         # follow its pods while what left the plan is deleted.
         outcome = self._finish(body, deployment, new, list(children.values()), changes, loads, None, retry=False,
@@ -247,7 +247,7 @@ class Reconciler:
                     raise
             return True
         dropped = {k: None for k in live["metadata"].get("annotations") or {}
-                   if k.startswith("kubemoe.io/") and k not in meta["annotations"]}  # e.g. retired-at, back in the plan
+                   if k.startswith("kubemoe.io/") and k not in meta["annotations"]}  # one no longer rendered
         self.kube.merge_patch(obj, {"metadata": {"labels": meta["labels"],
                                                  "annotations": {**meta["annotations"], **dropped}}})
         return False
@@ -408,6 +408,12 @@ def _frontend_ready(live: Mapping[ObjectKey, Object], error: c.Condition | None)
 
 
 
+def planned_functions(new: Plan, objects: Iterable[Mapping[str, Any]]) -> dict[ObjectKey, str]:
+    """The objects of the plan's own expert services (not those kept warm) -> their function's name."""
+    services = new.services()
+    return {key_of(o): function_of(o) for o in objects if service_of(o) in services}
+
+
 def _experts_ready(new: Plan | None, live: Mapping[ObjectKey, Object], error: c.Condition | None,
                    planned: Mapping[ObjectKey, str] | None = None) -> c.Condition:
     if new is None:
@@ -417,11 +423,10 @@ def _experts_ready(new: Plan | None, live: Mapping[ObjectKey, Object], error: c.
         return c.Condition(c.EXPERTS_READY, None, c.PROGRESSING, "no plan yet")
     if new.mode == "offload":
         return c.Condition(c.EXPERTS_READY, True, c.NOT_NEEDED, "mode offload: the frontend holds every expert")
-    # The plan's own services where known (a refresh): the watch also holds those of the plan before, not yet
-    # retired or deleted, and while the next plan is applied, this one's services it retires (still routed to
-    # until its routing table is applied) carry the retired-at annotation already.
+    # The plan's own services' objects, not those it keeps warm; where not known (a reconcile that failed),
+    # those of the cluster that are services of the plan.
     if planned is None:
-        planned = {k: function_of(o) for k, o in live.items() if is_planned_expert(o)}
+        planned = planned_functions(new, live.values())
     functions: dict[str, bool] = {}  # a function is ready when each of its planned objects is
     for key, function in planned.items():
         functions[function] = functions.get(function, True) and key in live and is_ready(live[key])

@@ -52,9 +52,10 @@ NODE_ANNOTATION = "kubemoe.io/node"
 GPU_ANNOTATION = "kubemoe.io/gpu"           # gpuSharing dra: the GPU of the node (site node/gpuN) it runs on
 # On expert pods, for other MoEDeployments' plans (operator/capacity.py): the GPU memory one function takes.
 FUNCTION_MEMORY_ANNOTATION = "kubemoe.io/gpu-memory"
-REPLICAS_ANNOTATION = "kubemoe.io/replicas"
-RETIRED_ANNOTATION = "kubemoe.io/retired-at"  # unix seconds; present = out of the plan, kept warm
 VERSION_ANNOTATION = "kubemoe.io/plan-version"
+# In the routing ConfigMap beside its table: the services out of the plan, kept warm until their keep-alive ends,
+# [[bundle, site, replicas, since (unix seconds)], ...]. The table holds the plan's services and their replicas.
+RETIRED_KEY = "retired.json"
 FINGERPRINT_ANNOTATION = "kubemoe.io/fingerprint"
 MANAGER = "kubemoe-operator"
 FRONTEND, EXPERT, ROUTING = "frontend", "expert", "routing"
@@ -125,10 +126,10 @@ def render(deployment: MoEDeployment, plan: Plan, config: OperatorConfig) -> lis
         objects.append(_experts_service(deployment))
     bundles = {b.name: b for b in plan.bundles}
     for (bundle, node), replicas in plan.services().items():
-        objects.extend(_expert(deployment, bundles[bundle], node, replicas, None, config))
+        objects.extend(_expert(deployment, bundles[bundle], node, replicas, config))
     for (bundle, node), retired in sorted(plan.retired.items()):
         if bundle in bundles:  # a bundle the new spec no longer has is deleted, not kept warm
-            objects.extend(_expert(deployment, bundles[bundle], node, retired.replicas, retired, config))
+            objects.extend(_expert(deployment, bundles[bundle], node, retired.replicas, config))
     return [_finish(deployment, obj) for obj in objects]
 
 
@@ -226,7 +227,9 @@ def _routing_configmap(deployment: MoEDeployment, plan: Plan) -> Object:
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": routing_configmap_name(deployment), "labels": labels(deployment, ROUTING),
                          "annotations": {VERSION_ANNOTATION: str(plan.version)}},
-            "data": {CONFIGMAP_KEY: compact_json(table)}}
+            "data": {CONFIGMAP_KEY: compact_json(table),
+                     RETIRED_KEY: json.dumps([[b, site, r.replicas, round(r.since)] for (b, site), r in
+                                              sorted(plan.retired.items())], separators=(",", ":"))}}
 
 
 def compact_json(table) -> str:
@@ -258,21 +261,19 @@ def _experts_service(deployment: MoEDeployment) -> Object:
 
 # -- expert functions ---------------------------------------------------------------------------------
 
-def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int, retired: Retired | None,
+def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
             config: OperatorConfig) -> list[Object]:
     """One (bundle, site) service: a site is a node, or one GPU of it (node/gpuN) with gpuSharing dra.
-    A retired one renders exactly as when it was active (so its pods stay warm: changing a Knative
-    template would start a new revision with cold pods) plus a retired-at annotation, and the routing
-    table no longer names it."""
+    A retired one renders exactly as when it was active, so it is not written at all (its pods stay warm;
+    changing a Knative template would start a new revision with cold pods): only the routing ConfigMap
+    says it is retired (RETIRED_KEY), and its table no longer names it."""
     spec = deployment.spec
     bundle_name, node = bundle.name, node_of(site)
     name = expert_name(deployment, bundle_name, site)
     pod_labels = {**labels(deployment, EXPERT), BUNDLE_LABEL: bundle_name, NODE_LABEL: node_hash(site)}
-    annotations = {NODE_ANNOTATION: node, REPLICAS_ANNOTATION: str(replicas)}
+    annotations = {NODE_ANNOTATION: node}
     if site != node:
         annotations[GPU_ANNOTATION] = site.partition("/")[2]
-    if retired is not None:
-        annotations[RETIRED_ANNOTATION] = f"{retired.since:.0f}"
     meta = {"name": name, "labels": pod_labels, "annotations": annotations}
     # Its pods say where they were planned and what GPU memory they take, so that another MoEDeployment's
     # plan counts them (also while Pending), as the scheduler will.
@@ -459,61 +460,63 @@ def _node_affinity(key: str, value: str) -> Object:
 # -- reading a previous plan back from the cluster ----------------------------------------------------
 
 def observe(spec: MoESpec, mode: str, children: Iterable[Object]) -> Plan:
-    """The plan the cluster holds, from the expert services' annotations and the routing ConfigMap:
-    what `plan()` gets as `previous`, so a restarted operator continues where it stopped."""
-    nodes: dict[str, list[str]] = {}
-    retired: dict[ServiceKey, Retired] = {}
-    version = 0
-    table = None
-    services: dict[str, ServiceKey] = {}  # function name (the first label of its address) -> (bundle, node)
-    seen: set[str] = set()
+    """The plan the cluster holds: what `plan()` gets as `previous`, so a restarted operator continues where it
+    stopped. The routing ConfigMap has it (its table: the plan's services, their replicas and the replicas
+    hosted in place; RETIRED_KEY: those kept warm); the expert objects say which service a function name is."""
+    version, table, retired_text = 0, None, None
+    services: dict[str, ServiceKey] = {}  # function name (the first label of its address) -> (bundle, site)
     for obj in children:
         meta = obj["metadata"]
-        annotations, obj_labels = meta.get("annotations") or {}, meta.get("labels") or {}
-        if obj_labels.get(COMPONENT) == ROUTING and obj["kind"] == "ConfigMap":
-            version = max(version, int(annotations.get(VERSION_ANNOTATION, "0") or 0))
-            table = (obj.get("data") or {}).get(CONFIGMAP_KEY)
-            continue
-        if obj_labels.get(COMPONENT) != EXPERT or (obj["apiVersion"], obj["kind"]) not in EXPERT_KINDS:
-            continue  # the experts' headless Service (runtime pods) is no function
-        function = function_of(obj)
-        if function in seen:
-            continue  # another replica (runtime pods): the annotations say how many
-        seen.add(function)
-        bundle, node = obj_labels.get(BUNDLE_LABEL), annotations.get(NODE_ANNOTATION)
-        replicas = int(annotations.get(REPLICAS_ANNOTATION, "1"))
-        if not bundle or not node:
-            continue
-        if annotations.get(GPU_ANNOTATION):
-            node = f"{node}/{annotations[GPU_ANNOTATION]}"  # the site: one GPU of the node (dra)
-        if RETIRED_ANNOTATION in annotations:
-            retired[(bundle, node)] = Retired(replicas, float(annotations[RETIRED_ANNOTATION]))
-        else:
-            nodes.setdefault(bundle, []).extend([node] * replicas)
-            services[function] = (bundle, node)
-    return Plan(mode, tuple(spec.bundles()), {b: tuple(sorted(n)) for b, n in nodes.items()}, retired, version,
-                hosted=_hosted_in(table, services))
-
-
-def _hosted_in(table: str | None, services: Mapping[str, ServiceKey]) -> dict[str, tuple[ServiceKey, ...]]:
-    """The replicas the routing table hosts in place: endpoints of a bundle that are another bundle's service."""
+        if (meta.get("labels") or {}).get(COMPONENT) == ROUTING and obj["kind"] == "ConfigMap":
+            version = max(version, int((meta.get("annotations") or {}).get(VERSION_ANNOTATION, "0") or 0))
+            data = obj.get("data") or {}
+            table, retired_text = data.get(CONFIGMAP_KEY), data.get(RETIRED_KEY)
+        elif (key := service_of(obj)) is not None:
+            services[function_of(obj)] = key
+    retired = _retired(retired_text or "[]")
+    nodes: dict[str, list[str]] = {}
     hosted: dict[str, list[ServiceKey]] = {}
-    for bundle, names in _endpoint_names(table or ""):
-        for name in names:
+    for bundle, endpoints in _endpoints(table or ""):
+        for name, replicas in endpoints:
             host = services.get(name)
-            if host is not None and host[0] != bundle:
+            if host is None or host in retired:
+                continue  # its objects are gone: the plan places it anew
+            if host[0] == bundle:
+                nodes.setdefault(bundle, []).extend([host[1]] * replicas)
+            else:
                 hosted.setdefault(bundle, []).append(host)
-    return {b: tuple(sorted(h)) for b, h in hosted.items()}
+    return Plan(mode, tuple(spec.bundles()), {b: tuple(sorted(n)) for b, n in nodes.items()}, retired, version,
+                hosted={b: tuple(sorted(h)) for b, h in hosted.items()})
+
+
+def service_of(obj: Mapping[str, Any]) -> ServiceKey | None:
+    """(bundle, site) of an expert function's object (a pod of it, or its Knative Service); None for others."""
+    meta = obj["metadata"]
+    obj_labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
+    if obj_labels.get(COMPONENT) != EXPERT or (obj["apiVersion"], obj["kind"]) not in EXPERT_KINDS:
+        return None  # the experts' headless Service (runtime pods) is no function
+    bundle, node = obj_labels.get(BUNDLE_LABEL), annotations.get(NODE_ANNOTATION)
+    if not bundle or not node:
+        return None
+    return bundle, f"{node}/{annotations[GPU_ANNOTATION]}" if annotations.get(GPU_ANNOTATION) else node
+
+
+def _retired(text: str) -> dict[ServiceKey, Retired]:
+    try:
+        return {(bundle, site): Retired(int(replicas), float(since)) for bundle, site, replicas, since in json.loads(text)}
+    except (ValueError, TypeError):
+        return {}  # not ours to fix here: the next render writes a valid list
 
 
 @functools.lru_cache(maxsize=4)
-def _endpoint_names(table: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """(bundle, the service names of its endpoints) per route of a routing table's text. Cached: the table
-    changes only with the plan, and parsing a DeepSeek-V3-sized one (~0.5 MB) took a third of a reconcile."""
+def _endpoints(table: str) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
+    """(bundle, (service name, replicas) of each endpoint) per route of a routing table's text. Cached: the
+    table changes only with the plan, and parsing a DeepSeek-V3-sized one (~0.5 MB) took a third of a reconcile."""
     if not table:
         return ()
     try:
         routes = parse_table(table).routes
     except RoutingTableError:
         return ()  # not ours to fix here: the next render writes a valid table
-    return tuple((r.bundle, tuple(e.address.split(".", 1)[0] for e in r.endpoints)) for r in routes)
+    return tuple((r.bundle, tuple((e.address.split(".", 1)[0], max(1, int(e.replicas))) for e in r.endpoints))
+                 for r in routes)

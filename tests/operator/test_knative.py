@@ -4,6 +4,7 @@ the scale-down-delay cap, and the podspec feature flags the chart's README tells
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from kubemoe import ports
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.plan import Loads, plan
-from kubemoe.operator.render import observe, render
+from kubemoe.operator.render import RETIRED_KEY, observe, render, service_of
 from kubemoe.operator.spec import MoEDeployment, SpecError, parse_duration
 from kubemoe.operator import crd
 
@@ -39,7 +40,7 @@ VARIANTS = {
 
 
 def knative_services(f, variant, loads=Loads(), previous=None):
-    """(deployment, plan, the rendered Knative Services) for one of VARIANTS."""
+    """(deployment, every object rendered, its Knative Services) for one of VARIANTS."""
     overrides = VARIANTS[variant]
     experts = {"runtime": "knative", "bundleBytes": "256Mi", **(overrides if isinstance(overrides, dict) else {})}
     body = f.moed_body(experts=experts)
@@ -109,8 +110,11 @@ def test_rendered_knative_services_follow_knatives_rules(f, variant):
 def test_retired_knative_services_follow_knatives_rules_too(f):
     deployment, before, _ = knative_services(f, "defaults", Loads({(0, 0): 300.0, (0, 1): 300.0, (0, 2): 100.0}))
     previous = observe(deployment.spec, "distributed", before)
-    _, _, services = knative_services(f, "defaults", previous=previous)
-    assert any("kubemoe.io/retired-at" in s["metadata"]["annotations"] for s in services)
+    _, after, services = knative_services(f, "defaults", previous=previous)
+    [table] = [o for o in after if o["kind"] == "ConfigMap"]
+    warm = {(bundle, site) for bundle, site, _, _ in json.loads(table["data"][RETIRED_KEY])}
+    kept = [s for s in services if service_of(s) in warm]
+    assert kept and all(s in before for s in kept)  # rendered as before: not written, its revision stays warm
     for service in services:
         check_service(service)
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import copy
+import json
 import threading
 import time
 from collections import Counter
@@ -13,7 +14,7 @@ from kubemoe.operator.kube import ApiError
 from kubemoe.operator.plan import Loads, NodeInfo
 from kubemoe.operator.pod_security import ENFORCE_LABEL as ENFORCE
 from kubemoe.operator.reconcile import Reconciler, Watched
-from kubemoe.operator.render import COMPONENT, RETIRED_ANNOTATION, function_of
+from kubemoe.operator.render import COMPONENT, RETIRED_KEY, function_of, service_of
 from kubemoe.operator.spec import KIND
 from kubemoe.operator.status_follower import StatusFollower
 
@@ -100,9 +101,16 @@ def step(body, reconciler, kube, loads):
     return outcome, {e.reason: e for e in found}
 
 
+def kept_warm(kube):
+    """The (bundle, site) services the routing ConfigMap says are kept warm."""
+    [table] = [o for (_, k, _), o in kube.objects.items() if k == "ConfigMap" and o["metadata"]["labels"][COMPONENT] == "routing"]
+    return {(bundle, site) for bundle, site, _, _ in json.loads(table["data"][RETIRED_KEY])}
+
+
 def services(kube, retired):
     """The expert functions (their pods' function label) in the API, those kept warm or those of the plan."""
-    return {function_of(o) for o in expert_pods(kube) if (RETIRED_ANNOTATION in o["metadata"]["annotations"]) == retired}
+    warm = kept_warm(kube)
+    return {function_of(o) for o in expert_pods(kube) if (service_of(o) in warm) == retired}
 
 
 def expert_pods(kube):
@@ -161,7 +169,7 @@ def test_expired_services_are_deleted_concurrently(f):
     step(body, reconciler, kube, SKEWED)
     clock.now += 60
     step(body, reconciler, kube, MOVED)
-    retired = [o["metadata"]["name"] for o in expert_pods(kube) if RETIRED_ANNOTATION in o["metadata"]["annotations"]]
+    retired = [o["metadata"]["name"] for o in expert_pods(kube) if service_of(o) in kept_warm(kube)]
     assert len(retired) == 3
     clock.now += 601  # past keepAlive: all three go in one reconcile
     outcome, found = step(body, reconciler, kube, MOVED)
@@ -521,6 +529,7 @@ def test_the_status_follows_the_pods_while_a_reconcile_deletes_what_left_the_pla
     clock.now += 60
     reconciler.reconcile(body, MOVED)  # retires the hot expert's extra services, kept warm for 1 s
     assert kube.status["plan"]["retired"] == 3
+    gone_functions = services(kube, retired=True)
     clock.now += 60
     pruning = threading.Thread(target=reconciler.reconcile, args=(body, MOVED))  # expires them: deletes
     pruning.start()
@@ -528,15 +537,16 @@ def test_the_status_follows_the_pods_while_a_reconcile_deletes_what_left_the_pla
         assert kube.deleting.wait(5)
         # The plan without them is published before the prune; refreshes are not held up by it.
         assert kube.status["plan"]["retired"] == 0
-        workloads = [o for o in workloads_of(kube) if RETIRED_ANNOTATION not in o["metadata"].get("annotations", {})]
+        workloads = [o for o in workloads_of(kube) if service_of(o) not in kept_warm(kube)]
         done = []
         refresher = threading.Thread(target=lambda: done.append(reconciler.refresh_status(
             "uid-1", lambda: [_ready(w) for w in workloads_of(kube)])))
         refresher.start()
         refresher.join(2)
         assert done and done[0] is not None and conditions(kube)[c.READY]["status"] == "True"
-        assert conditions(kube)[c.EXPERTS_READY]["message"].startswith(
-            f"{len({function_of(w) for w in workloads if w['metadata']['labels'][COMPONENT] == 'expert'})}/")
+        # The plan's functions: not those being deleted (kept warm until now, out of the table)
+        planned = {function_of(w) for w in workloads if w["metadata"]["labels"][COMPONENT] == "expert"} - gone_functions
+        assert conditions(kube)[c.EXPERTS_READY]["message"].startswith(f"{len(planned)}/{kube.status['plan']['functions']} ")
     finally:
         kube.gate.set()
         pruning.join(5)

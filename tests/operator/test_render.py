@@ -2,8 +2,8 @@ import json
 
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.plan import Loads, plan
-from kubemoe.operator.render import (FINGERPRINT_ANNOTATION, RETIRED_ANNOTATION, child_name, function_of, observe,
-                                     render)
+from kubemoe.operator.render import (FINGERPRINT_ANNOTATION, child_name, function_of, observe, render,
+                                     service_of)
 from kubemoe.operator.spec import MoEDeployment
 from kubemoe.routing_table import build_route_map, parse_table
 
@@ -75,8 +75,7 @@ def test_pods_runtime_renders_pinned_pods_per_bundle_and_node_under_one_headless
     assert max(p.services().values()) > 1 and not by_kind(objects, "Deployment")[1:]  # only the frontend's
     for d in experts:  # a function's replicas: its name, the spec's hash, an index
         assert d["metadata"]["name"].startswith(function_of(d) + "-")
-        assert d["metadata"]["annotations"]["kubemoe.io/replicas"] == str(p.services()[(
-            d["metadata"]["labels"]["kubemoe.io/bundle"], d["metadata"]["annotations"]["kubemoe.io/node"])])
+        assert sum(function_of(o) == function_of(d) for o in experts) == p.services()[service_of(d)]
     headless = [o for o in by_kind(objects, "Service") if o["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"]
     assert [(s["metadata"]["name"], s["spec"]["clusterIP"]) for s in headless] == [("tiny-experts", "None")]
     assert headless[0]["spec"]["selector"] == {"app.kubernetes.io/instance": "tiny", "app.kubernetes.io/component": "expert"}
@@ -130,11 +129,11 @@ def test_retired_service_renders_unchanged_template_and_leaves_the_routing_table
     assert previous.nodes == first.nodes and previous.version == first.version
     _, second, again = rendered(f, previous=previous)
     assert len(second.retired) == 1
-    retired = [o for o in again if RETIRED_ANNOTATION in o["metadata"]["annotations"] and o["kind"] == "Pod"]
+    retired = [o for o in again if o["kind"] == "Pod" and service_of(o) in second.retired]
     assert len({function_of(o) for o in retired}) == len(second.retired)
     before = {(o["kind"], o["metadata"]["name"]): o for o in objects}
-    for obj in retired:  # the same pods, only annotated: they stay warm
-        assert obj["spec"] == before[("Pod", obj["metadata"]["name"])]["spec"]
+    for obj in retired:  # the same pods, not even annotated: nothing to write, they stay warm
+        assert obj == before[("Pod", obj["metadata"]["name"])]
     table = parse_table(by_kind(again, "ConfigMap")[0]["data"]["routing.json"])
     addresses = {e.address for r in table.routes for e in r.endpoints}
     assert not any(function_of(o) + "." in a for o in retired for a in addresses)
