@@ -18,7 +18,7 @@ function's pods are the operator's own, not a Deployment's: ReplicaSets, their a
 and events were two thirds of the writes when ~640 functions start (benchmarks/experiments/
 workload_kinds_probe.py: 640 bare pods Ready in 4.8 s, 640 one-replica Deployments in 12.2 s). The
 operator does what the Deployment did: it re-creates a pod that ended and replaces a changed one only
-once its successor is Ready (reconcile.py).
+once its successor is Ready (diff.py).
 """
 
 from __future__ import annotations
@@ -311,8 +311,8 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
             "metadata": {"labels": pod_labels, "annotations": template_annotations}, "spec": pod}}}]
     container["readinessProbe"] = {"grpc": {"port": args.port}, "periodSeconds": 5}
     pod["hostname"], pod["subdomain"] = name, experts_service_name(deployment)  # its address (expert_address)
-    # A pod's spec cannot change: its name carries the spec's hash, so a changed spec renders new pods
-    # (the old ones are deleted once these are Ready) and a changed annotation (retired, replicas) patches.
+    # A pod's spec cannot change: its name carries the spec's hash, so a changed spec renders new pods (the old
+    # ones are deleted once these are Ready: diff.py). No plan changes a pod's labels or annotations.
     revision = _digest(json.dumps(pod, sort_keys=True))[:8]
     return [{"apiVersion": "v1", "kind": "Pod",
              "metadata": {"name": f"{name}-{revision}-{i}", "labels": {**pod_labels, FUNCTION_LABEL: name},
