@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
+from kubemoe.operator.render import pod_spec_of
+
 ENFORCE_LABEL = "pod-security.kubernetes.io/enforce"
 PRIVILEGED = "privileged"  # the one level that allows hostPath (an unknown value counts as restricted, as in the API server)
 
@@ -26,8 +28,7 @@ def host_path_volumes(objects: Iterable[Mapping[str, Any]]) -> list[str]:
     once each."""
     names: list[str] = []
     for obj in objects:
-        spec = obj.get("spec") or {}
-        pod = spec if obj.get("kind") == "Pod" else (spec.get("template") or {}).get("spec") or {}
+        pod = pod_spec_of(obj) or {}
         for volume in pod.get("volumes", []):
             if "hostPath" in volume and volume["name"] not in names:
                 names.append(volume["name"])

@@ -320,6 +320,13 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
              "spec": pod} for i in range(replicas)]
 
 
+def pod_spec_of(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The pod spec an object runs: a Pod's own, a Deployment's or Knative Service's template's; None for
+    objects that run none."""
+    spec = obj.get("spec") or {}
+    return spec if obj.get("kind") == "Pod" else (spec.get("template") or {}).get("spec")
+
+
 def function_of(obj: Mapping[str, Any]) -> str:
     """The expert function an expert object belongs to: a pod's label, a Knative Service's own name."""
     meta = obj["metadata"]

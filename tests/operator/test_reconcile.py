@@ -14,7 +14,7 @@ from kubemoe.operator.kube import ApiError
 from kubemoe.operator.plan import Loads, NodeInfo
 from kubemoe.operator.pod_security import ENFORCE_LABEL as ENFORCE
 from kubemoe.operator.reconcile import Reconciler, Watched
-from kubemoe.operator.render import COMPONENT, RETIRED_KEY, function_of, service_of
+from kubemoe.operator.render import COMPONENT, RETIRED_KEY, function_of, pod_spec_of, service_of
 from kubemoe.operator.spec import KIND
 from kubemoe.operator.status_follower import StatusFollower
 
@@ -359,8 +359,7 @@ def test_host_shm_is_applied_where_pod_security_allows_host_paths_and_tcp_never_
         kube = MemoryKube(api_nodes(2), labels)
         outcome = Reconciler(kube, OperatorConfig(), Clock()).reconcile(host_shm, Loads())
         assert outcome.error is None and kube.namespaces_read == 1
-        pods = [o["spec"]["template"]["spec"] if k == "Deployment" else o["spec"]
-                for (_, k, _), o in kube.objects.items() if k in ("Deployment", "Pod")]
+        pods = [pod_spec_of(o) for (_, k, _), o in kube.objects.items() if k in ("Deployment", "Pod")]
         assert len(pods) == 1 + 8 and all(any(v["name"] == "node-shm" for v in pod["volumes"]) for pod in pods)
     kube = MemoryKube(api_nodes(2), {ENFORCE: "restricted"})  # tcp renders no hostPath: nothing to ask
     outcome = Reconciler(kube, OperatorConfig(), Clock()).reconcile(f.moed_body(experts={"runtime": "pods"}),

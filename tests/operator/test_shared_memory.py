@@ -6,7 +6,7 @@ import pytest
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.plan import Loads, plan
 from kubemoe.operator.pod_security import ENFORCE_LABEL, host_path_volumes, refusal
-from kubemoe.operator.render import render
+from kubemoe.operator.render import pod_spec_of, render
 from kubemoe.operator.spec import MoEDeployment, MoESpec, SpecError
 from kubemoe.pod_args import NODE_SHM_MOUNT
 
@@ -19,9 +19,8 @@ def pods(f, nodes=None, **overrides) -> dict[str, dict]:
     templates), by object name."""
     deployment = MoEDeployment.from_body(f.moed_body(**overrides))
     p = plan(deployment.spec, Loads(), nodes or f.gpu_nodes(2), None, 0.0)
-    return {o["metadata"]["name"]: o["spec"] if o["kind"] == "Pod" else o["spec"]["template"]["spec"]
-            for o in render(deployment, p, OperatorConfig())
-            if o["kind"] == "Pod" or (o["kind"] in ("Deployment", "Service") and "template" in o["spec"])}
+    return {o["metadata"]["name"]: pod for o in render(deployment, p, OperatorConfig())
+            if (pod := pod_spec_of(o)) is not None}
 
 
 def arg(container: dict, flag: str) -> str:

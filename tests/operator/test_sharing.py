@@ -18,7 +18,7 @@ from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.plan import (Loads, NodeInfo, PlanError, decisions, function_bytes, node_of, plan,
                                    with_dra_devices)
 from kubemoe.operator.render import (CLAIM, MPS_MEMORY_LIMIT_ENV, NODE_ANNOTATION, RESOURCE_CLAIM, observe,
-                                     render)
+                                     pod_spec_of, render, service_of)
 from kubemoe.operator.spec import MoEDeployment, MoESpec, SpecError
 
 NOW = 1_000_000.0
@@ -164,9 +164,7 @@ def test_the_planner_never_fills_a_gpu_beyond_its_memory_or_shares(f, mode, node
 
 def expert_pods(objects):
     """The pod specs of the expert functions: their pods (runtime pods), or their Knative Services' templates."""
-    return [o["spec"] if o["kind"] == "Pod" else o["spec"]["template"]["spec"] for o in objects
-            if (o["apiVersion"], o["kind"]) in (("v1", "Pod"), ("serving.knative.dev/v1", "Service"))
-            and o["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"]
+    return [pod_spec_of(o) for o in objects if service_of(o) is not None]
 
 
 def test_each_mode_renders_what_its_mechanism_schedules_by(f):
