@@ -9,11 +9,14 @@ process. Linking each layer through CUDA IPC events (1f2c481 to 486e2e6) took it
 still made a round trip to each function per layer, to learn that its done event was recorded.
 
 Here the frontend lends each function device buffers through CUDA IPC (AttachDevice in the proto):
-`rows` (a layer's rows sorted by expert) and `ends` (where each expert's rows end), shared by every
-link, and per link `out` (its rows' outputs) and `flags` (gpu_flags.py: go[layer], done[layer], void).
-A captured decode program (frontend/graphs.py) queues, per linked layer, the copies into `rows` and
-`ends`, go[layer] for each function of the layer, then per function a wait for done[layer] and the
-take of its rows from its `out`. Before each replay the frontend sends each linked function one step
+`rows` (a layer's rows sorted by expert), `ends` (where each expert's rows end) and `out` (the rows'
+outputs: each function writes its own rows there, the rest to the last, scratch row), shared by every
+link, and per link `flags` (gpu_flags.py: go[layer], done[layer], void). A captured decode program
+(frontend/graphs.py) queues, per linked layer, the rows gathered into `rows` and the copy into `ends`,
+go[layer] for each function of the layer, then per function a wait for done[layer]; its next kernel
+reads the outputs from `out`. (Per-link `out`s, each function's rows taken from its own, cost a
+kernel per function and layer; the buffers shared, a linked layer takes about as many kernels as an
+in-process one, plus its flags.) Before each replay the frontend sends each linked function one step
 packet (the rows and, per layer, the experts it expects there); the function replays its own program
 for that packet, captured on first sight: per layer, wait for go, the FFN of its own rows (found on the
 device from `ends`), done. Neither side's host waits for anything within a step; the frontend waits for
@@ -203,23 +206,7 @@ def run_owned(rows: torch.Tensor, ends: torch.Tensor, table: torch.Tensor, exper
     """The FFN of the rows [S, H] `table` makes this side's (their groups' cumulative `ends`), each into
     its row of `out` [>= S + 1, H] (the last row is scratch); the other rows of `out` are left as they are."""
     src, dst, local_ends = owned_rows(ends, rows.shape[0], table, experts.num_experts, out.shape[0] - 1)
-    out.index_copy_(0, dst, sorted_ffn(rows, local_ends, experts, act, order=src).to(out.dtype))
-
-
-def take_own_rows(y: torch.Tensor, out: torch.Tensor, ends: torch.Tensor, table: torch.Tensor) -> None:
-    """Rows of y [S, H] whose group (cumulative `ends`) `table` maps to an expert, taken from `out`; on a
-    GPU in one kernel."""
-    rows = y.shape[0]
-    if not moe_kernels.runs_here(y.device):
-        torch.where((table[row_groups(ends, rows)] >= 0)[:, None], out[:rows], y, out=y)
-        return
-    import triton
-
-    hidden = y.shape[1]
-    block = min(1024, triton.next_power_of_2(hidden))
-    if rows:
-        _kernels()[1][(rows, triton.cdiv(hidden, block))](ends, table, out, y, ends.shape[0], hidden, out.stride(0),
-                                                          y.stride(0), BLOCK_H=block, CHUNK=32)
+    sorted_ffn(rows, local_ends, experts, act, order=src, scatter=(out, dst))  # the last GEMM writes its rows of out
 
 
 @functools.cache
@@ -251,22 +238,7 @@ def _kernels():
             counted = tl.sum(((local[None, :] <= le[:, None]) & own[None, :]).to(tl.int32), axis=1)
             tl.store(local_ends_ptr + le, counted, mask=le < L)
 
-    @triton.jit
-    def take_own_rows(ends_ptr, table_ptr, out_ptr, y_ptr, G, H, stride_o, stride_y,
-                      BLOCK_H: tl.constexpr, CHUNK: tl.constexpr):
-        row = tl.program_id(0)
-        e = tl.arange(0, CHUNK)
-        g = tl.sum((tl.load(ends_ptr + e, mask=e < G, other=row + 1) <= row).to(tl.int32), axis=0)
-        for g0 in range(CHUNK, G, CHUNK):  # the row's group: how many group ends are <= it
-            e = g0 + tl.arange(0, CHUNK)
-            g += tl.sum((tl.load(ends_ptr + e, mask=e < G, other=row + 1) <= row).to(tl.int32), axis=0)
-        if tl.load(table_ptr + g) >= 0:
-            cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-            live = cols < H
-            taken = tl.load(out_ptr + row.to(tl.int64) * stride_o + cols, mask=live)
-            tl.store(y_ptr + row.to(tl.int64) * stride_y + cols, taken, mask=live)
-
-    return owned_rows, take_own_rows
+    return owned_rows
 
 
 def _owned_rows_kernel(ends: torch.Tensor, rows: int, table: torch.Tensor, local_experts: int,
@@ -277,7 +249,7 @@ def _owned_rows_kernel(ends: torch.Tensor, rows: int, table: torch.Tensor, local
     dst = torch.empty(rows, dtype=torch.int64, device=ends.device)
     local_ends = torch.empty(local_experts, dtype=torch.int32, device=ends.device)
     if rows:
-        _kernels()[0][(1,)](ends, table, src, dst, local_ends, rows, ends.shape[0], local_experts, scratch,
+        _kernels()[(1,)](ends, table, src, dst, local_ends, rows, ends.shape[0], local_experts, scratch,
                             BLOCK_S=max(16, triton.next_power_of_2(rows)), CHUNK=32, num_warps=4)
     else:
         local_ends.zero_()
@@ -472,30 +444,34 @@ class ServerLink:
 
 
 class DeviceBuffers:
-    """The frontend's buffers every link of it reads: a layer's sorted rows and their group ends."""
+    """The frontend's buffers every link of it shares: a layer's sorted rows, their group ends, and the
+    rows' outputs (plus the scratch row)."""
 
     def __init__(self, max_rows: int, hidden: int, groups: int, dtype: torch.dtype, device: torch.device):
         self.rows = torch.zeros(max_rows, hidden, dtype=dtype, device=device)
         self.ends = torch.zeros(groups, dtype=torch.int32, device=device)
+        self.out = torch.zeros(max_rows + 1, hidden, dtype=dtype, device=device)
         self.device, self.dtype = device, dtype
 
-    def request(self, model: str, out: torch.Tensor, flags: torch.Tensor) -> pb.DeviceAttachRequest:
+    def request(self, model: str, flags: torch.Tensor) -> pb.DeviceAttachRequest:
         return pb.DeviceAttachRequest(model=model, gpu_uuid=gpu_uuid(self.device), dtype=wire.TO_WIRE[self.dtype],
-                                      rows=share(self.rows), ends=share(self.ends), out=share(out), flags=share(flags))
+                                      rows=share(self.rows), ends=share(self.ends), out=share(self.out),
+                                      flags=share(flags))
 
     def stage(self, rows: torch.Tensor, ends: torch.Tensor) -> None:
-        """Queue a layer's rows and ends into the shared buffers, on this stream."""
-        self.rows[:rows.shape[0]].copy_(rows)
+        """Queue a layer's rows (unless gathered into `self.rows` already) and ends into the buffers, on this stream."""
+        if rows.data_ptr() != self.rows.data_ptr():
+            self.rows[:rows.shape[0]].copy_(rows)
         self.ends[:ends.shape[0]].copy_(ends)
 
 
 class ClientLink:
-    """A connected link to one expert function: its `out` and `flags` buffers and its socket."""
+    """A connected link to one expert function: its `flags` and its socket."""
 
-    def __init__(self, folder: Path, answer: pb.DeviceAttachResponse, out: torch.Tensor, flags: torch.Tensor):
+    def __init__(self, folder: Path, answer: pb.DeviceAttachResponse, flags: torch.Tensor):
         if not answer.socket.startswith(SOCKET_PREFIX + "-") or "/" in answer.socket:
             raise LinkError(f"the server named a device socket {answer.socket!r} outside the protocol")
-        self.out, self.flags = out, flags
+        self.flags = flags
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with socket_address(Path(folder) / answer.socket) as address:
@@ -659,10 +635,6 @@ class StepLinks:
         self.buffers, self.links, self.plans, self.flags = buffers, links, plans, flags
         self.num_experts, self.timeout, self._on_finish = num_experts, timeout, on_finish
         self._rows = 0
-        # Made before the capture (a copy from pageable memory cannot be captured); the program reads them.
-        self._tables = {(address, tuple(experts)): expert_table(dict.fromkeys(experts, 0), num_experts + 1,
-                                                                buffers.device)
-                        for plan in plans.values() for address, experts in plan.items()}
         self._void = torch.zeros(len(links), dtype=torch.int32, pin_memory=True)  # each link's, after a replay
         self._packets: dict[str, bytes] = {}
         self._in_flight = InFlight(links, timeout, lambda address: gpu_flags.release(done_flags(links[address].flags)))
@@ -671,18 +643,23 @@ class StepLinks:
     def covers(self, layer: int) -> bool:
         return layer in self.plans
 
-    def run_layer(self, layer: int, rows: torch.Tensor, ends: torch.Tensor, y: torch.Tensor) -> None:
-        """Queue a layer (while the program is captured): its sorted rows and group ends staged, each of its
-        functions' go, then each one's done and its rows taken into y."""
+    @property
+    def rows(self) -> torch.Tensor:
+        """Where a layer's sorted rows are best gathered (`run_layer` copies them there otherwise)."""
+        return self.buffers.rows
+
+    def run_layer(self, layer: int, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Queue a layer (while the program is captured): its sorted rows [S, H] and group ends staged,
+        each of its functions' go, then each one's done -> the rows' outputs [S, H], a view of the shared
+        `out`, valid until the next layer's go."""
         self.buffers.stage(rows, ends)
         plan = self.plans[layer]
         for address in plan:
             self.flags.signal(go_flag(self.links[address].flags, layer))
-        for address, experts in plan.items():
-            link = self.links[address]
-            self.flags.wait(done_flag(link.flags, layer))
-            take_own_rows(y, link.out, ends, self._tables[(address, tuple(experts))])
+        for address in plan:
+            self.flags.wait(done_flag(self.links[address].flags, layer))
         self._rows = rows.shape[0]
+        return self.buffers.out[:self._rows]
 
     def capture_end(self) -> None:
         """The program's last work: each link's void flag read back to the host."""

@@ -52,7 +52,7 @@ from kubemoe.frontend.loads import LoadRecorder
 from kubemoe.frontend.loop_thread import LoopThread
 from kubemoe.frontend.tally import DeviceTally
 from kubemoe.moe import (SortedPairs, StackedExperts, can_group, expert_counts, grouped_ffn, sort_pairs,
-                         unsort_pairs)
+                         unsort_pairs, weighted_sum)
 from kubemoe.planning.split import split
 from kubemoe.routing_table import LOCAL, BundleRoute, RouteMap
 
@@ -339,8 +339,10 @@ class Dispatcher:
         return out if extra is None else out + extra
 
     def _combine(self, pairs: SortedPairs, y: torch.Tensor) -> torch.Tensor:  # [S, H] sorted -> [T, H]
-        """The rows' outputs weighted (each cast to the model's dtype, as an expert's reply arrives) and summed."""
-        return unsort_pairs(y if self.adapter.routing.weight_on_input else (y * pairs.weights).to(y.dtype), pairs)
+        """The rows' outputs weighted and summed per token, as the in-process layer sums them."""
+        if self.adapter.routing.weight_on_input:
+            return unsort_pairs(y, pairs)
+        return weighted_sum(y, pairs, y.dtype)
 
     def _run_sorted(self, layer: int, pairs: SortedPairs, y: torch.Tensor, hidden: torch.Tensor,
                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor, counted: bool = False,
@@ -413,27 +415,29 @@ class Dispatcher:
         # Sorting the pairs, counting the tokens per expert and adding the outputs back are device work:
         # captured on either side of the cut, whose host work is the calls alone (not a Prometheus counter
         # and a load record per routed expert). The spare rows' pairs sort last, to no expert: their rows
-        # of y stay 0, so the spare rows' next layers read a finite output.
+        # of y stay 0 (a link's shared `out`: an earlier step's output there), so the spare rows' next
+        # layers read a finite output.
         real_rows = recorder.real_rows(hidden.device)
+        self.tally.add_rows(layer, top_k_index, real_rows)
+        links = recorder.links
+        if links is not None and links.covers(layer) and self.offload is None:  # to linked functions on the GPU
+            pairs = sort_pairs(hidden, top_k_index, top_k_weights, self.adapter.num_experts,
+                               self.adapter.routing.weight_on_input, real_rows=real_rows, into=links.rows)
+            self._observe_captured(recorder, layer, hidden, top_k_index, top_k_weights)  # no cut: all captured
+            return self._combine(pairs, links.run_layer(layer, pairs.x, pairs.ends))
         pairs = sort_pairs(hidden, top_k_index, top_k_weights, self.adapter.num_experts,
                            self.adapter.routing.weight_on_input, real_rows=real_rows)
-        self.tally.add_rows(layer, top_k_index, real_rows)
         y = torch.zeros_like(pairs.x)
         extra = torch.zeros_like(hidden) if self.offload is not None else None  # what its experts add
 
-        links = recorder.links
-        if links is not None and links.covers(layer) and extra is None:  # handed to linked functions on the GPU
-            links.run_layer(layer, pairs.x, pairs.ends, y)
-            self._observe_captured(recorder, layer, hidden, top_k_index, top_k_weights)  # no cut: all captured
-        else:
-            def call(rows: int) -> None:
-                self._observe(layer, hidden[:rows], top_k_index[:rows], top_k_weights[:rows])
-                added = self._run_sorted(layer, pairs, y, hidden[:rows], top_k_index[:rows], top_k_weights[:rows],
-                                         counted=True, observed=True)
-                if added is not None and extra is not None:
-                    extra[:rows] = added
+        def call(rows: int) -> None:
+            self._observe(layer, hidden[:rows], top_k_index[:rows], top_k_weights[:rows])
+            added = self._run_sorted(layer, pairs, y, hidden[:rows], top_k_index[:rows], top_k_weights[:rows],
+                                     counted=True, observed=True)
+            if added is not None and extra is not None:
+                extra[:rows] = added
 
-            recorder.cut(call)
+        recorder.cut(call)
         out = self._combine(pairs, y)
         return out if extra is None else out + extra
 
@@ -507,7 +511,7 @@ class Dispatcher:
     def _link(self, address: str, rows: int) -> ClientLink | None:
         """The device link to `address` with room for `rows` rows, attached now if need be; None if it cannot be."""
         link = self._links.get(address)
-        if link is not None and link.out.shape[0] > rows:
+        if link is not None and self._link_buffers is not None and self._link_buffers.rows.shape[0] >= rows:
             return link
         folder = self.config.shm_dir
         if folder is None or time.monotonic() < self._link_retry.get(address, 0.0):
@@ -519,15 +523,14 @@ class Dispatcher:
             size = max(LINK_MIN_ROWS, 1 << (rows - 1).bit_length())
             buffers = self._link_buffers = DeviceBuffers(size, self.adapter.hidden_size, self.adapter.num_experts + 1,
                                                          self.dtype, torch.device(self.device))
-        out = torch.zeros(buffers.rows.shape[0] + 1, self.adapter.hidden_size, dtype=self.dtype, device=self.device)
         flags = torch.zeros(flag_count(self.adapter.num_layers), dtype=torch.int32, device=self.device)
         try:
             if self._flags is None:
                 self._flags = gpu_flags.Flags(torch.device(self.device))
-            answer = self.io.run(self._client(address).attach_device(buffers.request(self.config.model, out, flags),
+            answer = self.io.run(self._client(address).attach_device(buffers.request(self.config.model, flags),
                                                                      timeout=self.config.call_timeout),
                                  timeout=self.config.call_timeout + 1)
-            link = self._links[address] = ClientLink(folder, answer, out, flags)
+            link = self._links[address] = ClientLink(folder, answer, flags)
         except (grpc.aio.AioRpcError, LinkError, RuntimeError, TimeoutError) as e:
             why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
             log.info("no device link to %s (%s): its layers go as calls", address, why)

@@ -134,12 +134,18 @@ def _small(x: torch.Tensor) -> bool:
     return x.shape[0] <= moe_kernels.GROUPED_SMALL_ROWS and _small_kernel(x.device)
 
 
-def _grouped_mm(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def _grouped_mm(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor,
+                scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [S, K] sorted by expert, weights [E, N, K], ends [E] -> [S, N]: a decode-sized S on a GPU by
-    kubemoe's kernel (moe_kernels.py), else torch's grouped GEMM."""
+    kubemoe's kernel (moe_kernels.py), else torch's grouped GEMM. `scatter` = (out, dst): row s's
+    result into out[dst[s]] (`sorted_ffn`'s), -> out."""
     if _small(x):
-        return moe_kernels.grouped_mm_small(x, weights, ends)
-    return F.grouped_mm(x, weights.transpose(-2, -1), offs=ends)
+        return moe_kernels.grouped_mm_small(x, weights, ends, scatter=scatter)
+    y = F.grouped_mm(x, weights.transpose(-2, -1), offs=ends)
+    if scatter is None:
+        return y
+    out, dst = scatter
+    return out.index_copy_(0, dst, y.to(out.dtype))
 
 
 @dataclass(frozen=True)
@@ -151,8 +157,13 @@ class SortedPairs:
     order: torch.Tensor  # [S] int64
     ends: torch.Tensor  # [E'] int32, cumulative (E' = E, or E + 1 whose last group is the spare rows)
     x: torch.Tensor  # [S, H] the rows' inputs, weighted where the architecture weighs inputs
-    weights: torch.Tensor  # [S, 1] the rows' routing weights
+    top_k_weights: torch.Tensor  # [T, K] the routing weights, in token order
     k: int
+    positions: torch.Tensor | None = None  # [S] int32 pair t * K + j's row (order's inverse), where the kernel made it
+
+    @functools.cached_property
+    def weights(self) -> torch.Tensor:  # [S, 1] the rows' routing weights
+        return self.top_k_weights.reshape(-1)[self.order, None]
 
     def tokens(self, start: int, end: int) -> torch.Tensor:  # [end - start] the batch rows of rows [start, end)
         return self.order[start:end] // self.k
@@ -171,27 +182,31 @@ def sort_pairs(
     weight_on_input: bool,
     counts: torch.Tensor | None = None,  # [E] from `expert_counts`, if the caller has it already
     real_rows: torch.Tensor | None = None,  # int device scalar: rows past it are spare (a graph's padding)
+    into: torch.Tensor | None = None,  # [>= S, H] of hidden's dtype: where x is gathered (x is its first S rows)
 ) -> SortedPairs:
     """The pairs sorted by expert, without waiting for the device: the group boundaries stay a device
     tensor. With `real_rows`, the spare rows' pairs sort last as an expert of their own (id E), so a
-    replayed graph can pad a batch without its spare rows reaching any expert."""
+    replayed graph can pad a batch without its spare rows reaching any expert. `into` saves a copy
+    where the rows go to a buffer another process reads (device_link.py)."""
     k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)  # [S]
-    if real_rows is not None:
-        flat = torch.where(torch.arange(flat.shape[0], device=flat.device) < real_rows * k, flat, num_experts)
-        num_experts, counts = num_experts + 1, None
-    if _small(flat):  # one kernel for what a sort, the counts and their cumsum take several for
-        order, ends, _ = moe_kernels.group_pairs(flat, num_experts)
+    positions = None
+    if _small(flat):  # one kernel for what a sort, the counts, their cumsum and the spare rows' marking take several for
+        order, ends, positions = moe_kernels.group_pairs(flat, num_experts, real_rows, k)
     else:
+        if real_rows is not None:
+            flat = torch.where(torch.arange(flat.shape[0], device=flat.device) < real_rows * k, flat, num_experts)
+            num_experts, counts = num_experts + 1, None
         experts_sorted, order = flat.sort(stable=True)  # [S]
         if counts is None:
             counts = expert_counts(experts_sorted, num_experts)
         ends = counts.cumsum(0, dtype=torch.int32)
-    x = hidden[order // k]  # [S, H]
-    weights = top_k_weights.reshape(-1)[order, None]  # [S, 1]
+    tokens = order // k
+    x = hidden[tokens] if into is None else torch.index_select(hidden, 0, tokens, out=into[:flat.shape[0]])  # [S, H]
+    pairs = SortedPairs(order, ends, x, top_k_weights, k, positions)
     if weight_on_input:
-        x = x * weights.to(x.dtype)
-    return SortedPairs(order, ends, x, weights, k)
+        x.mul_(pairs.weights.to(x.dtype))  # x is a gathered copy: weighed in place
+    return pairs
 
 
 def unsort_pairs(y: torch.Tensor, pairs: SortedPairs) -> torch.Tensor:  # [S, H] in sorted order -> [T, H]
@@ -201,23 +216,34 @@ def unsort_pairs(y: torch.Tensor, pairs: SortedPairs) -> torch.Tensor:  # [S, H]
     return unsorted.view(-1, pairs.k, y.shape[-1]).sum(dim=1)
 
 
+def weighted_sum(y: torch.Tensor, pairs: SortedPairs, dtype: torch.dtype) -> torch.Tensor:  # [S, H] sorted -> [T, H]
+    """Each token's K outputs (rows of y) times their routing weights, summed in float32 where the weights
+    are (as transformers' experts sum), in `dtype`: one kernel where the grouping kernel ran (`positions`)."""
+    if pairs.positions is not None:
+        return moe_kernels.combine_pairs(y, pairs.positions, pairs.top_k_weights, dtype)
+    return unsort_pairs(y * pairs.weights, pairs).to(dtype)
+
+
 def sorted_ffn(
     x: torch.Tensor,  # [S, H] rows sorted by expert
     ends: torch.Tensor,  # [E] int32 end row of each expert's rows (cumulative: F.grouped_mm's offs), on x's device
     experts: StackedExperts,
     act: Callable[[torch.Tensor], torch.Tensor],
     order: torch.Tensor | None = None,  # [S] int64: row r is x[order[r]] (x then any number of rows)
+    scatter: tuple[torch.Tensor, torch.Tensor] | None = None,  # (out [>= S, H], dst [S] int64)
 ) -> torch.Tensor:  # [S, H]
     """Each expert's FFN of its own rows, as two grouped GEMMs; an expert without rows costs nothing.
-    With `order`, the rows are gathered from x as the first GEMM reads them, where the kernel can."""
+    With `order`, the rows are gathered from x as the first GEMM reads them, where the kernel can. With
+    `scatter`, row r's output goes to out[dst[r]] (in out's dtype) as the last GEMM writes it, where the
+    kernel can; -> out."""
     sorted_rows = x if order is None else order
     if _small(sorted_rows) and is_silu(act):  # gate, up, silu and their product in one kernel
         h = moe_kernels.swiglu_grouped_mm(x, experts.gate_up, ends, grouping=None if order is None else (order, 1))
-        return _grouped_mm(h, experts.down, ends)
+        return _grouped_mm(h, experts.down, ends, scatter)
     if order is not None:
         x = x[order]
     gate, up = _grouped_mm(x, experts.gate_up, ends).chunk(2, dim=-1)  # [S, I] each
-    return _grouped_mm(act(gate) * up, experts.down, ends)
+    return _grouped_mm(act(gate) * up, experts.down, ends, scatter)
 
 
 # What SiLU is called where an activation comes from: torch, and transformers' ACT2FN["silu"].
@@ -254,6 +280,4 @@ def grouped_ffn(
         return moe_kernels.combine_pairs(_grouped_mm(h, experts.down, ends), positions, top_k_weights, hidden.dtype)
     pairs = sort_pairs(hidden, top_k_index, top_k_weights, experts.num_experts, weight_on_input, counts)
     y = sorted_ffn(pairs.x, pairs.ends, experts, act)  # [S, H]
-    if not weight_on_input:
-        y = y * pairs.weights  # float32, as `combine` weighs
-    return unsort_pairs(y, pairs).to(hidden.dtype)
+    return unsort_pairs(y, pairs).to(hidden.dtype) if weight_on_input else weighted_sum(y, pairs, hidden.dtype)

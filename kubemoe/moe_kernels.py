@@ -38,8 +38,8 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def grouped_mm_small(x_ptr, w_ptr, ends_ptr, out_ptr, N, K, stride_xs, stride_we, stride_wn, stride_os,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def grouped_mm_small(x_ptr, w_ptr, ends_ptr, out_ptr, dst_ptr, N, K, stride_xs, stride_we, stride_wn, stride_os,
+                         SCATTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         e = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
@@ -57,7 +57,11 @@ def _kernel():
                             mask=rmask[:, None] & kmask[None, :], other=0.0)
                 w = tl.load(w_base + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)  # [BN, BK]
                 acc += tl.dot(x, tl.trans(w))
-            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_os + cols[None, :],
+            if SCATTER:  # row r's output to row dst[r]
+                at = tl.load(dst_ptr + rows, mask=rmask, other=0)
+            else:
+                at = rows
+            tl.store(out_ptr + at[:, None].to(tl.int64) * stride_os + cols[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
     return grouped_mm_small
@@ -80,22 +84,27 @@ def blocks(n: int, k: int) -> tuple[int, ...]:
 
 
 def grouped_mm_small(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor,
-                     config: tuple[int, ...] | None = None) -> torch.Tensor:
+                     config: tuple[int, ...] | None = None,
+                     scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [S, K] (rows sorted by expert), weights [E, N, K], ends [E] int32 (each expert's end row,
     cumulative, as `F.grouped_mm`'s offs) -> [S, N] in x's dtype: row s times its expert's weights.
     `config`: (BLOCK_N, BLOCK_K, warps, stages[, BLOCK_M]), default `blocks(N, K)` and a BLOCK_M
-    from the rows."""
+    from the rows. `scatter` = (out [>= S, N], dst [S] int64): row s's result written to out[dst[s]]
+    (in out's dtype) for the rows of some expert, the others' rows of out untouched; -> out."""
     import triton
 
     rows, k = x.shape
     experts, n, _ = weights.shape
     block_n, block_k, num_warps, num_stages, *chosen_m = config or blocks(n, k)
     x, weights = x.contiguous(), weights.contiguous()
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    out, dst = scatter if scatter is not None else (torch.empty(rows, n, dtype=x.dtype, device=x.device), ends)
+    if out.stride(1) != 1:
+        raise ValueError("grouped_mm_small writes rows of unit stride")
     block_m = chosen_m[0] if chosen_m else min(64, max(16, triton.next_power_of_2(rows)))
-    _kernel()[(experts, triton.cdiv(n, block_n))](x, weights, ends, out, n, k, x.stride(0), weights.stride(0),
-                                                  weights.stride(1), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-                                                  BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    _kernel()[(experts, triton.cdiv(n, block_n))](x, weights, ends, out, dst, n, k, x.stride(0), weights.stride(0),
+                                                  weights.stride(1), out.stride(0), SCATTER=scatter is not None,
+                                                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                  num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -127,15 +136,21 @@ def _group_kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["S"])
-    def group_pairs(experts_ptr, order_ptr, ends_ptr, positions_ptr, S, E, BLOCK_S: tl.constexpr,
-                    BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    def group_pairs(experts_ptr, real_ptr, order_ptr, ends_ptr, positions_ptr, S, E, TOP_K, SPARE: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
         s = tl.arange(0, BLOCK_S)
         live = s < S
+        if SPARE:  # pairs of rows from the real ones' count on: group E - 1, the spare rows'
+            real = tl.load(real_ptr).to(tl.int32) * TOP_K
+        else:
+            real = S
         mine = tl.load(experts_ptr + s, mask=live, other=0)  # [BS]
+        mine = tl.where(s < real, mine, E - 1)
         before = tl.zeros((BLOCK_S,), dtype=tl.int32)  # pairs that sort ahead of each: a smaller expert, or
         for c0 in range(0, S, CHUNK):  # the same expert at an earlier pair (stable)
             c = c0 + tl.arange(0, CHUNK)
             theirs = tl.load(experts_ptr + c, mask=c < S, other=0)  # [C]
+            theirs = tl.where(c < real, theirs, E - 1)
             ahead = (theirs[None, :] < mine[:, None]) | ((theirs[None, :] == mine[:, None]) & (c[None, :] < s[:, None]))
             before += tl.sum((ahead & (c[None, :] < S)).to(tl.int32), axis=1)
         tl.store(order_ptr + before, s.to(tl.int64), mask=live)
@@ -145,6 +160,7 @@ def _group_kernel():
         for c0 in range(0, S, CHUNK):
             c = c0 + tl.arange(0, CHUNK)
             theirs = tl.load(experts_ptr + c, mask=c < S, other=E)  # past every expert: counts for none
+            theirs = tl.where((c < real) | (c >= S), theirs, E - 1)
             ends += tl.sum((theirs[None, :] <= e[:, None]).to(tl.int32), axis=1)
         tl.store(ends_ptr + e, ends, mask=e < E)
 
@@ -161,22 +177,27 @@ class Grouping(NamedTuple):
     positions: torch.Tensor
 
 
-def group_pairs(experts: torch.Tensor, num_experts: int) -> Grouping:
+def group_pairs(experts: torch.Tensor, num_experts: int, real_rows: torch.Tensor | None = None,
+                top_k: int = 1) -> Grouping:
     """experts [S] int64 (each (token, choice) pair's expert; S at most GROUPED_SMALL_ROWS) -> the pairs
     grouped by expert, stably (`Grouping`). One kernel of S x (S + E) comparisons, where a stable sort
     of 256 keys took 27 us on the H200 (decode_step_probe at 0c40a9b) and the counts and their cumsum
-    four more kernels."""
+    four more kernels. With `real_rows` (an int device scalar; pair i is row i // top_k's), the pairs of
+    the rows past the real ones form one more group, num_experts, last: a graph's padding, marked in
+    the kernel where a where over an arange took four more."""
     import triton
 
     (s,) = experts.shape
     if s > GROUPED_SMALL_ROWS:
         raise ValueError(f"group_pairs takes at most {GROUPED_SMALL_ROWS} pairs, got {s}: sort larger batches")
+    groups = num_experts + (real_rows is not None)
     order = torch.empty(s, dtype=torch.int64, device=experts.device)
     positions = torch.empty(s, dtype=torch.int32, device=experts.device)
-    ends = torch.empty(num_experts, dtype=torch.int32, device=experts.device)
+    ends = torch.empty(groups, dtype=torch.int32, device=experts.device)
     # one block of GROUPED_SMALL_ROWS for every S: compiled once per model, not once per batch size
-    _group_kernel()[(1,)](experts.contiguous(), order, ends, positions, s, num_experts, BLOCK_S=GROUPED_SMALL_ROWS,
-                          BLOCK_E=max(16, triton.next_power_of_2(num_experts)), CHUNK=32)
+    _group_kernel()[(1,)](experts.contiguous(), experts if real_rows is None else real_rows, order, ends, positions,
+                          s, groups, top_k, SPARE=real_rows is not None, BLOCK_S=GROUPED_SMALL_ROWS,
+                          BLOCK_E=max(16, triton.next_power_of_2(groups)), CHUNK=32)
     return Grouping(order, ends, positions)
 
 

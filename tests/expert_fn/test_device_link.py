@@ -51,8 +51,8 @@ def test_a_links_flags_are_each_layers_go_and_done_then_void():
 
 def test_each_side_computes_only_its_experts_rows_and_together_they_equal_the_whole_layer():
     """Six experts, two functions ({0, 2, 3} and {1, 4, 5}), a batch with spare rows (a graph's padding):
-    each writes its rows' outputs at their rows of its `out` and the rest to the scratch row; taking
-    each row from the function whose expert it is gives the layer computed over one stack."""
+    each writes its rows' outputs at their rows of the shared `out` and the rest to the scratch row;
+    both done, `out` holds the layer computed over one stack, and the spare rows what they held."""
     gen = torch.Generator().manual_seed(0)
     T, K, H, I, E = 7, 2, 16, 8, 6
     stack = StackedExperts(torch.randn(E, 2 * I, H, generator=gen) / 4, torch.randn(E, H, I, generator=gen) / 4)
@@ -64,20 +64,19 @@ def test_each_side_computes_only_its_experts_rows_and_together_they_equal_the_wh
     whole = sorted_ffn(pairs.x, pairs.ends[:E], stack, F.silu)
     groups = device_link.row_groups(pairs.ends, rows)
     assert groups[-2 * K:].tolist() == [E] * (2 * K)  # the spare rows' pairs: the group after the experts'
-    merged = torch.full_like(whole, float("nan"))
+    out = torch.full((rows + 1, H), 7.0)  # shared by both
     for held in ([0, 2, 3], [1, 4, 5]):
         local = StackedExperts(stack.gate_up[held], stack.down[held])
         table = device_link.expert_table({e: i for i, e in enumerate(held)}, E + 1, torch.device("cpu"))
         assert table.tolist()[E:] == [-1, -1]  # the spare group's and anything past it: nobody's
-        out = torch.full((rows + 1, H), 7.0)
+        before = out.clone()
         device_link.run_owned(pairs.x, pairs.ends, table, local, F.silu, out)
         own = table[groups] >= 0
         torch.testing.assert_close(out[:rows][own], whole[own])
-        assert (out[:rows][~own] == 7.0).all()  # the others' rows untouched
-        device_link.take_own_rows(merged, out, pairs.ends, table)
+        assert torch.equal(out[:rows][~own], before[:rows][~own])  # the others' rows untouched
     real = groups < E
-    torch.testing.assert_close(merged[real], whole[real])
-    assert merged[~real].isnan().all()  # no function took the spare rows
+    torch.testing.assert_close(out[:rows][real], whole[real])
+    assert (out[:rows][~real] == 7.0).all()  # no function wrote the spare rows
 
 
 def test_a_server_without_a_gpu_refuses_to_link_and_keeps_serving(tiny_checkpoint, tmp_path):
@@ -159,10 +158,10 @@ def test_a_link_serves_the_client_with_its_token_alone_and_refuses_a_step_it_can
     assert _wait_closed(right) and not list(tmp_path.iterdir())
 
 
-def test_the_row_kernels_compute_what_the_torch_steps_compute_under_tritons_interpreter(triton_interpreted):
-    """On a GPU owned_rows and take_own_rows are one kernel each (`moe_kernels.runs_here`): under Triton's
-    CPU interpreter they give the torch steps' src, dst and local ends, and the same merged rows, for
-    functions holding some experts, none of a layer's, or all, with spare rows and empty experts."""
+def test_the_owned_rows_kernel_computes_what_the_torch_steps_compute_under_tritons_interpreter(triton_interpreted):
+    """On a GPU owned_rows is one kernel (`moe_kernels.runs_here`): under Triton's CPU interpreter it gives
+    the torch steps' src, dst and local ends, for functions holding some experts, none of a layer's, or
+    all, with spare rows and empty experts."""
     triton_interpreted("""
         import torch
         from kubemoe import moe_kernels
@@ -181,15 +180,10 @@ def test_the_row_kernels_compute_what_the_torch_steps_compute_under_tritons_inte
             local = max(len(held), 1)
             moe_kernels.runs_here = lambda device: False
             want = device_link.owned_rows(ends, rows, table, local, rows)
-            y, out = torch.randn(rows, 24, generator=g), torch.randn(rows + 1, 24, generator=g)
-            want_y = y.clone()
-            device_link.take_own_rows(want_y, out, ends, table)
             moe_kernels.runs_here = lambda device: True
             got = device_link.owned_rows(ends, rows, table, local, rows)
             for w, o in zip(want, got):
                 assert w.dtype == o.dtype and torch.equal(w, o), (experts, held, w, o)
-            device_link.take_own_rows(y, out, ends, table)
-            assert torch.equal(y, want_y), (experts, held)
         print("equal")
     """)
 
@@ -201,7 +195,7 @@ def test_the_frontend_sees_at_once_that_a_function_ended_its_link(tmp_path):
                                     torch.zeros(device_link.flag_count(2), dtype=torch.int32), 4, (0, 1),
                                     lambda layer: None, F.silu, None)
     client = device_link.ClientLink(tmp_path, pb.DeviceAttachResponse(socket=server.path.name, token=server.token),
-                                    torch.zeros(9, 4), torch.zeros(device_link.flag_count(2), dtype=torch.int32))
+                                    torch.zeros(device_link.flag_count(2), dtype=torch.int32))
     try:
         client.send(device_link.pack_step(4, {1: [2]}, 4))
         assert _until(lambda: bool(select.select([client.sock], [], [], 0)[0]))

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from kubemoe.expert import expert_ffn
-from kubemoe.moe import LocalExperts, StackedExperts, can_group, expert_counts, group_tokens, grouped_ffn, sorted_ffn
+from kubemoe.moe import (LocalExperts, StackedExperts, can_group, expert_counts, group_tokens, grouped_ffn, sort_pairs,
+                         sorted_ffn)
 
 E, H, I, T = 8, 32, 48, 19
 
@@ -49,6 +50,19 @@ def test_sorted_rows_go_through_their_own_expert_and_experts_without_rows_are_sk
     assert torch.equal(sorted_ffn(hidden, ends, stack, F.silu), want)
 
 
+@pytest.mark.parametrize("weight_on_input", [False, True])
+def test_pairs_gathered_into_a_given_buffer_are_the_pairs_gathered_anew(weight_on_input):
+    """`into`: the rows a device link's functions read, gathered (and weighed) straight into its buffer."""
+    g, _, hidden = _layer(3)
+    weights, index = torch.rand(T, E, generator=g).topk(2, dim=-1)
+    buffer = torch.full((2 * T + 5, H), float("nan"))
+    fresh = sort_pairs(hidden, index, weights, E, weight_on_input, real_rows=torch.tensor(T - 2))
+    into = sort_pairs(hidden, index, weights, E, weight_on_input, real_rows=torch.tensor(T - 2), into=buffer)
+    assert into.x.data_ptr() == buffer.data_ptr() and into.x.shape == (2 * T, H)
+    assert torch.equal(into.x, fresh.x) and torch.equal(into.order, fresh.order) and torch.equal(into.ends, fresh.ends)
+    assert buffer[2 * T:].isnan().all()  # nothing past the pairs' rows written
+
+
 def test_expert_counts_counts_every_choice_and_sizes_by_the_layer():
     index = torch.tensor([[0, 3], [3, 1], [3, 0]])
     assert expert_counts(index, 6).tolist() == [2, 1, 0, 3, 0, 0]
@@ -69,8 +83,8 @@ def test_group_tokens_gives_each_routed_expert_its_pairs_in_order_and_skips_the_
 
 def test_the_grouping_kernel_sorts_pairs_by_expert_stably_under_tritons_interpreter(triton_interpreted):
     """moe_kernels.group_pairs (the GPU's grouping of decode-sized batches) gives a stable sort's order,
-    each expert's cumulative end row and where each pair went, also for experts without pairs and sizes
-    of no whole block."""
+    each expert's cumulative end row and where each pair went, also for experts without pairs, sizes
+    of no whole block, and with a graph's spare rows marked in the kernel (all rows real, some, none)."""
     triton_interpreted("""
         import torch
         from kubemoe.moe_kernels import group_pairs
@@ -82,14 +96,23 @@ def test_the_grouping_kernel_sorts_pairs_by_expert_stably_under_tritons_interpre
             assert torch.equal(order, chosen.sort(stable=True).indices), (pairs, experts)
             assert torch.equal(ends.long(), want_ends), (pairs, experts)
             assert torch.equal(order[positions.long()], torch.arange(pairs)), (pairs, experts)
+        for pairs, experts, k, real in ((8, 8, 2, 3), (8, 8, 2, 0), (8, 8, 2, 4), (256, 128, 8, 29), (36, 60, 4, 1)):
+            # a graph's padding: the pairs of rows from `real` on are one more group, the last
+            chosen = torch.randint(0, experts, (pairs,), generator=g)
+            marked = torch.where(torch.arange(pairs) < real * k, chosen, experts)
+            order, ends, positions = group_pairs(chosen, experts, torch.tensor(real, dtype=torch.int32), k)
+            want_ends = torch.zeros(experts + 1, dtype=torch.int64).index_add_(0, marked, torch.ones_like(marked))
+            assert torch.equal(order, marked.sort(stable=True).indices), (pairs, experts, real)
+            assert torch.equal(ends.long(), want_ends.cumsum(0)), (pairs, experts, real)
+            assert torch.equal(order[positions.long()], torch.arange(pairs)), (pairs, experts, real)
         print("equal")
     """)
 
 
 def test_the_fused_layer_kernels_compute_the_unfused_steps_under_tritons_interpreter(triton_interpreted):
     """The kernels of a decode-sized layer on a GPU (moe_kernels): grouped_mm_small is each row times its
-    expert's weights; swiglu_grouped_mm is silu(gate) * up of the sorted rows, gathered from the tokens or
-    given sorted; combine_pairs is the weighted sum that
+    expert's weights, written in place or scattered to given rows; swiglu_grouped_mm is silu(gate) * up
+    of the sorted rows, gathered from the tokens or given sorted; combine_pairs is the weighted sum that
     sort_pairs / unsort_pairs compute, with float32 weights and with weights of the outputs' dtype; top_k
     is softmax, topk and the division, in either weights dtype, and topk of raw logits."""
     triton_interpreted("""
@@ -110,6 +133,10 @@ def test_the_fused_layer_kernels_compute_the_unfused_steps_under_tritons_interpr
                                      ).chunk(2, dim=-1)
                 plain = mk.grouped_mm_small(rows, gate_up, ends)  # the same kernel without SwiGLU: both halves
                 assert torch.allclose(plain.float(), torch.cat([gate, up], dim=-1).float(), atol=tolerance, rtol=tolerance)
+                dst = torch.arange(tokens * k).flip(0) + 1  # scattered: row r's result to row dst[r]
+                out = torch.zeros(tokens * k + 2, 2 * inter, dtype=dtype)
+                assert mk.grouped_mm_small(rows, gate_up, ends, scatter=(out, dst)) is out
+                assert torch.equal(out[dst], plain) and not out[0].any() and not out[-1].any()
                 gathered = mk.swiglu_grouped_mm(hidden, gate_up, ends, grouping=(order, k))
                 assert gathered.dtype == dtype and gathered.shape == (tokens * k, inter)
                 assert torch.allclose(gathered.float(), (F.silu(gate) * up).float(), atol=tolerance, rtol=tolerance)
