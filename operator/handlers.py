@@ -3,7 +3,7 @@
     kubemoe operator --all-namespaces     # peering set up as the chart does (operator/cli.py)
 
 Create, update and resume reconcile the spec; the timer pulls the frontends' /loads and re-plans;
-delete only reports (owner references let the garbage collector remove the children, so no
+a daemon re-plans when a service kept warm is past keepAlive; delete only reports (owner references let the garbage collector remove the children, so no
 finalizer is needed). Settings come from the environment once (`OperatorConfig.from_env`).
 
 Nodes (a Kopf index), pods and the expert pods, frontend Deployments and Knative Services (watch.py: watches of
@@ -35,6 +35,7 @@ RESOURCE = (GROUP, VERSION, PLURAL)
 CHILD_LABELS = {MANAGED_BY: MANAGER}  # the workloads this operator made
 CHILD_KINDS = (("v1", "Pod"), ("apps/v1", "Deployment"), KNATIVE)  # whose readiness the status follows
 PODS_LISTED_S = 60.0
+KEEP_ALIVE_CHECK_S = 1.0  # how often the daemon looks for a warm service past its keepAlive
 
 
 @kopf.on.startup()
@@ -151,6 +152,23 @@ def replan(body, memo: kopf.Memo, node_infos: kopf.Index, **_) -> None:
     if outcome.loads_error:
         kopf.event(body, type="Warning", reason="LoadsUnavailable", message=outcome.loads_error)
     report(body, outcome, retry_later=False)
+
+
+@kopf.daemon(*RESOURCE, cancellation_timeout=5.0)  # type: ignore[arg-type]  # see INDICES
+async def expire(body, memo: kopf.Memo, node_infos: kopf.Index, stopped, **_) -> None:
+    # A service kept warm is deleted within a second of its keepAlive's end, not at the next loads tick
+    # (loadsInterval later): until then the status counts it and its GPU memory stays taken. A daemon, not
+    # a timer: a timer's every tick is a log line.
+    loop, uid = asyncio.get_running_loop(), body["metadata"]["uid"]
+    while not stopped:
+        if memo.reconciler.keep_alive_over(uid):
+            await loop.run_in_executor(None, expire_now, body, memo, node_infos)
+        await stopped.wait(KEEP_ALIVE_CHECK_S)
+
+
+def expire_now(body, memo: kopf.Memo, node_infos: kopf.Index) -> None:
+    report(body, memo.reconciler.reconcile(body, memo.get("loads"), watched=watched(node_infos, memo)),
+           retry_later=False)
 
 
 @kopf.on.delete(*RESOURCE, optional=True)

@@ -618,6 +618,13 @@ def _capacity_text(spec: MoESpec, bundles: Sequence[Bundle], eligible: Sequence[
     return text
 
 
+def keep_alive_ends(plan: Plan, keep_alive_s: float) -> float | None:
+    """When the first service `plan` keeps warm is past keepAlive (a plan made then deletes it); None if none is kept."""
+    if not plan.retired:
+        return None
+    return min(r.since for r in plan.retired.values()) + keep_alive_s
+
+
 def _kept(previous: Plan, now: float, keep_alive_s: float) -> dict[ServiceKey, Retired]:
     """Retired services still warm: keepAlive has not passed since they left the plan."""
     return {key: r for key, r in previous.retired.items() if now - r.since < keep_alive_s}

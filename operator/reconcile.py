@@ -24,8 +24,8 @@ from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.diff import Object, ObjectKey, diff, is_ready, key_of
 from kubemoe.operator.kube import ApiError, Kube
 from kubemoe.operator.loads import LoadSource
-from kubemoe.operator.plan import (NO_LOADS, Decisions, Loads, NodeInfo, Plan, PlanError, decisions, plan,
-                                   with_dra_devices)
+from kubemoe.operator.plan import (NO_LOADS, Decisions, Loads, NodeInfo, Plan, PlanError, decisions,
+                                   keep_alive_ends, plan, with_dra_devices)
 from kubemoe.operator.render import (COMPONENT, EXPERT, FRONTEND, KINDS, OPTIONAL_KINDS, ROUTING, function_of,
                                      observe, render, selector, service_of)
 from kubemoe.operator.spec import API_VERSION, KIND, MoEDeployment, MoESpec, SpecError
@@ -119,6 +119,15 @@ class Reconciler:
             mine = [o for o in children() if any(r.get("uid") == uid for r in o["metadata"].get("ownerReferences") or [])]
             return self._finish(body, last.deployment, last.plan, mine, Changes(), last.loads, None, retry=False,
                                 services=last.services, publish=False)
+
+    def keep_alive_over(self, uid: str) -> bool:
+        """Whether a service the last plan applied for `uid` keeps warm is past its keepAlive: the next
+        reconcile deletes it (and the status stops counting it)."""
+        last = self._applied.get(uid)
+        if last is None:
+            return False
+        ends = keep_alive_ends(last.plan, last.deployment.spec.experts.scaling.keep_alive_s)
+        return ends is not None and self.clock() >= ends
 
     def forget(self, uid: str) -> None:
         self._applied.pop(uid, None)

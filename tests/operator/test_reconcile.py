@@ -177,6 +177,25 @@ def test_expired_services_are_deleted_concurrently(f):
     assert sorted(outcome.changes.deleted) == sorted(f"Pod/{name}" for name in retired)
 
 
+def test_the_operator_knows_when_a_warm_service_is_past_its_keepalive(f):
+    """What the operator's daemon asks every second (handlers.expire): a service kept warm is deleted
+    within a second of its keepAlive's end, not at the next loads tick."""
+    body, kube, clock, reconciler = setup(f)
+    uid = body["metadata"]["uid"]
+    assert not reconciler.keep_alive_over(uid)  # no plan applied yet
+    step(body, reconciler, kube, SKEWED)
+    clock.now += 60
+    assert not reconciler.keep_alive_over(uid)  # nothing kept warm
+    step(body, reconciler, kube, MOVED)
+    assert kept_warm(kube)
+    clock.now += 599
+    assert not reconciler.keep_alive_over(uid)
+    clock.now += 2  # keepAlive (10m) over: the reconcile it triggers deletes the warm services
+    assert reconciler.keep_alive_over(uid)
+    step(body, reconciler, kube, MOVED)
+    assert not kept_warm(kube) and not services(kube, retired=True) and not reconciler.keep_alive_over(uid)
+
+
 def names(pods):
     return {o["metadata"]["name"] for o in pods}
 
