@@ -15,6 +15,7 @@ nodes and pods, and a child's change (its pods Ready) brings the owner's status 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 
 import kopf
@@ -162,7 +163,8 @@ async def expire(body, memo: kopf.Memo, node_infos: kopf.Index, stopped, **_) ->
     loop, uid = asyncio.get_running_loop(), body["metadata"]["uid"]
     while not stopped:
         if memo.reconciler.keep_alive_over(uid):
-            await loop.run_in_executor(None, expire_now, body, memo, node_infos)
+            # in kopf's context: kopf.event reads its queue from a context variable
+            await loop.run_in_executor(None, contextvars.copy_context().run, expire_now, body, memo, node_infos)
         await stopped.wait(KEEP_ALIVE_CHECK_S)
 
 
