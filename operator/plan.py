@@ -315,7 +315,8 @@ def plan(spec: MoESpec, loads: Loads, nodes: Sequence[NodeInfo], previous: Plan 
         warm = {**{k: r.replicas for k, r in _kept(previous, now, keep_alive_s).items()}, **previous.services()}
         placed, unplaced, gpus_held = _place(spec, bundles, _replicas(spec, bundles, loads), loads, eligible, warm,
                                              set(previous.services()))
-        placed, hosted = _host_in_place(spec, bundles, placed, loads, eligible, previous.services(), warm)
+        placed, hosted = _host_in_place(spec, bundles, placed, loads, eligible, previous.services(), warm,
+                                        previous.hosted)
     active = {key for key in Plan(mode, bundles, placed).services()}
     retired = {**{k: r for k, r in _kept(previous, now, keep_alive_s).items() if k not in active},
                **{k: Retired(n, now) for k, n in previous.services().items() if k not in active}}
@@ -330,11 +331,17 @@ def plan(spec: MoESpec, loads: Loads, nodes: Sequence[NodeInfo], previous: Plan 
 
 
 def _host_in_place(spec: MoESpec, bundles: Sequence[Bundle], placed: Mapping[str, tuple[str, ...]], loads: Loads,
-                   eligible: Sequence[NodeInfo], running: Mapping[ServiceKey, int], warm: Mapping[ServiceKey, int]
+                   eligible: Sequence[NodeInfo], running: Mapping[ServiceKey, int], warm: Mapping[ServiceKey, int],
+                   was_hosted: Mapping[str, tuple[ServiceKey, ...]]
                    ) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[ServiceKey, ...]]]:
     """Scale-out replicas placed where the bundle has no service yet go into a running function at that
     site with memory to spare (the one with the least load in the replica's layer: another layer's
-    function runs at another moment), instead of a new service. See the module docstring."""
+    function runs at another moment), instead of a new service. See the module docstring.
+
+    A replica hosted before (`was_hosted`) stays with its host while that runs on and the bundle keeps
+    as many replicas: the placer, which sees services only, may have put it on another site, and moving it
+    would make a plan of the same loads differ from the last one (new pods for nothing) once the services
+    kept warm beside it expire."""
     nodes = {n.name: n for n in eligible}
 
     def room(site: str) -> int:  # bytes one function may hold there; 0 where unknown
@@ -359,23 +366,29 @@ def _host_in_place(spec: MoESpec, bundles: Sequence[Bundle], placed: Mapping[str
         at_site.setdefault(site, []).append((bundle, site))
     kept: dict[str, list[str]] = {b: list(sites) for b, sites in placed.items()}
     hosted: dict[str, list[ServiceKey]] = {}
+
+    def host_at(bundle: str, site: str, host: ServiceKey, share: float) -> None:
+        used[host] += experts[bundle]
+        if layer_of[host[0]] == layer_of[bundle]:
+            in_layer[host] += share
+        kept[bundle].remove(site)
+        hosted.setdefault(bundle, []).append(host)
+
     for bundle in sorted(kept, key=lambda b: (-rate[b] / max(len(kept[b]), 1), b)):
         if not any((bundle, site) in warm for site in kept[bundle]):
             continue  # no loaded replica yet: its first one is a service of its own
         share = rate[bundle] / max(len(kept[bundle]), 1)
-        for site in sorted(set(kept[bundle])):
-            if (bundle, site) in warm:
-                continue  # its own service there, running or kept warm
+        new = [site for site in kept[bundle] if (bundle, site) not in warm]  # not its own service there
+        for host in was_hosted.get(bundle, ()):
+            if new and host in used and used[host] + experts[bundle] <= room(host[1]):
+                host_at(bundle, new.pop(0), host, share)
+        for site in sorted(set(new)):
             fits = [k for k in at_site.get(site, ()) if k[0] != bundle and used[k] + experts[bundle] <= room(site)
                     and k not in hosted.get(bundle, ())]
             if not fits:
                 continue  # a new service: a cold start
             host = min(fits, key=lambda k: (in_layer[k] if layer_of[k[0]] == layer_of[bundle] else 0.0, used[k], k))
-            used[host] += experts[bundle]
-            if layer_of[host[0]] == layer_of[bundle]:
-                in_layer[host] += share
-            kept[bundle].remove(site)
-            hosted.setdefault(bundle, []).append(host)
+            host_at(bundle, site, host, share)
     return ({b: tuple(n) for b, n in kept.items() if n}, {b: tuple(sorted(h)) for b, h in hosted.items()})
 
 

@@ -28,6 +28,37 @@ def test_same_inputs_same_plan_and_version(f):
     assert again.nodes == first.nodes and again.version == first.version and again.retired == {}
 
 
+def _zipf(spec: MoESpec, seed: int) -> Loads:
+    """Skewed expert popularity per layer, as routers produce (tokens/s of each layer's experts)."""
+    import random
+
+    rng, rates = random.Random(seed), {}
+    for layer in spec.layout.moe_layers:
+        order = list(range(spec.layout.experts_per_layer))
+        rng.shuffle(order)
+        rates.update({(layer, e): 1000.0 / (rank + 1) for rank, e in enumerate(order)})
+    return Loads(rates, 5000.0, 4)
+
+
+def test_a_replica_hosted_in_place_stays_with_its_host_when_the_warm_services_beside_it_expire(f):
+    """The hot experts move; the services that left the plan are kept warm, then expire and free their
+    memory. The placer, which sees services alone, then put some hosted replicas on other nodes (new pods
+    for nothing: 49 of DeepSeek-V3's in the operator benchmark); a plan of the same loads keeps each with
+    its host while that runs and the bundle has as many replicas."""
+    spec = spec_of(f, model={"uri": "pvc://models/x", "layout": {"moeLayers": list(range(16)), "expertsPerLayer": 64,
+                                                                 "expertBytes": 88 * 2**20}},
+                   experts={"bundleBytes": "1Gi", "scaling": {"keepAlive": "1s"}})
+    nodes = f.gpu_nodes(64, memory_gib=141)
+    first = plan(spec, _zipf(spec, 1), nodes, plan(spec, Loads(), nodes, None, NOW), NOW + 10)
+    moved = plan(spec, _zipf(spec, 2), nodes, plan(spec, _zipf(spec, 1), nodes, first, NOW + 20), NOW + 30)
+    assert moved.retired and len(moved.hosted) > 10  # services kept warm, replicas hosted in place
+    expired = plan(spec, _zipf(spec, 2), nodes, moved, NOW + 32)
+    assert not set(moved.retired) & set(expired.retired)  # keepAlive over
+    stayed = [b for b, hosts in moved.hosted.items()
+              if all(h in expired.services() for h in hosts) and expired.replicas_of(b) == moved.replicas_of(b)]
+    assert len(stayed) > 10 and all(set(moved.hosted[b]) <= set(expired.hosted.get(b, ())) for b in stayed)
+
+
 def test_a_warm_service_moves_only_when_another_node_is_clearly_better(f):
     spec, nodes = spec_of(f, experts=NO_SCALING), f.gpu_nodes(2)
     # As observe() reads a cluster where both bundles of layer 0 ended up on node-0.
