@@ -250,7 +250,7 @@ def _owned_rows_kernel(ends: torch.Tensor, rows: int, table: torch.Tensor, local
     local_ends = torch.empty(local_experts, dtype=torch.int32, device=ends.device)
     if rows:
         _kernels()[(1,)](ends, table, src, dst, local_ends, rows, ends.shape[0], local_experts, scratch,
-                            BLOCK_S=max(16, triton.next_power_of_2(rows)), CHUNK=32, num_warps=4)
+                         BLOCK_S=max(16, triton.next_power_of_2(rows)), CHUNK=32, num_warps=4)
     else:
         local_ends.zero_()
     return src, dst, local_ends
