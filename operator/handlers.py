@@ -2,9 +2,10 @@
 
     kubemoe operator --all-namespaces     # peering set up as the chart does (operator/cli.py)
 
-Create, update and resume reconcile the spec; the timer pulls the frontends' /loads and re-plans;
-a daemon re-plans when a service kept warm is past keepAlive; delete only reports (owner references let the garbage collector remove the children, so no
-finalizer is needed). Settings come from the environment once (`OperatorConfig.from_env`).
+Create, update and resume reconcile the spec; the timer pulls the frontends' /loads and re-plans; a
+daemon re-plans when a service kept warm is past keepAlive; delete only reports (owner references let
+the garbage collector remove the children, so no finalizer is needed). Settings come from the
+environment once (`OperatorConfig.from_env`).
 
 Nodes (a Kopf index), pods and the expert pods, frontend Deployments and Knative Services (watch.py: watches of
 the operator's own, an event a dict update) are kept from watches: a reconcile lists none of the cluster's
