@@ -291,7 +291,7 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
     }
     tolerations = spec.experts.placement.tolerations
     pod = _pod_spec(spec, container, {}, tolerations, config, args.shm_dir)
-    pod["affinity"] = _node_affinity("kubernetes.io/hostname", node)  # exact placement: one node per service
+    pod["affinity"] = _on_node(node)  # exact placement: one node per service
     if spec.experts.sharing.mode == "dra":  # every function on this GPU shares its claim
         pod["resourceClaims"] = [{"name": CLAIM, "resourceClaimName": claim_name(deployment, site)}]
     # It reads the routing ConfigMap, and nothing else: the frontend's account may only read that.
@@ -462,6 +462,14 @@ def _resources(resources: Mapping[str, Any], gpus: int) -> Object:
 def _node_affinity(key: str, value: str) -> Object:
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchExpressions": [{"key": key, "operator": "In", "values": [value]}]}]}}}
+
+
+def _on_node(node: str) -> Object:
+    """The node of this name, as the DaemonSet controller pins its pods: the name is what the planner
+    knows (a kubernetes.io/hostname label may differ from it), and kube-scheduler filters that node
+    alone for a pod so pinned, where a label selector had it filter every node for the one that fits."""
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}}}
 
 
 # -- reading a previous plan back from the cluster ----------------------------------------------------

@@ -178,8 +178,8 @@ def test_knative_runtime_renders_pinned_services_with_the_plan(cluster, api, ope
         assert annotations["autoscaling.knative.dev/scale-down-delay"] == "7m"
         assert annotations["serving.knative.dev/progress-deadline"] == "15m"
         term = template["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
-            "nodeSelectorTerms"][0]["matchExpressions"][0]
-        assert term["key"] == "kubernetes.io/hostname" and term["values"][0] in nodes
+            "nodeSelectorTerms"][0]["matchFields"][0]
+        assert term["key"] == "metadata.name" and term["values"][0] in nodes
         container = template["spec"]["containers"][0]
         assert container["ports"][0]["name"] == "h2c" and container["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert template["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"  # not pruned

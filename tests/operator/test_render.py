@@ -83,7 +83,7 @@ def test_pods_runtime_renders_pinned_pods_per_bundle_and_node_under_one_headless
         node = d["metadata"]["annotations"]["kubemoe.io/node"]
         pod = d["spec"]
         terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-        assert terms == [{"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]
+        assert terms == [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]
         args = pod["containers"][0]["args"]
         assert args[0] == "expert-fn" and args[args.index("--port") + 1] == "8080"
         assert pod["containers"][0]["ports"] == [{"name": "h2c", "containerPort": 8080}]
