@@ -207,7 +207,7 @@ def test_dra_renders_one_shared_claim_per_planned_gpu(f, strategy):
         assert ref["resourceClaimName"] in claims and pod["containers"][0]["resources"]["claims"] == [{"name": CLAIM}]
         assert "limits" not in pod["containers"][0]["resources"]
         term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-        assert term["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["gpu-0"]
+        assert term["nodeSelectorTerms"][0]["matchFields"][0] == {"key": "metadata.name", "operator": "In", "values": ["gpu-0"]}
         used[ref["resourceClaimName"]] += 1
     assert sorted(used.values()) == [2, 2]  # 4 functions, two per GPU: each claim shared
     # Read back from the cluster, the services keep their GPU: a restarted operator plans from the same sites.
