@@ -39,9 +39,9 @@ KNATIVE_MAX_KEEP_ALIVE = "1h"
 KNATIVE_KEEP_ALIVE_MESSAGE = (f"spec.experts.scaling.keepAlive is at most {KNATIVE_MAX_KEEP_ALIVE} with runtime knative "
                               "(Knative caps the scale-down-delay it is rendered as at 1h): write 1h or less, or set "
                               "spec.experts.runtime: pods, which keeps replicas warm for any keepAlive")
-DRA_NEEDS_DEPLOYMENT_MESSAGE = ("spec.experts.gpuSharing.mode dra needs spec.experts.runtime: pods (Knative "
-                                "Serving rejects pods with resourceClaims, knative/serving#15332): set runtime: "
-                                "deployment, or share GPUs with mode timeSlicing or mps")
+DRA_NEEDS_PODS_MESSAGE = ("spec.experts.gpuSharing.mode dra needs spec.experts.runtime: pods (Knative "
+                          "Serving rejects pods with resourceClaims, knative/serving#15332): set runtime: "
+                          "pods, or share GPUs with mode timeSlicing or mps")
 SHARED_GPUS_MESSAGE = ("spec.experts.gpus counts whole GPUs per replica and applies to gpuSharing.mode exclusive; "
                        "with timeSlicing, mps or dra every function takes one share of one GPU: set gpus to 1 "
                        "(or remove it), or set gpuSharing.mode: exclusive")
@@ -213,7 +213,7 @@ EXPERTS = Object("The expert functions: bundles of routed experts, one service p
     Rule("!has(self.gpuSharing) || self.gpuSharing.mode == 'exclusive' || !has(self.gpus) || self.gpus == 1",
          SHARED_GPUS_MESSAGE, lambda e: e["gpuSharing"]["mode"] == "exclusive" or e["gpus"] == 1),
     Rule("!has(self.gpuSharing) || self.gpuSharing.mode != 'dra' || self.runtime == 'pods'",
-         DRA_NEEDS_DEPLOYMENT_MESSAGE, lambda e: e["gpuSharing"]["mode"] != "dra" or e["runtime"] == "pods"),
+         DRA_NEEDS_PODS_MESSAGE, lambda e: e["gpuSharing"]["mode"] != "dra" or e["runtime"] == "pods"),
 ))
 
 OFFLOAD = Object("The offload path (LayerScope) for single-GPU nodes: the frontend holds every expert.", {
