@@ -79,7 +79,6 @@ class _Applied:
     services: Mapping[ObjectKey, str] | None = None  # its expert objects' keys -> function (what ExpertsReady counts)
 
 
-
 class Reconciler:
     def __init__(self, kube: Kube, config: OperatorConfig, clock: Callable[[], float] = time.time):
         self.kube, self.config, self.clock = kube, config, clock
@@ -397,7 +396,6 @@ def _apply_order(obj: Object) -> tuple[int, int]:
     return group, KINDS.index(kind)
 
 
-
 def _frontend_ready(live: Mapping[ObjectKey, Object], error: c.Condition | None) -> c.Condition:
     deployment = next((o for (v, k, n), o in live.items() if k == "Deployment"
                        and o["metadata"]["labels"].get(COMPONENT) == FRONTEND), None)
@@ -413,8 +411,6 @@ def _frontend_ready(live: Mapping[ObjectKey, Object], error: c.Condition | None)
     return c.Condition(c.FRONTEND_READY, False, error.reason if error else c.PROGRESSING,
                        f"{ready}/{want} frontend pods ready (kubectl describe deployment {deployment['metadata']['name']})"
                        + (f"; the plan was not applied: {error.message}" if error else ""))
-
-
 
 
 def planned_functions(new: Plan, objects: Iterable[Mapping[str, Any]]) -> dict[ObjectKey, str]:
@@ -452,7 +448,6 @@ def _experts_ready(new: Plan | None, live: Mapping[ObjectKey, Object], error: c.
                            f"{ready}/{want} expert services ready; {sum(new.unplaced.values())} scaled-out replicas "
                            "fit on no GPU (PlanApplied says which and what to change)")
     return c.Condition(c.EXPERTS_READY, True, c.AS_EXPECTED, f"{ready}/{want} expert services ready")
-
 
 
 def _ready_replicas(deployment: Mapping[str, Any]) -> int:
