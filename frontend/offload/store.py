@@ -76,6 +76,16 @@ class _CopyTiming:
     ends: list[torch.cuda.Event]
 
 
+def covered(spans: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of the intervals (start, end): time in which at least one of them was running."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 class HostExperts:
     """Every expert's weights in host memory, [E, S] per MoE layer, pinned when CUDA is available."""
 
@@ -202,15 +212,18 @@ class ExpertStore:
             self._sync[slot].free = event
 
     def copy_seconds(self) -> tuple[int, float]:
-        """(bytes, seconds) of the copies timed since the last call: each copy from its first chunk's start
-        to its last chunk's end (waits for the GPU; with timing on only)."""
+        """(bytes, seconds) of the copies timed since the last call; seconds the link had a copy in flight, each
+        copy from its first chunk's start to its last chunk's end, overlapping copies counted once (waits for the
+        GPU; with timing on only). Summed instead, two copies sharing the link would each count the time they
+        shared, and the link would look half as fast as it ran."""
         timings, self._timings = self._timings, []
         if not timings:
             return 0, 0.0
         timings[-1].ends[-1].synchronize()
         torch.cuda.synchronize(self.device)
-        seconds = sum(max(t.start.elapsed_time(e) for e in t.ends) for t in timings) / 1e3
-        return sum(t.nbytes for t in timings), seconds
+        origin = timings[0].start
+        spans = [(origin.elapsed_time(t.start), max(origin.elapsed_time(e) for e in t.ends)) for t in timings]
+        return sum(t.nbytes for t in timings), covered(spans) / 1e3
 
     def close(self) -> None:
         """Wait for the copies in flight (the host memory stays: it may serve another store)."""

@@ -1,6 +1,7 @@
 """The expert store: host layout, fixed slots, copies; pinning that fails falls back to pageable memory."""
 
 import logging
+import time
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 
 from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.frontend.offload.cpu_experts import CpuExperts, choose_cpu_dtype
-from kubemoe.frontend.offload.store import ExpertStore, HostExperts, pin_all
+from kubemoe.frontend.offload.store import ExpertStore, HostExperts, covered, pin_all
 
 H, I, E = 64, 32, 4
 
@@ -139,10 +140,15 @@ def test_a_copy_never_overwrites_a_slot_a_kernel_still_reads():
 def test_copy_timing_reports_bandwidth():
     _, s = store("cuda", torch.bfloat16, timing=True)
     try:
-        for e in range(E):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for e in range(E):  # three slots: copies queue behind each other's chunks and overlap in time
             s.copy((1, e), e % 3)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - started
         nbytes, seconds = s.copy_seconds()
-        assert nbytes == E * s.expert_bytes and seconds > 0
+        # The link's busy time: overlapping copies count once, so never longer than the copies took in all.
+        assert nbytes == E * s.expert_bytes and 0 < seconds <= wall
     finally:
         s.close()
         s.host.close()
@@ -164,3 +170,10 @@ def test_cpu_experts_run_one_after_another_and_report_their_times():
         assert cpu.drain_timings() == []
     finally:
         cpu.close()
+
+
+def test_copies_in_flight_together_count_their_shared_time_once():
+    assert covered([]) == 0.0
+    assert covered([(0.0, 2.0), (5.0, 6.0)]) == 3.0  # apart: the link idles between them
+    assert covered([(0.0, 4.0), (1.0, 3.0)]) == 4.0  # one inside the other
+    assert covered([(2.0, 5.0), (0.0, 3.0), (4.0, 7.0)]) == 7.0  # a chain, in any order
