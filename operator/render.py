@@ -309,7 +309,9 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
         pod["containerConcurrency"] = spec.experts.knative.container_concurrency
         return [{"apiVersion": KNATIVE[0], "kind": KNATIVE[1], "metadata": meta, "spec": {"template": {
             "metadata": {"labels": pod_labels, "annotations": template_annotations}, "spec": pod}}}]
-    container["readinessProbe"] = {"grpc": {"port": args.port}, "periodSeconds": 5}
+    # Ready once the function serves its bundle (grpc.health.v1 says SERVING after the weights load), so the
+    # headless Service names only pods that answer. (_pod_spec copied the container: set it on the pod's.)
+    pod["containers"][0]["readinessProbe"] = {"grpc": {"port": args.port}, "periodSeconds": 5}
     pod["hostname"], pod["subdomain"] = name, experts_service_name(deployment)  # its address (expert_address)
     # A pod's spec cannot change: its name carries the spec's hash, so a changed spec renders new pods (the old
     # ones are deleted once these are Ready: diff.py). No plan changes a pod's labels or annotations.

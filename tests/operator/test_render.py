@@ -87,6 +87,7 @@ def test_pods_runtime_renders_pinned_pods_per_bundle_and_node_under_one_headless
         args = pod["containers"][0]["args"]
         assert args[0] == "expert-fn" and args[args.index("--port") + 1] == "8080"
         assert pod["containers"][0]["ports"] == [{"name": "h2c", "containerPort": 8080}]
+        assert pod["containers"][0]["readinessProbe"]["grpc"] == {"port": 8080}  # Ready when it serves
         assert (pod["hostname"], pod["subdomain"]) == (function_of(d), "tiny-experts")  # its DNS name
     routing = by_kind(objects, "ConfigMap")[0]
     table = parse_table(routing["data"]["routing.json"])
