@@ -21,7 +21,9 @@ Ready is written by the operator when its expert and frontend Deployments change
 its reconciles (spec changes, every --interval). This process polls the status (one GET every 0.25 s) and,
 once it says Ready, checks that every pod is Ready indeed (`ready_s` is when Ready was seen if they are, else
 when they are found Ready, every 2 s); `pods_ready_s` is when the last pod turned Ready
-(its Ready condition's lastTransitionTime, whole seconds), so `ready_s` - `pods_ready_s` is the status' lag.
+(its Ready condition's lastTransitionTime, whole seconds), so `ready_s` - `pods_ready_s` is the status' lag;
+`pods_timeline` says, for the step's new pods by component, when the last was created, scheduled and Ready
+(seconds into the step, whole seconds): the stage where pods queued.
 A step that does not converge within --timeout (or what is left of --budget) is recorded as far as it got
 (`timed_out`, `pods_ready`), and the steps after it are skipped. `idle_cpu_s_per_s`: what each process
 burns before anything is applied (the nodes' heartbeats, the timers). `cpu_s` per step: CPU seconds of each process (etcd, kube-apiserver,
@@ -167,18 +169,34 @@ class Watch:
             "v1", "Pod", NAMESPACE, f"app.kubernetes.io/instance={NAME},{COMPONENT}={EXPERT}")
             if not p["metadata"].get("deletionTimestamp")})
 
-    def pods(self) -> tuple[int, int, float]:
+    def pods(self, since: float = 0.0) -> tuple[int, int, float, dict[str, float]]:
         """(pods wanted: the frontend Deployment's replicas and the expert pods the operator made, pods Ready,
         when the last of them turned Ready: the latest Ready lastTransitionTime, wall-clock seconds, whole
-        seconds as the API keeps them)."""
+        seconds as the API keeps them; and for the pods created from `since` (wall clock) on, seconds after
+        it when the last was created, scheduled and Ready, by component: where a step's pods queued)."""
         selector = f"app.kubernetes.io/instance={NAME}"
         pods = [p for p in self.kube.list("v1", "Pod", NAMESPACE, selector) if not p["metadata"].get("deletionTimestamp")]
         wanted = sum(d["spec"].get("replicas", 1) for d in self.kube.list("apps/v1", "Deployment", NAMESPACE, selector))
         wanted += sum(1 for p in pods if p["metadata"]["labels"].get(COMPONENT) == EXPERT)
         ready = [c for p in pods for c in p["status"].get("conditions", []) if c["type"] == "Ready" and c["status"] == "True"]
-        last = max((dt.datetime.fromisoformat(c["lastTransitionTime"].replace("Z", "+00:00")).timestamp()
-                    for c in ready), default=float("nan"))
-        return wanted, len(ready), last
+        last = max((_seconds(c["lastTransitionTime"]) for c in ready), default=float("nan"))
+        timeline: dict[str, float] = {}
+        for pod in pods:
+            created = _seconds(pod["metadata"]["creationTimestamp"])
+            if created < since - 1:  # whole seconds: a pod of this step may say it was made up to 1 s before
+                continue
+            component = pod["metadata"]["labels"].get(COMPONENT, "?")
+            times = {"created": created, **{c["type"]: _seconds(c["lastTransitionTime"]) for c in
+                                            pod["status"].get("conditions", []) if c["status"] == "True"}}
+            for what, condition in (("created", "created"), ("scheduled", "PodScheduled"), ("ready", "Ready")):
+                if condition in times:
+                    key = f"{component}_{what}_last_s"
+                    timeline[key] = round(max(timeline.get(key, -1e9), times[condition] - since), 1)
+        return wanted, len(ready), last, dict(sorted(timeline.items()))
+
+
+def _seconds(timestamp: str) -> float:
+    return dt.datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -245,7 +263,7 @@ def converge(watch: Watch, t0: float, version_after: int, timeout_s: float, pids
             return status
 
     def pods_ready():
-        marks["pods_wanted"], marks["pods_ready"], last = watch.pods()
+        marks["pods_wanted"], marks["pods_ready"], last, marks["pods_timeline"] = watch.pods(since=wall0)
         if marks["pods_wanted"] and marks["pods_ready"] >= marks["pods_wanted"]:
             marks.setdefault("pods_ready_s", round(last - wall0, 3))
             return True

@@ -16,6 +16,7 @@ import atexit
 import base64
 import ctypes
 import dataclasses
+import ipaddress
 import json
 import os
 import shutil
@@ -34,6 +35,10 @@ from .pki import ADMIN_USER, create_pki
 from .testbin import Testbin, ensure_testbin
 
 KWOK_ANNOTATION = {"kwok.x-k8s.io/node": "fake"}
+POD_READY_STAGE = "pod-ready.yaml"
+# The line of kwok's pod-ready stage that picks a pod's addresses (from its node's podCIDR, else --cidr)
+KWOK_POD_IPS = ("{{ $podIPs := PodIPsWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid \"\" ) "
+                "( or .metadata.name \"\" ) ( or .metadata.namespace \"\" ) }}")
 SHARING_STRATEGIES = ("none", "time-slicing", "mps", "dra")
 NVIDIA_DRA_DRIVER = "gpu.nvidia.com"  # the NVIDIA DRA driver's name, and the DeviceClass it installs
 
@@ -93,9 +98,13 @@ class ClusterConfig:
     apiserver_args: tuple[str, ...] = ()
     controller_manager_args: tuple[str, ...] = ()  # after CONTROLLER_MANAGER_TUNING (a later flag wins)
     scheduler_args: tuple[str, ...] = ()           # after SCHEDULER_TUNING
-    # kwok gives fake pods IPs from this range. Loopback, so that code under test that dials a pod IP
-    # stays on this machine (connection refused) instead of sending packets into a private network.
-    # The price: EndpointSlices may not hold loopback addresses, so Services get no endpoints.
+    # Pod addresses. Each fake node gets a /24 of node_pod_cidrs as its spec.podCIDR (as node IPAM gives real
+    # nodes one), and kwok gives its pods addresses from there: outside loopback, so Services get endpoints.
+    # (With loopback addresses for every pod, the endpoints controllers' writes failed validation and were
+    # retried: at 1000 nodes each failure formatted a 650-address error, ~12% of the API server's CPU.)
+    # Frontend pods (app.kubernetes.io/component=frontend) get loopback addresses from pod_cidr instead, so
+    # tests and the operator benchmark serve their /loads on this machine, where the operator dials them.
+    node_pod_cidrs: str = "100.64.0.0/10"
     pod_cidr: str = "127.128.0.1/16"
     # ClusterIPs: allocation only (no proxy runs, so nothing routes to them); a /24 holds 254 Services.
     service_cidr: str = "10.0.0.0/24"
@@ -107,6 +116,10 @@ class ClusterConfig:
     # kube-apiserver and etcd before anything is deployed (measured). 240 s renews every 60 s, 6x fewer writes,
     # and still notices a lost node within 5 minutes (the default pod eviction timeout is 5 minutes too).
     node_lease_s: int = 240
+    # How many pods kwok moves through a stage at once (kwok's default: 4). A real cluster has a kubelet per
+    # node, each starting its own pods; kwok plays every node's pods. With 4, the pods of a 1000-node plan
+    # turned Ready 4 s after the last was scheduled (each status patch waits on this busy 2-core machine).
+    pod_stage_parallelism: int = 32
 
 
 class ClusterError(RuntimeError):
@@ -152,7 +165,7 @@ def wait_for(check: Callable[[], object], timeout_s: float, what: str, interval_
 
 
 def gpu_node(name: str, gpus: int, product: str, memory_mib: int, taints: Sequence[dict] = (),
-             sharing: GpuSharing = GpuSharing()) -> dict:
+             sharing: GpuSharing = GpuSharing(), pod_cidr: str | None = None) -> dict:
     """A Node that kwok manages, labelled like GPU feature discovery labels a real GPU node."""
     resources = {"cpu": "64", "memory": "512Gi", "pods": "110", "ephemeral-storage": "1Ti"}
     if sharing.resource_name:
@@ -180,7 +193,7 @@ def gpu_node(name: str, gpus: int, product: str, memory_mib: int, taints: Sequen
             "annotations": {**KWOK_ANNOTATION, "node.alpha.kubernetes.io/ttl": "0"},
             "labels": labels,
         },
-        "spec": {"taints": list(taints)},
+        "spec": {"taints": list(taints), **({"podCIDR": pod_cidr} if pod_cidr else {})},
         # kwok's node-initialize stage keeps capacity/allocatable as created and adds the rest.
         "status": {"capacity": resources, "allocatable": resources},
     }
@@ -371,9 +384,18 @@ class Cluster:
 
     def _start_kwok(self) -> None:
         stages = [p for p in sorted(self.testbin.kwok_manifests.glob("*.yaml")) if "_stages" not in p.name]
+        ready = self.data_dir / POD_READY_STAGE
+        ready.write_text(frontends_on_loopback((self.testbin.kwok_manifests / POD_READY_STAGE).read_text()))
+        stages = [ready if p.name == POD_READY_STAGE else p for p in stages]
         self.kubectl("apply", "--server-side", *(f"--filename={p}" for p in stages))
+        config = self.data_dir / "kwok.yaml"
+        # A configuration file replaces kwok's defaults (none are filled in): the others as kwok's defaults.
+        options = {"podPlayStageParallelism": self.config.pod_stage_parallelism, "nodePlayStageParallelism": 4,
+                   "nodeLeaseParallelism": 4, "podsOnNodeSyncParallelism": 1, "enablePodsOnNodeSyncListPager": True}
+        config.write_text(json.dumps({"apiVersion": "config.kwok.x-k8s.io/v1alpha1", "kind": "KwokConfiguration",
+                                      "options": options}))
         selector = ",".join(f"{k}={v}" for k, v in KWOK_ANNOTATION.items())
-        self._spawn("kwok", f"--kubeconfig={self.kubeconfig}",
+        self._spawn("kwok", f"--config={config}", f"--kubeconfig={self.kubeconfig}",
                     "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={selector}",
                     "--enable-crds=Stage", f"--node-lease-duration-seconds={self.config.node_lease_s}",
                     f"--cidr={self.config.pod_cidr}", "--node-ip=127.0.0.1",
@@ -476,7 +498,9 @@ class Cluster:
             name = f"kwok-gpu-{self._node_count}"
             self._node_count += 1
             # the client serialises a plain dict body as it does a V1Node; its annotation names only the model
-            core.create_node(gpu_node(name, gpus_per_node, product, memory_mib, taints, sharing))  # type: ignore[arg-type]
+            node = gpu_node(name, gpus_per_node, product, memory_mib, taints, sharing,
+                            pod_cidr=node_pod_cidr(self.config.node_pod_cidrs, self._node_count - 1))
+            core.create_node(node)  # type: ignore[arg-type]
             names.append(name)
             if sharing.strategy == "dra":
                 dra.append(gpu_resource_slice(name, gpus_per_node, product, memory_mib))
@@ -489,6 +513,26 @@ class Cluster:
             wait_for(all_ready, self.config.timeout_s, f"nodes {names} to be Ready",
                      detail=lambda: self._log_tail("kwok"))
         return names
+
+
+def node_pod_cidr(pool: str, index: int) -> str:
+    """The `index`th /24 of `pool` (a node's spec.podCIDR)."""
+    network = ipaddress.ip_network(pool)
+    if index >= 2 ** (24 - network.prefixlen):
+        raise ValueError(f"{pool} holds {2 ** (24 - network.prefixlen)} nodes' /24s; node {index} needs a larger pool")
+    return str(ipaddress.ip_network((int(network.network_address) + (index << 8), 24)))
+
+
+def frontends_on_loopback(stage: str) -> str:
+    """kwok's pod-ready stage, with frontend pods' addresses taken from kwok's --cidr (loopback) rather than
+    their node's podCIDR (see ClusterConfig.node_pod_cidrs)."""
+    if KWOK_POD_IPS not in stage:
+        raise RuntimeError(f"kwok's {POD_READY_STAGE} no longer picks pod addresses as this expects ({KWOK_POD_IPS}): "
+                           "update frontends_on_loopback for this kwok version")
+    frontend = '{{ if eq (dig "metadata" "labels" "app.kubernetes.io/component" "" .) "frontend" }}'
+    by_node = KWOK_POD_IPS.replace(":=", "=")
+    choice = "{{ $podIPs := list }}\n      " + frontend + "{{ $podIPs = list PodIP }}{{ else }}" + by_node + "{{ end }}"
+    return stage.replace(KWOK_POD_IPS, choice)
 
 
 def _is_ready(node) -> bool:
