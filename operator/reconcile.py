@@ -21,7 +21,7 @@ from kubemoe.operator import conditions as c
 from kubemoe.operator import pod_security
 from kubemoe.operator.capacity import with_taken
 from kubemoe.operator.config import OperatorConfig
-from kubemoe.operator.diff import Object, ObjectKey, diff, is_ready, key_of
+from kubemoe.operator.diff import Diff, Object, ObjectKey, diff, is_ready, key_of
 from kubemoe.operator.kube import ApiError, Kube
 from kubemoe.operator.loads import LoadSource
 from kubemoe.operator.plan import (NO_LOADS, Decisions, Loads, NodeInfo, Plan, PlanError, decisions,
@@ -160,38 +160,27 @@ class Reconciler:
             mark[0] = time.monotonic()
 
         children = self._children(deployment, watched)
-        mode = deployment.spec.mode
-        # The plan this process applied last, while the spec is unchanged: the watch may not show all its pods
-        # yet, and a plan observed from some of them would re-place the functions it does not see. After a
-        # restart or a spec change, the plan the cluster holds.
-        last = self._applied.get(deployment.uid)
-        generation = int(body["metadata"].get("generation", 0))
-        previous = last.plan if last is not None and last.generation == generation else \
-            observe(deployment.spec, mode, children.values())
-        nodes = list(watched.nodes) if watched else [NodeInfo.from_node(n) for n in self.kube.list("v1", "Node")]
-        if deployment.spec.experts.sharing.mode == "dra":  # which nodes a DRA driver offers GPUs on
-            nodes = with_dra_devices(nodes, self._resource_slices())
-        # What other pods hold (frontends, other MoEDeployments): the plan fills only the rest.
-        pods = watched.pods if watched and watched.pods is not None else self.kube.list("v1", "Pod")
-        nodes = with_taken(deployment.spec, nodes, pods, deployment.namespace, deployment.name)
+        previous = self._previous_plan(body, deployment, children)
+        nodes = self._capacity(deployment, watched)
         took("observe")
+
+        def refused(new: Plan | None, condition: c.Condition, done: Changes | None = None) -> Outcome:
+            return self._finish(body, deployment, new, list(children.values()), done or Changes(), loads, condition,
+                                retry=True)
+
         try:
             new = plan(deployment.spec, loads, nodes, previous, now)
         except PlanError as e:
-            return self._finish(body, deployment, None, list(children.values()), Changes(), loads,
-                                c.Condition(c.PLAN_APPLIED, False, e.reason, str(e)), retry=True)
+            return refused(None, c.Condition(c.PLAN_APPLIED, False, e.reason, str(e)))
         if new.mode == "distributed" and deployment.spec.experts.runtime == "knative" and not self._has_knative():
-            missing = c.Condition(c.PLAN_APPLIED, False, c.RUNTIME_MISSING,
-                                  "runtime knative needs Knative Serving (serving.knative.dev/v1 Services): install "
-                                  "it (see the chart's README) or set spec.experts.runtime: pods")
-            return self._finish(body, deployment, new, list(children.values()), Changes(), loads, missing, retry=True)
-
+            return refused(new, c.Condition(c.PLAN_APPLIED, False, c.RUNTIME_MISSING,
+                                            "runtime knative needs Knative Serving (serving.knative.dev/v1 Services): "
+                                            "install it (see the chart's README) or set spec.experts.runtime: pods"))
         took("plan")
         wanted = render(deployment, new, self.config)
         forbidden = self._pod_security_refusal(deployment, wanted)
         if forbidden is not None:  # a Deployment would be stored, and its pods then refused out of sight
-            return self._finish(body, deployment, new, list(children.values()), Changes(), loads,
-                                c.Condition(c.PLAN_APPLIED, False, c.POD_SECURITY_FORBIDDEN, forbidden), retry=True)
+            return refused(new, c.Condition(c.PLAN_APPLIED, False, c.POD_SECURITY_FORBIDDEN, forbidden))
         wanted.sort(key=_apply_order)
         expected = self._expected[deployment.uid]  # pods created, until the watch shows them (diff.py)
         for key in [k for k, at in expected.items() if k in children or time.monotonic() - at > EXPECTATIONS_S]:
@@ -199,19 +188,11 @@ class Reconciler:
         todo = diff(wanted, children, expected.keys())
         changes.unchanged = todo.unchanged
         try:
-            # Apply in order groups (experts, frontend, routing table last), each group concurrently:
-            # a DeepSeek-V3-sized plan is ~650 objects, one round trip each.
-            with ThreadPoolExecutor(max_workers=self.config.apply_concurrency) as pool:
-                for _, group in itertools.groupby(todo.made, key=lambda o: _apply_order(o)[0]):
-                    batch = list(group)
-                    for o, created in zip(batch, pool.map(lambda o: self._write(o, children.get(key_of(o))), batch)):
-                        if created:
-                            expected[key_of(o)] = time.monotonic()
-                    changes.applied += [f"{o['kind']}/{o['metadata']['name']}" for o in batch]
+            self._make(todo.made, children, expected, changes)
         except ApiError as e:
-            failed = c.Condition(c.PLAN_APPLIED, False, c.APPLY_FAILED,
-                                 f"the API server refused an object ({e.message}); the operator retries")
-            return self._finish(body, deployment, new, list(children.values()), changes, loads, failed, retry=True)
+            return refused(new, c.Condition(c.PLAN_APPLIED, False, c.APPLY_FAILED,
+                                            f"the API server refused an object ({e.message}); the operator retries"),
+                           changes)
         took("apply")
         changes.decisions = decisions(previous, new)
         services = planned_functions(new, wanted)
@@ -220,24 +201,59 @@ class Reconciler:
         outcome = self._finish(body, deployment, new, list(children.values()), changes, loads, None, retry=False,
                                fresh={key_of(o) for o in todo.made}, services=services)
         took("status")
-        # Running pods' labels and annotations, and what left the plan (its keep-alive over) or is no longer
-        # rendered, concurrently: one at a time, the 844 functions a move retires at 1000 nodes took 23 s
-        # (concurrently still ~9 s on 2 cores).
         try:
-            with ThreadPoolExecutor(max_workers=self.config.apply_concurrency) as pool:
-                list(pool.map(lambda o: self._write(o, children[key_of(o)]), todo.annotate))
-                changes.applied += [f"Pod/{o['metadata']['name']}" for o in todo.annotate]
-                list(pool.map(lambda key: self.kube.delete(key[0], key[1], deployment.namespace, key[2]), todo.gone))
+            self._prune(todo, children, deployment.namespace, changes)
         except ApiError as e:
-            failed = c.Condition(c.PLAN_APPLIED, False, c.APPLY_FAILED,
-                                 f"the API server refused a change ({e.message}); the operator retries")
-            return self._finish(body, deployment, new, list(children.values()), changes, loads, failed, retry=True)
-        changes.deleted += [f"{key[1]}/{key[2]}" for key in todo.gone]
+            return refused(new, c.Condition(c.PLAN_APPLIED, False, c.APPLY_FAILED,
+                                            f"the API server refused a change ({e.message}); the operator retries"),
+                           changes)
         took("prune")
         log.info("%s/%s: plan version %d, %d applied, %d unchanged, %d deleted in %.2fs (%s)", deployment.namespace,
                  deployment.name, new.version, len(changes.applied), changes.unchanged, len(todo.gone),
                  sum(changes.seconds.values()), ", ".join(f"{k} {v:.2f}s" for k, v in changes.seconds.items()))
         return outcome
+
+    def _previous_plan(self, body: Mapping[str, Any], deployment: MoEDeployment,
+                       children: Mapping[ObjectKey, Object]) -> Plan:
+        """The plan this process applied last, while the spec is unchanged: the watch may not show all its pods
+        yet, and a plan observed from some of them would re-place the functions it does not see. After a
+        restart or a spec change, the plan the cluster holds."""
+        last = self._applied.get(deployment.uid)
+        if last is not None and last.generation == int(body["metadata"].get("generation", 0)):
+            return last.plan
+        return observe(deployment.spec, deployment.spec.mode, children.values())
+
+    def _capacity(self, deployment: MoEDeployment, watched: Watched | None) -> list[NodeInfo]:
+        """The nodes as the plan may fill them: with DRA, where a driver offers GPUs; less what other pods
+        (frontends, other MoEDeployments) hold."""
+        nodes = list(watched.nodes) if watched else [NodeInfo.from_node(n) for n in self.kube.list("v1", "Node")]
+        if deployment.spec.experts.sharing.mode == "dra":
+            nodes = with_dra_devices(nodes, self._resource_slices())
+        pods = watched.pods if watched and watched.pods is not None else self.kube.list("v1", "Pod")
+        return with_taken(deployment.spec, nodes, pods, deployment.namespace, deployment.name)
+
+    def _make(self, made: list[Object], children: Mapping[ObjectKey, Object], expected: dict[ObjectKey, float],
+              changes: Changes) -> None:
+        """Apply in order groups (accounts, experts, frontend, routing table last), each group concurrently:
+        a DeepSeek-V3-sized plan is ~650 objects, one round trip each. Created pods are expected until the
+        watch shows them."""
+        with ThreadPoolExecutor(max_workers=self.config.apply_concurrency) as pool:
+            for _, group in itertools.groupby(made, key=lambda o: _apply_order(o)[0]):
+                batch = list(group)
+                for o, created in zip(batch, pool.map(lambda o: self._write(o, children.get(key_of(o))), batch)):
+                    if created:
+                        expected[key_of(o)] = time.monotonic()
+                changes.applied += [f"{o['kind']}/{o['metadata']['name']}" for o in batch]
+
+    def _prune(self, todo: Diff, children: Mapping[ObjectKey, Object], namespace: str, changes: Changes) -> None:
+        """Running pods' labels and annotations, and what left the plan (its keep-alive over) or is no longer
+        rendered, concurrently: one at a time, the 844 functions a move retires at 1000 nodes took 23 s
+        (concurrently still ~9 s on 2 cores)."""
+        with ThreadPoolExecutor(max_workers=self.config.apply_concurrency) as pool:
+            list(pool.map(lambda o: self._write(o, children[key_of(o)]), todo.annotate))
+            changes.applied += [f"Pod/{o['metadata']['name']}" for o in todo.annotate]
+            list(pool.map(lambda key: self.kube.delete(key[0], key[1], namespace, key[2]), todo.gone))
+        changes.deleted += [f"{key[1]}/{key[2]}" for key in todo.gone]
 
     def _write(self, obj: Object, live: Mapping[str, Any] | None) -> bool:
         """Server-side apply, except for pods: created, and once they exist only their labels and annotations
