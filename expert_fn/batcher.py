@@ -43,7 +43,7 @@ from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.round_graph import RoundGraph
 from kubemoe.expert_fn.shm import copy_into
 from kubemoe.expert_fn.store import LayerStack
-from kubemoe.moe import StackedExperts, sorted_ffn
+from kubemoe.moe import StackedExperts, sorted_ffn, upload_ends
 
 
 @dataclass(eq=False)
@@ -247,13 +247,6 @@ def _scatter(y: torch.Tensor, jobs: list[Job], outs: list[torch.Tensor], parts: 
         copy_into(_rows(outs[part.job], jobs[part.job], part), piece, non_blocking=non_blocking)
 
 
-def _ends(layer: GroupedLayer, device: torch.device) -> torch.Tensor:  # [E] int32 on `device`
-    if device.type == "cpu":
-        return torch.tensor(layer.ends, dtype=torch.int32)
-    # From pinned memory, a DMA queued in stream order: from pageable memory torch waits for the stream.
-    return torch.tensor(layer.ends, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
-
-
 def _cpu_round(jobs: list[Job], grouped: list[GroupedLayer], experts, act, dtype: torch.dtype,
                clock: ComputeClock) -> None:
     """Each expert's (or grouped layer's) output goes into its rows of its job's output. A job whose
@@ -264,7 +257,7 @@ def _cpu_round(jobs: list[Job], grouped: list[GroupedLayer], experts, act, dtype
             for job, x in zip(jobs, inputs)]
     clock.start()
     for layer in grouped:
-        _scatter(sorted_ffn(_gather(inputs, jobs, layer.parts), _ends(layer, CPU), layer.experts, act),
+        _scatter(sorted_ffn(_gather(inputs, jobs, layer.parts), upload_ends(layer.ends, CPU), layer.experts, act),
                  jobs, outs, layer.parts)
     for key, parts, weights in experts:
         if len(parts) == 1:  # no copy: expert_ffn writes its output rows itself (reading its input first)
@@ -297,7 +290,7 @@ def _device_round(jobs: list[Job], grouped: list[GroupedLayer], experts, act, de
     outs = [job.out_buffer if job.pinned and job.out_buffer is not None  # a pinned job always has one (Job checks)
             else torch.empty(job.x.shape, device=device, dtype=dtype) for job in jobs]
     for layer in grouped:
-        x, ends = _gather(inputs, jobs, layer.parts), _ends(layer, device)
+        x, ends = _gather(inputs, jobs, layer.parts), upload_ends(layer.ends, device)
         clock.start()
         y = sorted_ffn(x, ends, layer.experts, act)  # [S, H]
         clock.stop()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -248,6 +248,14 @@ def sorted_ffn(
 
 # What SiLU is called where an activation comes from: torch, and transformers' ACT2FN["silu"].
 SILU = frozenset({"SiLU", "SiLUActivation"})
+
+
+def upload_ends(ends: Sequence[int], device: torch.device) -> torch.Tensor:  # [E] int32 on `device`
+    """Group ends known on the host (`sorted_ffn`'s `ends`), on `device`. From pinned memory: a DMA queued
+    in stream order, where from pageable memory torch would wait for the stream."""
+    if device.type == "cpu":
+        return torch.tensor(ends, dtype=torch.int32)
+    return torch.tensor(ends, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
 
 
 def is_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:

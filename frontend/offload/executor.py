@@ -5,7 +5,8 @@ or a baseline, `policy.Policy`) gets what this layer's tokens chose, what is on 
 expected next, and says which experts run from device slots (the hot table's resident ones and those
 prefetched earlier), which are copied on demand, which run on the CPU and what to prefetch. Then:
 1. the CPU experts' inputs go to the host and the CPU pool starts on them;
-2. resident and prefetched experts compute on the device, each after its own copy's events;
+2. resident and prefetched experts compute on the device after their own copies' events: as one grouped FFN
+   over the slot stack when GROUPED_MIN_EXPERTS or more are there, else one FFN each;
 3. on-demand copies alternate between two slots, each computed as soon as its copy lands, while the
    next copy runs; the prefetches queue behind them on the copy streams into the prefetch groups;
 4. the CPU outputs are added into the same output as the device experts' (index_add).
@@ -17,6 +18,7 @@ Shapes: T = tokens, H = hidden size, K = experts per token.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Callable, Sequence
@@ -33,9 +35,13 @@ from kubemoe.frontend.offload.pipeline import WINDOW
 from kubemoe.frontend.offload.policy import LayerDemand, Policy, Schedule
 from kubemoe.frontend.offload.stats import OffloadStats
 from kubemoe.frontend.offload.store import ExpertStore, Key
-from kubemoe.moe import ExpertGroup, combine, expert_inputs, group_tokens
+from kubemoe.moe import ExpertGroup, StackedExperts, can_group, combine, expert_inputs, group_tokens, sorted_ffn, upload_ends
 
 log = logging.getLogger(__name__)
+
+# Fewer experts on the device than this in a layer run one FFN each: grouping two Mixtral-size experts cost
+# more than their two FFNs on the H200 (c677f96), tens of Qwen3-30B-A3B-size ones far less.
+GROUPED_MIN_EXPERTS = 8
 
 
 class OffloadExecutor:
@@ -71,6 +77,9 @@ class OffloadExecutor:
         self.free_prefetch = list(range(first + ON_DEMAND_BUFFERS, first + ON_DEMAND_BUFFERS + PREFETCH_GROUPS * prefetch_slots))
         self.landed: dict[Key, int] = {}  # (position, expert) prefetched -> its slot, until its layer is done
         self.stats = OffloadStats()
+        # One grouped FFN over the slots for a layer's experts on the device, where the kernels run here.
+        intermediate, hidden_size = store.host.down_shape[1], store.host.down_shape[0]
+        self.stack = store.stacked() if can_group(store.dtype, store.device, hidden_size, intermediate) else None
         self._left_at: float | None = None  # when the previous layer's experts returned (t_attn is the gap)
 
     def _index_resident(self) -> None:
@@ -168,13 +177,14 @@ class OffloadExecutor:
             parts = inputs.split([g.count for g in cpu_groups])
             futures = [self.cpu.submit((layer, g.expert), x) for g, x in zip(cpu_groups, parts)]
 
-        # 2. Experts already on the device (resident or prefetched).
+        # 2. Experts already on the device (resident or prefetched), grouped where there are enough of them.
         loads = set(schedule.load)
-        for expert in (e for e in schedule.gpu if e not in loads):
-            slot = self.resident_slot.get((position, expert))
-            if slot is None:
-                slot = self.landed[(position, expert)]
-            self._compute(slot, hidden, top_k_weights, by_expert[expert], out)
+        ready = [(self._slot(position, e), by_expert[e]) for e in schedule.gpu if e not in loads]
+        if self.stack is not None and len(ready) >= GROUPED_MIN_EXPERTS:
+            self._compute_grouped(self.stack, ready, hidden, top_k_weights, out)
+        else:
+            for slot, group in ready:
+                self._compute(slot, hidden, top_k_weights, group, out)
 
         # 3. On-demand copies through two alternating slots, then the prefetches behind them.
         for j, expert in enumerate(schedule.load):
@@ -216,6 +226,27 @@ class OffloadExecutor:
         if entering:
             log.info("hot table refreshed: %d of %d resident experts replaced", len(entering), len(self.resident_slot))
         return len(entering)
+
+    def _slot(self, position: int, expert: int) -> int:  # the device slot of an expert resident or prefetched
+        slot = self.resident_slot.get((position, expert))
+        return self.landed[(position, expert)] if slot is None else slot
+
+    def _compute_grouped(self, stack: StackedExperts, ready: list[tuple[int, ExpertGroup]], hidden, top_k_weights,
+                         out: torch.Tensor) -> None:
+        """The experts in `ready`'s slots as one sorted_ffn over the slot stack: two grouped GEMMs and a few
+        gathers where one FFN per expert takes ~7 kernels each (a Qwen3-30B-A3B-size layer has tens of experts
+        on the device, and their launches, not the GPU, set the step's time)."""
+        ready = sorted(ready, key=lambda pair: pair[0])  # rows in the stack's (slot) order
+        counts = [0] * self.store.num_slots
+        for slot, group in ready:
+            self.store.wait_ready(slot)
+            counts[slot] = group.count
+        rows = ExpertGroup(-1, torch.cat([g.tokens for _, g in ready]), torch.cat([g.slots for _, g in ready]),
+                           sum(counts))
+        x = expert_inputs(hidden, top_k_weights, rows, self.weight_on_input)
+        ends = upload_ends(list(itertools.accumulate(counts)), self.store.device)
+        combine(out, top_k_weights, rows, sorted_ffn(x, ends, stack, self.act), self.weight_on_input)
+        self.store.release(*(slot for slot, _ in ready))
 
     def _compute(self, slot: int, hidden, top_k_weights, group: ExpertGroup, out: torch.Tensor) -> None:
         self.store.wait_ready(slot)

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from kubemoe.expert import ExpertWeights
+from kubemoe.moe import StackedExperts
 
 log = logging.getLogger(__name__)
 
@@ -204,12 +205,20 @@ class ExpertStore:
             for event in self._sync[slot].ready:
                 stream.wait_event(event)
 
-    def release(self, slot: int) -> None:
-        """Every kernel that reads `slot` is queued: the next copy into it waits for them."""
+    def release(self, *slots: int) -> None:
+        """Every kernel that reads `slots` is queued: the next copy into one of them waits for them."""
         if self.cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-            self._sync[slot].free = event
+            for slot in slots:
+                self._sync[slot].free = event
+
+    def stacked(self) -> StackedExperts:
+        """Every slot as one expert stack, slot i at index i: views of the slots' memory, for one grouped FFN
+        over the experts some slots hold (`moe.sorted_ffn`; a slot without rows is not read)."""
+        split, n = self.host.chunks[1][1], self.num_slots
+        return StackedExperts(self.slots[:, :split].view(n, *self.host.gate_up_shape),
+                              self.slots[:, split:].view(n, *self.host.down_shape))
 
     def copy_seconds(self) -> tuple[int, float]:
         """(bytes, seconds) of the copies timed since the last call; seconds the link had a copy in flight, each

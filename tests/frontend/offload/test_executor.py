@@ -33,10 +33,11 @@ def profile(t_io=2.0, t_g=0.5, beta=1.0, c=1.0, t_attn=1.0):
                           CostLine(0.0, t_attn), source="assumed")
 
 
-def make(policy="kubemoe", resident=3, lookahead=None, counter=None, experts=None, device="cpu", **config):
+def make(policy="kubemoe", resident=3, lookahead=None, counter=None, experts=None, device="cpu", dtype=torch.float32,
+         **config):
     experts = experts or weights()
-    budget = (resident + 2 + 2 * K) * EXPERT_BYTES
-    host = HostExperts(LAYERS, E, H, I, torch.float32, lambda l, e: experts[(l, e)])
+    budget = (resident + 2 + 2 * K) * EXPERT_BYTES * dtype.itemsize // 4
+    host = HostExperts(LAYERS, E, H, I, dtype, lambda l, e: experts[(l, e)])
     return build_executor(OffloadConfig(budget, policy=policy, **config), host, K, torch.device(device), F.silu, False,
                           lookahead or NoLookahead(), counter=counter, profile=profile())
 
@@ -80,6 +81,37 @@ def check_policy(policy, device, async_io=True):
         assert s.gpu_tokens + s.cpu_tokens == 2 * len(LAYERS) * 12 * K
     finally:
         close(executor)
+
+
+def check_grouped(device, dtype, tolerance):
+    """Every expert resident: a layer's experts on the device run as one grouped FFN over the slots, never one
+    by one, and compute what in-process experts compute."""
+    experts, hidden = weights(), torch.randn(32, H)
+    routes = [routing(32, seed=s) for s in range(len(LAYERS))]  # every expert of every layer
+    executor = make("on-demand", resident=len(LAYERS) * E, experts=experts, device=device, dtype=dtype)
+    assert executor.stack is not None
+
+    def one_by_one(*args):
+        raise AssertionError("an expert on the device ran alone")
+
+    executor._compute = one_by_one
+    try:
+        outs = forward(executor, hidden.to(device, dtype), [(i.to(device), w.to(device)) for i, w in routes])
+        for layer, out, (index, w) in zip(LAYERS, outs, routes):
+            reference = LocalExperts({e: experts[(layer, e)] for e in range(E)}, F.silu, False)
+            torch.testing.assert_close(out.float().cpu(), reference(hidden, index, w), **tolerance)
+        assert executor.stats.hits == executor.stats.activated == len(LAYERS) * E
+    finally:
+        close(executor)
+
+
+def test_experts_on_the_device_run_as_one_grouped_ffn():
+    check_grouped("cpu", torch.float32, dict(rtol=1e-4, atol=1e-5))
+
+
+@pytest.mark.gpu
+def test_experts_on_the_gpu_run_as_one_grouped_ffn():
+    check_grouped("cuda", torch.bfloat16, dict(rtol=3e-2, atol=3e-2))
 
 
 @pytest.mark.parametrize("policy", POLICIES)
