@@ -27,19 +27,20 @@ def weights(seed=0):
             for l in LAYERS for e in range(E)}
 
 
-def profile(t_io=2.0, t_g=0.5, beta=1.0, c=1.0, t_attn=1.0):
+def profile(t_io=2.0, t_g=0.5, beta=1.0, c=1.0, t_attn=1.0, expert_bytes=EXPERT_BYTES):
     """Hand-worked figures (seconds; only their ratios matter): the CPU is cheap for few tokens."""
-    return OffloadProfile("test", (ExpertCosts(EXPERT_BYTES, t_io, CostLine(0.0, t_g), CostLine(beta, c)),),
+    return OffloadProfile("test", (ExpertCosts(expert_bytes, t_io, CostLine(0.0, t_g), CostLine(beta, c)),),
                           CostLine(0.0, t_attn), source="assumed")
 
 
 def make(policy="kubemoe", resident=3, lookahead=None, counter=None, experts=None, device="cpu", dtype=torch.float32,
          **config):
     experts = experts or weights()
-    budget = (resident + 2 + 2 * K) * EXPERT_BYTES * dtype.itemsize // 4
+    expert_bytes = EXPERT_BYTES * dtype.itemsize // 4
+    budget = (resident + 2 + 2 * K) * expert_bytes
     host = HostExperts(LAYERS, E, H, I, dtype, lambda l, e: experts[(l, e)])
     return build_executor(OffloadConfig(budget, policy=policy, **config), host, K, torch.device(device), F.silu, False,
-                          lookahead or NoLookahead(), counter=counter, profile=profile())
+                          lookahead or NoLookahead(), counter=counter, profile=profile(expert_bytes=expert_bytes))
 
 
 def close(executor):
@@ -105,8 +106,10 @@ def check_grouped(device, dtype, tolerance):
         close(executor)
 
 
-def test_experts_on_the_device_run_as_one_grouped_ffn():
-    check_grouped("cpu", torch.float32, dict(rtol=1e-4, atol=1e-5))
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, dict(rtol=1e-4, atol=1e-5)),
+                                              (torch.bfloat16, dict(rtol=3e-2, atol=3e-2))])
+def test_experts_on_the_device_run_as_one_grouped_ffn(dtype, tolerance):
+    check_grouped("cpu", dtype, tolerance)
 
 
 @pytest.mark.gpu
