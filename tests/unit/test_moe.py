@@ -159,3 +159,26 @@ def test_the_fused_layer_kernels_compute_the_unfused_steps_under_tritons_interpr
             assert torch.equal(mk.top_k(logits, 3, softmax=False, normalize=False)[1], logits.topk(3, dim=-1).indices)
         print("equal")
     """)
+
+
+def test_the_grouped_kernels_read_experts_from_a_strided_stack_under_tritons_interpreter(triton_interpreted):
+    """The offload executor's slots are one [N, S] tensor, each row an expert's gate | up | down: its stack
+    (ExpertStore.stacked) is views whose experts are S apart. The kernels read it as they read a packed stack."""
+    triton_interpreted("""
+        import torch
+        from kubemoe import moe_kernels as mk
+        g = torch.Generator().manual_seed(0)
+        slots, hidden_size, inter, k, tokens = 6, 32, 16, 2, 5
+        memory = torch.randn(slots, 3 * inter * hidden_size, generator=g) / hidden_size ** 0.5
+        split = 2 * inter * hidden_size
+        gate_up = memory[:, :split].view(slots, 2 * inter, hidden_size)  # experts 3*I*H apart
+        down = memory[:, split:].view(slots, hidden_size, inter)
+        assert gate_up.stride(0) == down.stride(0) == memory.shape[1]
+        index = torch.stack([torch.randperm(slots, generator=g)[:k] for _ in range(tokens)])
+        order, ends, _ = mk.group_pairs(index.reshape(-1), slots)
+        hidden = torch.randn(tokens, hidden_size, generator=g)
+        h = mk.swiglu_grouped_mm(hidden, gate_up, ends, grouping=(order, k))
+        assert torch.allclose(h, mk.swiglu_grouped_mm(hidden, gate_up.contiguous(), ends, grouping=(order, k)))
+        assert torch.allclose(mk.grouped_mm_small(h, down, ends), mk.grouped_mm_small(h, down.contiguous(), ends))
+        print("equal")
+    """)
