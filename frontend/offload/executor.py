@@ -78,7 +78,7 @@ class OffloadExecutor:
         self.landed: dict[Key, int] = {}  # (position, expert) prefetched -> its slot, until its layer is done
         self.stats = OffloadStats()
         # One grouped FFN over the slots for a layer's experts on the device, where the kernels run here.
-        intermediate, hidden_size = store.host.down_shape[1], store.host.down_shape[0]
+        hidden_size, intermediate = store.host.down_shape  # [H, I]
         self.stack = store.stacked() if can_group(store.dtype, store.device, hidden_size, intermediate) else None
         self._left_at: float | None = None  # when the previous layer's experts returned (t_attn is the gap)
 
