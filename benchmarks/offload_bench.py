@@ -42,7 +42,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -62,7 +62,7 @@ from kubemoe.frontend.offload.pipeline import (  # noqa: E402
     PCIE_BANDWIDTH, LayerRouting, StepTrace, simulate, step_lower_bound)
 from kubemoe.frontend.offload.presched import PreSched  # noqa: E402
 from kubemoe.frontend.offload.runtime import build_executor  # noqa: E402
-from kubemoe.frontend.offload.stats import OffloadStats  # noqa: E402
+from kubemoe.frontend.offload.stats import OffloadSeconds, OffloadStats  # noqa: E402
 from kubemoe.frontend.offload.store import HostExperts  # noqa: E402
 from kubemoe.presets import get_preset  # noqa: E402
 from kubemoe.synth import build_config  # noqa: E402
@@ -187,6 +187,7 @@ class Run:
     decode: OffloadStats  # the decode steps' share of `stats` (prefill excluded)
     copied_bytes: int = 0
     copy_s: float = 0.0
+    decode_seconds: OffloadSeconds = field(default_factory=OffloadSeconds)  # the decode steps' host-side split
 
     @property
     def tokens_per_s(self) -> float:
@@ -210,6 +211,8 @@ class Run:
                 "decode_loaded_per_step": self.decode.loaded / steps,
                 "decode_prefetched_per_step": self.decode.prefetched / steps,
                 "decode_cpu_experts_per_step": self.decode.cpu_experts / steps,
+                # Host wall time per decode step in the MoE layers, in the decisions, and blocked on CPU experts.
+                **{f"decode_{name}_s_per_step": value / steps for name, value in vars(self.decode_seconds).items()},
                 "decode_step_median_s": statistics.median(self.decode_steps_s),
                 "decode_step_max_s": max(self.decode_steps_s), "decode_steps_s": self.decode_steps_s}
 
@@ -298,6 +301,7 @@ class Bench:
         self.sync()
         prefill = time.perf_counter() - start
         after_prefill = _since(before, self.executor.stats)
+        seconds_at_decode = _since(OffloadSeconds(), self.executor.seconds)
         steps = []
         for step in range(output - 1):
             start = time.perf_counter()
@@ -309,7 +313,7 @@ class Bench:
         stats = _since(before, self.executor.stats)
         copied, seconds = store.copy_seconds() if store.timing else (0, 0.0)
         return Run(self.name, label, batch, prompt, output, prefill, steps, stats, _since(after_prefill, stats),
-                   copied, seconds)
+                   copied, seconds, _since(seconds_at_decode, self.executor.seconds))
 
     def decode_traces(self, batch: int, prompt: int, output: int) -> list[StepTrace]:
         """The decode steps `generate` replays, as pipeline.py's step traces (layers as MoE positions)."""
@@ -332,8 +336,8 @@ def median_run(runs: list[Run]) -> Run:
     return ranked[(len(ranked) - 1) // 2]
 
 
-def _since(before: OffloadStats, now: OffloadStats) -> OffloadStats:
-    return OffloadStats(**{k: getattr(now, k) - getattr(before, k) for k in vars(before)})
+def _since(before, now):  # an OffloadStats or OffloadSeconds: now - before, field by field
+    return type(now)(**{k: getattr(now, k) - getattr(before, k) for k in vars(before)})
 
 
 def _counts(experts: torch.Tensor) -> dict[int, int]:
@@ -515,11 +519,14 @@ def main() -> None:
                         resident = frozenset(bench.executor.resident_slot)
                     run = bench.generate(label, batch, args.prompt, args.output)
                     bench.stop()
+                    steps = max(len(run.decode_steps_s), 1)
                     runs.setdefault((label, batch), []).append(run)
                     rounds.append({**run.row(), "round": round_})
                     print(f"{name} round {round_} {label:>14} b{batch:<3} {run.tokens_per_s:9.1f} tok/s, step "
-                          f"{run.decode_step_s * 1e3:8.2f} ms, hit {run.stats.hit_rate:.2f}, cpu {run.stats.cpu_share:.2f}",
-                          flush=True)
+                          f"{run.decode_step_s * 1e3:8.2f} ms (MoE layers {run.decode_seconds.layers / steps * 1e3:.2f}, "
+                          f"decisions {run.decode_seconds.decide / steps * 1e3:.2f}, CPU wait "
+                          f"{run.decode_seconds.cpu_wait / steps * 1e3:.2f}), hit {run.stats.hit_rate:.2f}, "
+                          f"cpu {run.stats.cpu_share:.2f}", flush=True)
         for (label, batch), measured in runs.items():
             (raw if label in policies else ablations).append(median_run(measured).row())
         models += modelled(bench, resident, batches, args.prompt, args.output)

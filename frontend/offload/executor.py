@@ -33,7 +33,7 @@ from kubemoe.frontend.offload.hot_table import ON_DEMAND_BUFFERS, PREFETCH_GROUP
 from kubemoe.frontend.offload.lookahead import Lookahead, NoLookahead
 from kubemoe.frontend.offload.pipeline import WINDOW
 from kubemoe.frontend.offload.policy import LayerDemand, Policy, Schedule
-from kubemoe.frontend.offload.stats import OffloadStats
+from kubemoe.frontend.offload.stats import OffloadSeconds, OffloadStats
 from kubemoe.frontend.offload.store import ExpertStore, Key
 from kubemoe.moe import ExpertGroup, StackedExperts, can_group, combine, expert_inputs, group_tokens, sorted_ffn, upload_ends
 
@@ -77,6 +77,7 @@ class OffloadExecutor:
         self.free_prefetch = list(range(first + ON_DEMAND_BUFFERS, first + ON_DEMAND_BUFFERS + PREFETCH_GROUPS * prefetch_slots))
         self.landed: dict[Key, int] = {}  # (position, expert) prefetched -> its slot, until its layer is done
         self.stats = OffloadStats()
+        self.seconds = OffloadSeconds()
         # One grouped FFN over the slots for a layer's experts on the device, where the kernels run here.
         hidden_size, intermediate = store.host.down_shape  # [H, I]
         self.stack = store.stacked() if can_group(store.dtype, store.device, hidden_size, intermediate) else None
@@ -108,7 +109,9 @@ class OffloadExecutor:
             self.refresher.observe_attn(hidden.shape[0], entered - self._left_at)
         groups = group_tokens(top_k_index) if groups is None else groups
         out = torch.zeros_like(hidden) if out is None else out
+        decided = time.perf_counter()
         demand, schedule = self._decide(position, hidden, top_k_index, top_k_weights, groups)
+        self.seconds.decide += time.perf_counter() - decided
         self.counter.add(layer, demand.pending)
         stats = self._stats(demand, schedule)
         self._execute(position, hidden, top_k_weights, groups, schedule, out)
@@ -116,6 +119,7 @@ class OffloadExecutor:
         if self.on_layer:
             self.on_layer(stats)
         self._left_at = time.perf_counter()
+        self.seconds.layers += self._left_at - entered
         return out
 
     def _decide(self, position, hidden, top_k_index, top_k_weights, groups) -> tuple[LayerDemand, Schedule]:
@@ -199,7 +203,10 @@ class OffloadExecutor:
 
         # 4. The CPU outputs join the same output; their times keep t_c true to what serving sees.
         for group, future in zip(cpu_groups, futures):
-            combine(out, top_k_weights, group, future.result().to(out.device), self.weight_on_input)
+            waited = time.perf_counter()
+            result = future.result()
+            self.seconds.cpu_wait += time.perf_counter() - waited
+            combine(out, top_k_weights, group, result.to(out.device), self.weight_on_input)
         for _, tokens, start, end in self.cpu.drain_timings():
             self.refresher.observe_cpu(store.expert_bytes, tokens, end - start)
 

@@ -38,3 +38,17 @@ class OffloadStats:
 
 
 COUNTS = tuple(f.name for f in fields(OffloadStats))
+
+
+@dataclass
+class OffloadSeconds:
+    """Where the thread that runs the model spends an offload layer's wall time, added up (host clock, no
+    device synchronisation added): what tells a CPU side that holds up the GPU from a slow decision."""
+
+    layers: float = 0.0  # from the gate's output to the layer's experts queued and joined
+    decide: float = 0.0  # the lookahead and the policy
+    cpu_wait: float = 0.0  # blocked on the CPU experts' results after the device work was queued
+
+    def add(self, other: "OffloadSeconds") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
