@@ -37,6 +37,7 @@ Goals: throughput_vs_ondemand >= 2.4, throughput_vs_hybrimoe >= 1.7, throughput_
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import math
 import statistics
@@ -62,6 +63,7 @@ from kubemoe.frontend.offload.pipeline import (  # noqa: E402
     PCIE_BANDWIDTH, LayerRouting, StepTrace, simulate, step_lower_bound)
 from kubemoe.frontend.offload.presched import PreSched  # noqa: E402
 from kubemoe.frontend.offload.runtime import build_executor  # noqa: E402
+from kubemoe.frontend.offload.cpu_experts import default_threads  # noqa: E402
 from kubemoe.frontend.offload.stats import OffloadSeconds, OffloadStats  # noqa: E402
 from kubemoe.frontend.offload.store import HostExperts  # noqa: E402
 from kubemoe.presets import get_preset  # noqa: E402
@@ -218,13 +220,14 @@ class Run:
 
 
 class Bench:
-    def __init__(self, arch: str, preset_name: str, device: torch.device, trace_path: Path, resident_share: float):
+    def __init__(self, arch: str, preset_name: str, device: torch.device, trace_path: Path, resident_share: float,
+                 cpu_threads: int | None = None):
         from transformers import AutoModelForCausalLM
         from transformers.initialization import no_init_weights
 
         self.preset = get_preset(arch, preset_name)
         self.name = f"{arch}/{preset_name}"
-        self.device = device
+        self.device, self.cpu_threads = device, cpu_threads
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         config = build_config(self.preset)
         self.adapter = MoEAdapter(config)
@@ -263,7 +266,7 @@ class Bench:
     def start(self, policy: str, **ablation) -> None:
         lookahead = NoLookahead() if ablation.pop("lookahead", None) == "none" else self.replay.lookahead
         engine_policy = "kubemoe" if policy == "oracle" else policy
-        config = OffloadConfig(self.budget, policy=engine_policy, **ablation)
+        config = OffloadConfig(self.budget, policy=engine_policy, cpu_threads=self.cpu_threads, **ablation)
         self.executor = build_executor(config, self.host, self.adapter.top_k, self.device, self.adapter.act,
                                        self.adapter.routing.weight_on_input, lookahead, counter=self.counter,
                                        profile=self.profile, timing=self.device.type == "cuda",
@@ -473,6 +476,8 @@ def main() -> None:
                         help="experts the budget holds beside the working set, as a share of all experts")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--no-accelerate", action="store_true")
+    parser.add_argument("--no-ablations", action="store_true")
+    parser.add_argument("--cpu-threads", type=int, help="the CPU expert pool's threads (default: the engine's)")
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -486,7 +491,7 @@ def main() -> None:
     rounds: list[dict] = []  # every round's row; raw and ablations take each configuration's median round
     for key in args.presets.split(","):
         arch, name = presets[key]
-        bench = Bench(arch, name, device, args.trace, args.resident_share)
+        bench = Bench(arch, name, device, args.trace, args.resident_share, args.cpu_threads)
         setups[name] = {"expert_bytes": bench.expert_bytes, "moe_layers": len(bench.layers),
                         "experts": bench.adapter.num_experts, "top_k": bench.adapter.top_k,
                         "budget_bytes": bench.budget, "resident_experts": bench.resident,
@@ -507,7 +512,8 @@ def main() -> None:
         bench.stop()
         resident = frozenset()
         runs: dict[tuple[str, int], list[Run]] = {}  # (policy or ablation, batch) -> one run per round
-        configurations = [(p, {}) for p in policies] + [(label, ablation) for label, ablation in ABLATIONS.items()]
+        configurations = [(p, {}) for p in policies] + [(label, ablation) for label, ablation in ABLATIONS.items()
+                                                        if not args.no_ablations]
         for round_ in range(args.rounds):
             # Round r starts r / rounds of the way along the list (round 2 of 2: the second half first), so
             # no configuration always runs early (cold host memory, caches) or late.
@@ -574,7 +580,8 @@ def main() -> None:
                   "rounds_note": "raw and ablations rows are each configuration's round of median throughput (the "
                                  "slower middle one of an even count); each round ran the configurations in another "
                                  "order (rounds_raw: every round)",
-                  "resident_share": args.resident_share},
+                  "resident_share": args.resident_share,
+                  "cpu_threads": args.cpu_threads or default_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
         pinned_peak_bytes_per_s=peak, streaming_bytes_per_s=stream_bw,
         hardware_bound="H2D copies bounded by the measured pinned peak (PCIe 5.0 x16 on the H200 host); CPU experts "
                        "by the host's cores and memory bandwidth; per decode step see hardware_bounds",

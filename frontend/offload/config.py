@@ -14,7 +14,7 @@ class OffloadConfig:
     predictor: str = "llapor"  # llapor | router | frequency | FILE (see lookahead.py)
     policy: str = "kubemoe"  # PreSched, or a baseline of baselines.py run by the same engine
     prefetch_slots: int | None = None  # experts per prefetch group; default: the model's experts per token
-    cpu_threads: int | None = None  # CPU expert pool; default: every core
+    cpu_threads: int | None = None  # CPU expert pool; default: every core but one (cpu_experts.default_threads)
     xi: float = 0.5  # PreSched's hit/miss trade-off
     async_io: bool = True  # False: copies on the compute stream (the ablation)
     hot_table: bool = True  # False: the resident experts are the first by (layer, expert), not the hottest

@@ -56,13 +56,20 @@ def choose_cpu_dtype(weights: ExpertWeights, act: Callable, tokens: int = 16, re
     return chosen
 
 
+def default_threads() -> int:
+    """Every core but one: the thread that runs the model launches the GPU work between and during the CPU
+    experts, and an OpenMP team on every core (its threads spin a while after each matmul) took that thread's
+    core away from it."""
+    return max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) - 1)
+
+
 class CpuExperts:
     def __init__(self, host: HostExperts, act: Callable, threads: int | None = None,
                  dtype: torch.dtype | None = None):
         self.host, self.act = host, act
-        self.threads = threads or os.cpu_count() or 1  # intra-op threads of the one worker
-        initializer = None if threads is None else (lambda: torch.set_num_threads(self.threads))
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kubemoe-cpu-expert", initializer=initializer)
+        self.threads = threads or default_threads()  # intra-op threads of the one worker
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kubemoe-cpu-expert",
+                                       initializer=lambda: torch.set_num_threads(self.threads))
         self.dtype = dtype or choose_cpu_dtype(host.weights((host.layers[0], 0)), act)
         self._timings: list[tuple[Key, int, float, float]] = []  # (key, tokens, start, end) per expert run
         self._lock = threading.Lock()
