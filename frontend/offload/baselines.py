@@ -65,7 +65,7 @@ class HybriMoELike:
     PREFETCH = 2
 
     def schedule(self, demand: LayerDemand, costs: ExpertCosts) -> Schedule:
-        gpu_end = sum(costs.t_g(n) for _, n in demand.resident_pending())
+        gpu_end = costs.t_g_all([n for _, n in demand.resident_pending()])
         cpu_end, load = 0.0, []
         for expert, tokens in demand.missing():
             on_gpu, on_cpu = gpu_end + costs.t_io + costs.t_g(tokens), cpu_end + costs.t_c(tokens)

@@ -2,7 +2,9 @@
 
 Per expert size (bytes of one routed expert's gate, up and down projections):
 - t_io: seconds to copy one expert host -> GPU from pinned memory (no token term: the bytes are fixed);
-- t_g(n): GPU seconds for one expert on n tokens;
+- t_g(n): GPU seconds for one expert on n tokens, run on its own;
+- the grouped line: GPU seconds per expert when a layer's experts already on the device run as one grouped
+  FFN (`t_g_all`; measured where the kernels group, the group's time shared by its experts);
 - t_c(n) = beta * n + C: CPU seconds for one expert on n tokens (C: reading the weights, starting threads).
 And t_attn(n): one layer's attention and gate on the GPU for a batch of n tokens.
 
@@ -16,9 +18,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 PROFILE_FILE = "offload_profile.json"
+# A layer's experts already on the device run as one grouped FFN from this many on (where the kernels group):
+# grouping two Mixtral-size experts cost more than their two FFNs on the H200 (c677f96), tens of
+# Qwen3-30B-A3B-size ones far less. The executor runs them so, and the cost model prices them so.
+GROUPED_MIN_EXPERTS = 8
 
 
 @dataclass(frozen=True)
@@ -93,11 +99,24 @@ class ExpertCosts:
 
     expert_bytes: int
     t_io: float  # seconds, host -> GPU, pinned
-    gpu: CostLine  # t_g
+    gpu: CostLine  # t_g: one expert's FFN on its own
     cpu: CostLine  # t_c = beta * tokens + C
+    grouped: CostLine | None = None  # t_g per expert inside one grouped FFN; None where the kernels do not group
 
     def t_g(self, tokens: float) -> float:
         return self.gpu(tokens)
+
+    def groups(self, experts: int) -> bool:
+        """Whether `experts` experts already on the device run as one grouped FFN."""
+        return self.grouped is not None and experts >= GROUPED_MIN_EXPERTS
+
+    def t_g_all(self, tokens: Sequence[float]) -> float:
+        """GPU seconds of one layer's experts already on the device, with these token counts, run as the
+        executor runs them: one grouped FFN (`groups`), else one FFN each. Priced one FFN each, tens of
+        Qwen3-30B-A3B-size experts looked ~20x busier than the grouped FFN keeps the GPU, and PreSched sent
+        experts to the CPU to balance a GPU side that was not there."""
+        line = self.grouped if self.grouped is not None and len(tokens) >= GROUPED_MIN_EXPERTS else self.gpu
+        return sum(line(n) for n in tokens)
 
     def t_c(self, tokens: float) -> float:
         return self.cpu(tokens)
@@ -143,7 +162,8 @@ class OffloadProfile:
     @classmethod
     def from_dict(cls, doc: dict) -> "OffloadProfile":
         experts = tuple(
-            ExpertCosts(e["expert_bytes"], e["t_io"], CostLine(**e["gpu"]), CostLine(**e["cpu"]))
+            ExpertCosts(e["expert_bytes"], e["t_io"], CostLine(**e["gpu"]), CostLine(**e["cpu"]),
+                        CostLine(**e["grouped"]) if e.get("grouped") else None)
             for e in doc["experts"]
         )
         return cls(doc["device"], experts, CostLine(**doc["attn"]), doc.get("source", "measured"))

@@ -27,7 +27,7 @@ import torch
 
 from kubemoe.expert import expert_ffn
 from kubemoe.frontend.offload.baselines import OnDemand
-from kubemoe.frontend.offload.costs import OffloadProfile, ProfileRefresher
+from kubemoe.frontend.offload.costs import GROUPED_MIN_EXPERTS, OffloadProfile, ProfileRefresher
 from kubemoe.frontend.offload.cpu_experts import CpuExperts
 from kubemoe.frontend.offload.hot_table import ON_DEMAND_BUFFERS, PREFETCH_GROUPS, TokenCounter
 from kubemoe.frontend.offload.lookahead import Lookahead, NoLookahead
@@ -38,10 +38,6 @@ from kubemoe.frontend.offload.store import ExpertStore, Key
 from kubemoe.moe import ExpertGroup, StackedExperts, can_group, combine, expert_inputs, group_tokens, sorted_ffn, upload_ends
 
 log = logging.getLogger(__name__)
-
-# Fewer experts on the device than this in a layer run one FFN each: grouping two Mixtral-size experts cost
-# more than their two FFNs on the H200 (c677f96), tens of Qwen3-30B-A3B-size ones far less.
-GROUPED_MIN_EXPERTS = 8
 
 
 class OffloadExecutor:

@@ -151,8 +151,13 @@ def simulate_step(step: StepTrace, policy: Policy, profile: OffloadProfile, expe
 
         # GPU: resident experts (waiting for a prefetch still in flight), then loads through two buffers.
         loads = set(schedule.load)
-        for expert in (e for e in schedule.gpu if e not in loads):
-            time.gpu = max(time.gpu, time.landed.get((layer, expert), 0.0)) + costs.t_g(demand.pending[expert])
+        ready = [e for e in schedule.gpu if e not in loads]
+        if costs.groups(len(ready)):  # one grouped FFN, once every prefetch it reads has landed
+            landed = max((time.landed.get((layer, e), 0.0) for e in ready), default=0.0)
+            time.gpu = max(time.gpu, landed) + costs.t_g_all([demand.pending[e] for e in ready])
+        else:
+            for expert in ready:
+                time.gpu = max(time.gpu, time.landed.get((layer, expert), 0.0)) + costs.t_g(demand.pending[expert])
         computed: list[float] = []  # when each loaded expert's compute ends: its buffer is free again
         for j, expert in enumerate(schedule.load):
             buffer_free = computed[j - 2] if j >= 2 else 0.0
@@ -196,19 +201,25 @@ def step_lower_bound(step: StepTrace, profile: OffloadProfile, expert_bytes: int
       A = sum over layers of (t_attn + max(GPU compute, CPU compute))  (layers follow each other), and
       B = t_attn + sum over layers of k_l * t_io  (every copy waits for the first gate, on one engine).
     With k_l fixed, the CPU side is shortest when the k_l experts with most tokens leave it, and the GPU
-    side is at least the k_l smallest t_g. max(A, B) >= (A + lambda * B) / (1 + lambda) for any
+    side is at least the k_l smallest t_g, each expert priced at the cheaper of its FFN alone and its share of
+    a grouped one (which one a policy's experts get depends on how many of them it lands). max(A, B) >= (A + lambda * B) / (1 + lambda) for any
     lambda >= 0, and that relaxation splits by layer, so each lambda gives a bound computed layer by
     layer; the best over `lambdas` is returned. Unlike the `Oracle` policy, this bound holds for every
     policy (the oracle decides greedily and pipeline overlap can beat it).
     """
     costs = profile.costs(expert_bytes)
     t_attn = profile.t_attn(step.tokens)
+    grouped = costs.grouped
+
+    def t_g(n: int) -> float:
+        return costs.t_g(n) if grouped is None else min(costs.t_g(n), grouped(n))
+
     phases = []  # [layer][k] -> shortest expert phase with k missing experts on the GPU
     for routing in step.layers:
         tokens = [n for e, n in routing.actual.items() if n > 0 and (routing.layer, e) not in resident]
-        gpu = sum(costs.t_g(n) for e, n in routing.actual.items() if n > 0 and (routing.layer, e) in resident)
+        gpu = sum(t_g(n) for e, n in routing.actual.items() if n > 0 and (routing.layer, e) in resident)
         by_cpu = sorted((costs.t_c(n) for n in tokens), reverse=True)
-        by_gpu = sorted(costs.t_g(n) for n in tokens)
+        by_gpu = sorted(t_g(n) for n in tokens)
         cpu_left, gpu_side, layer = sum(by_cpu), gpu, []
         for k in range(len(tokens) + 1):
             layer.append(max(gpu_side, cpu_left))

@@ -92,7 +92,7 @@ class Policy(Protocol):
 class SideTimes:
     """LayerScope's estimate of one layer's two sides: sums of per-expert costs (transfers included)."""
 
-    gpu: float  # resident experts' t_g + each loaded expert's t_io + t_g
+    gpu: float  # resident experts' t_g (`t_g_all`) + each loaded expert's t_io + t_g
     cpu: float  # CPU experts' t_c, one after another (each uses every core)
     copies: float  # the loads' share of `gpu`: the copy engine's busy time
 
@@ -108,7 +108,7 @@ def prefix_spans(demand: LayerDemand, costs: ExpertCosts) -> list[SideTimes]:
     cpu_from = [0.0] * (len(missing) + 1)  # [k]: t_c of missing[k:]
     for k in range(len(missing) - 1, -1, -1):
         cpu_from[k] = cpu_from[k + 1] + costs.t_c(missing[k])
-    gpu = sum(costs.t_g(n) for _, n in demand.resident_pending())
+    gpu = costs.t_g_all([n for _, n in demand.resident_pending()])
     spans = []
     for k in range(len(missing) + 1):
         spans.append(SideTimes(gpu + k * costs.t_io, cpu_from[k], k * costs.t_io))

@@ -101,10 +101,9 @@ class PreSched:
     def gpu_queue(self, demand: LayerDemand, costs: ExpertCosts, depth: int) -> list[Candidate]:
         """Step 2: candidates moved to the GPU, in sorted order, while T_G_all < T_C_all."""
         candidates = self.candidates(demand, depth)
-        resident_tokens = [n for _, n in demand.resident_pending()]
+        t_g_all = costs.t_g_all([n for _, n in demand.resident_pending()])
         for predicted, resident in zip(demand.ahead[:depth], demand.resident_ahead):
-            resident_tokens += [n for e, n in predicted.items() if e in resident and n > 0]
-        t_g_all = sum(costs.t_g(n) for n in resident_tokens)
+            t_g_all += costs.t_g_all([n for e, n in predicted.items() if e in resident and n > 0])
         t_c_all = sum(costs.t_c(c.tokens) for c in candidates)
         chosen = []
         for c in candidates:

@@ -1,8 +1,9 @@
 """LayerScope's Timer at start: t_io, t_g and t_c of one expert measured through the store and the CPU pool.
 
 It times what the executor will run: a copy into a device slot (three chunks, pinned or not), the
-expert on the device at a few token counts, and the same expert on the CPU in the dtype the pool chose;
-t_g and t_c are least-squares lines over the token counts (`costs.fit_line`). t_attn starts at zero and
+expert on the device at a few token counts (alone, and inside one grouped FFN of many where the kernels
+group), and the same expert on the CPU in the dtype the pool chose; t_g and t_c are least-squares lines
+over the token counts (`costs.fit_line`). t_attn starts at zero and
 the executor refreshes it online from the time between one layer's experts and the next's (and t_c from
 the CPU experts it serves).
 
@@ -28,9 +29,10 @@ from typing import Callable
 import torch
 
 from kubemoe.expert import expert_ffn
-from kubemoe.frontend.offload.costs import CostLine, ExpertCosts, OffloadProfile, fit_line
+from kubemoe.frontend.offload.costs import GROUPED_MIN_EXPERTS, CostLine, ExpertCosts, OffloadProfile, fit_line
 from kubemoe.frontend.offload.cpu_experts import CpuExperts
 from kubemoe.frontend.offload.store import ExpertStore
+from kubemoe.moe import can_group, sorted_ffn, upload_ends
 
 TOKENS = (1, 16, 64, 256)
 WARM_TOKENS = 64
@@ -56,7 +58,8 @@ def _seconds(run: Callable[[], object], device: torch.device, repeats: int) -> f
 @torch.inference_mode()
 def measure_profile(store: ExpertStore, cpu: CpuExperts, act: Callable, slot: int, repeats: int = 3,
                     tokens: tuple[int, ...] = TOKENS, warm_tokens: int = WARM_TOKENS) -> OffloadProfile:
-    """Figures for the store's expert size, using device slot `slot` (free at the time of the call)."""
+    """Figures for the store's expert size, timed in its device slots (every one free at the time of the call;
+    `slot` for the expert on its own)."""
     device = store.device
     keys = [(layer, e) for layer in store.layers for e in range(store.host.num_experts)]
     cold = itertools.cycle(keys)  # the CPU's next expert: another one each call
@@ -85,10 +88,34 @@ def measure_profile(store: ExpertStore, cpu: CpuExperts, act: Callable, slot: in
             runs.append(time.perf_counter() - start)
         cpu_samples.append((n, statistics.median(runs)))
     cpu.drain_timings()  # the profile's runs are not serving's
+    grouped = _grouped_line(store, act, tokens, repeats)
     store.release(slot)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     pinned = "pinned" if store.pinned else "pageable"
     return OffloadProfile(f"{name}, {pinned} host memory, CPU experts in {str(cpu.dtype).removeprefix('torch.')} "
                           f"one at a time on {cpu.threads} threads, weights read cold",
-                          (ExpertCosts(store.expert_bytes, t_io, fit_line(gpu), fit_line(cpu_samples)),),
+                          (ExpertCosts(store.expert_bytes, t_io, fit_line(gpu), fit_line(cpu_samples), grouped),),
                           CostLine(0.0, 0.0))
+
+
+def _grouped_line(store: ExpertStore, act: Callable, tokens: tuple[int, ...], repeats: int) -> CostLine | None:
+    """t_g per expert inside one grouped FFN over the slot stack, as the executor runs a layer's experts on the
+    device: 2 x GROUPED_MIN_EXPERTS experts (or every slot) with n tokens each, the time shared among them
+    (slots free at the call: they get the model's first experts, real weights as serving reads; uninitialised
+    memory may hold denormals, which the CPU multiplies many times slower). None where it cannot group."""
+    hidden, intermediate = store.host.down_shape
+    if not can_group(store.dtype, store.device, hidden, intermediate) or store.num_slots < GROUPED_MIN_EXPERTS:
+        return None
+    stack, experts = store.stacked(), min(store.num_slots, 2 * GROUPED_MIN_EXPERTS)
+    keys = [(layer, e) for layer in store.layers for e in range(store.host.num_experts)]
+    for slot, key in zip(range(experts), itertools.cycle(keys)):
+        store.copy(key, slot)
+        store.wait_ready(slot)
+    samples = []
+    for n in tokens:
+        x = torch.randn(experts * n, hidden, device=store.device, dtype=store.dtype)
+        ends = upload_ends([n * min(e + 1, experts) for e in range(store.num_slots)], store.device)
+        seconds = _seconds(lambda: sorted_ffn(x, ends, stack, act), store.device, repeats)  # noqa: B023 - called here
+        samples.append((n, seconds / experts))
+    store.release(*range(experts))
+    return fit_line(samples)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kubemoe.frontend.offload.costs import (
-    PROFILE_FILE, CostLine, ExpertCosts, LineFit, OffloadProfile, ProfileRefresher, fit_line,
+    GROUPED_MIN_EXPERTS, PROFILE_FILE, CostLine, ExpertCosts, LineFit, OffloadProfile, ProfileRefresher, fit_line,
 )
 
 
@@ -75,6 +75,25 @@ def test_profile_round_trips_through_the_checkpoint_folder(tmp_path):
     assert OffloadProfile.load(tmp_path) == profile
     with pytest.raises(FileNotFoundError, match="profile the checkpoint"):
         OffloadProfile.load(tmp_path / "elsewhere")
+
+
+def test_experts_on_the_device_are_priced_as_the_executor_runs_them():
+    costs = ExpertCosts(1000, 2.0, CostLine(0.0, 0.5), CostLine(1.0, 1.0), grouped=CostLine(0.01, 0.02))
+    few, many = [1] * (GROUPED_MIN_EXPERTS - 1), [1] * GROUPED_MIN_EXPERTS
+    assert not costs.groups(len(few)) and costs.t_g_all(few) == pytest.approx(0.5 * len(few))  # one FFN each
+    assert costs.groups(len(many)) and costs.t_g_all(many) == pytest.approx(0.03 * len(many))  # one grouped FFN
+    ungrouped = ExpertCosts(1000, 2.0, CostLine(0.0, 0.5), CostLine(1.0, 1.0))  # kernels that do not group
+    assert not ungrouped.groups(100) and ungrouped.t_g_all(many) == pytest.approx(0.5 * len(many))
+
+
+def test_a_grouped_line_round_trips_and_older_profiles_load_without_one(tmp_path):
+    profile = make_profile(experts=(ExpertCosts(1000, 2.0, CostLine(0.0, 0.5), CostLine(1.0, 1.0),
+                                                CostLine(0.01, 0.02)),))
+    profile.save(tmp_path)
+    assert OffloadProfile.load(tmp_path) == profile
+    doc = make_profile().to_dict()
+    del doc["experts"][0]["grouped"]  # written before the grouped line existed
+    assert OffloadProfile.from_dict(doc).costs(1000).grouped is None
 
 
 def test_unknown_expert_size_and_scaled_bandwidth():

@@ -7,9 +7,11 @@ max(GPU side, CPU side) with its k missing experts with most tokens loaded (step
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
+from kubemoe.frontend.offload.costs import CostLine
 from kubemoe.frontend.offload.presched import Candidate, PreSched, prefetch_count
 
 
@@ -45,6 +47,18 @@ def test_cpu_is_faster_for_small_token_counts(make_demand, make_costs):
     # With 20 tokens, e0 is worth its copy: span(1) = max(2.5, 1) beats span(0) = 10.5 + 1 and span(2) = 5.
     schedule = PreSched().schedule(make_demand({0: 20, 1: 1}), costs)
     assert schedule.load == (0,) and schedule.cpu == (1,)
+
+
+def test_experts_on_the_device_priced_grouped_leave_the_gpu_free_for_a_copy(make_demand, make_costs):
+    # Eight resident one-token experts and a missing one with 4 tokens (t_c = 5). Priced one FFN each, the
+    # resident ones keep the GPU busy 8 x 0.5 = 4: span(0) = max(4, 5) = 5 beats span(1) = 4 + 2 + 0.5 = 6.5, so
+    # e8 runs on the CPU. As one grouped FFN they take 8 x 0.05 = 0.4: span(1) = 0.4 + 2.5 = 2.9 beats 5.
+    demand = make_demand({**{e: 1 for e in range(8)}, 8: 4}, resident=range(8))
+    alone = make_costs()
+    assert PreSched().schedule(demand, alone).cpu == (8,)
+    grouped = replace(alone, grouped=CostLine(0.0, 0.05))
+    schedule = PreSched().schedule(demand, grouped)
+    assert schedule.load == (8,) and schedule.cpu == ()
 
 
 @pytest.mark.parametrize(("t_attn", "xi", "expected"), [

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from kubemoe.expert import ExpertWeights, expert_ffn
+from kubemoe.frontend.offload.costs import GROUPED_MIN_EXPERTS
 from kubemoe.frontend.offload.cpu_experts import CpuExperts, choose_cpu_dtype
+from kubemoe.frontend.offload.profiler import measure_profile
 from kubemoe.frontend.offload.store import ExpertStore, HostExperts, covered, pin_all
 
 H, I, E = 64, 32, 4
@@ -177,3 +179,20 @@ def test_copies_in_flight_together_count_their_shared_time_once():
     assert covered([(0.0, 2.0), (5.0, 6.0)]) == 3.0  # apart: the link idles between them
     assert covered([(0.0, 4.0), (1.0, 3.0)]) == 4.0  # one inside the other
     assert covered([(2.0, 5.0), (0.0, 3.0), (4.0, 7.0)]) == 7.0  # a chain, in any order
+
+
+@pytest.mark.parametrize(("slots", "grouped"), [(GROUPED_MIN_EXPERTS + 2, True), (GROUPED_MIN_EXPERTS - 1, False)])
+def test_the_profile_prices_grouped_experts_where_the_store_can_group_them(slots, grouped):
+    # The CPU's grouped GEMM groups any dtype; a store with fewer slots than a group never runs one.
+    _, s = store(slots=slots)
+    cpu = CpuExperts(s.host, F.silu, threads=1)
+    try:
+        costs = measure_profile(s, cpu, F.silu, slot=slots - 1, repeats=1, tokens=(1, 8), warm_tokens=2).costs(
+            s.expert_bytes)
+        assert (costs.grouped is not None) == grouped
+        assert costs.t_io > 0 and costs.t_g(1) > 0 and costs.t_c(1) > 0
+        if grouped:
+            assert costs.groups(GROUPED_MIN_EXPERTS) and costs.t_g_all([1] * GROUPED_MIN_EXPERTS) > 0
+    finally:
+        cpu.close()
+        s.close()
