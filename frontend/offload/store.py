@@ -68,6 +68,7 @@ def pin_all(tensors: list[torch.Tensor], pin: Callable[[torch.Tensor], None] = p
 class _SlotSync:
     ready: list = field(default_factory=list)  # events of the last copy into the slot, one per chunk stream
     free: object = None  # event after the last kernel that read the slot
+    waited: set = field(default_factory=set)  # streams (handles) already ordered after `ready`
 
 
 @dataclass
@@ -194,16 +195,21 @@ class ExpertStore:
             event = torch.cuda.Event(enable_timing=self.timing)
             event.record(stream)
             ready.append(event)
-        sync.ready = ready
+        sync.ready, sync.waited = ready, set()
         if start is not None:
             self._timings.append(_CopyTiming(self.expert_bytes, start, ready))
 
     def wait_ready(self, slot: int) -> None:
-        """The compute stream waits for the last copy into `slot` (and for nothing else)."""
+        """The compute stream waits for the last copy into `slot` (and for nothing else), once per copy: a
+        resident expert's slot is read every forward pass, and waiting again for its copy's three events, long
+        done, cost tens of host microseconds a layer where tens of experts are resident."""
         if self.cuda:
             stream = torch.cuda.current_stream(self.device)
-            for event in self._sync[slot].ready:
-                stream.wait_event(event)
+            sync = self._sync[slot]
+            if stream.cuda_stream not in sync.waited:
+                for event in sync.ready:
+                    stream.wait_event(event)
+                sync.waited.add(stream.cuda_stream)
 
     def release(self, *slots: int) -> None:
         """Every kernel that reads `slots` is queued: the next copy into one of them waits for them."""

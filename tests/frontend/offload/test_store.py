@@ -121,6 +121,31 @@ def test_compute_waits_only_for_its_own_slots_copy():
 
 
 @pytest.mark.gpu
+def test_a_stream_waits_for_a_copy_once(monkeypatch):
+    waits = []
+    wait_event = torch.cuda.Stream.wait_event
+    monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda stream, event: waits.append(event) or wait_event(stream, event))
+    _, s = store("cuda", torch.bfloat16, slots=1)
+    try:
+        s.copy((1, 0), 0)
+        waits.clear()  # the copy's own chunk streams wait for nothing yet (no release), but count from here
+        s.wait_ready(0)
+        s.wait_ready(0)
+        assert len(waits) == 3  # the three chunks' events, once
+        with torch.cuda.stream(torch.cuda.Stream()):
+            s.wait_ready(0)  # another stream is not ordered by the first one's waits
+        assert len(waits) == 6
+        s.release(0)
+        s.copy((3, 0), 0)
+        waits.clear()
+        s.wait_ready(0)
+        assert len(waits) == 3  # a new copy: waited for again
+    finally:
+        s.close()
+        s.host.close()
+
+
+@pytest.mark.gpu
 def test_a_copy_never_overwrites_a_slot_a_kernel_still_reads():
     w, s = store("cuda", torch.float32, slots=1)
     try:
