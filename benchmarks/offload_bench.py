@@ -37,6 +37,7 @@ Goals: throughput_vs_ondemand >= 2.4, throughput_vs_hybrimoe >= 1.7, throughput_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import json
 import math
@@ -50,6 +51,7 @@ import torch
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch_trace  # noqa: E402
 from common import RESULTS, Goal, print_table, write_results  # noqa: E402
 
 from kubemoe.adapters import MoEAdapter, install_routed_experts  # noqa: E402
@@ -74,6 +76,8 @@ LLAPOR = RESULTS / "llapor_h200.json"
 PRESETS = {"mixtral": ("mixtral", "mixtral-4l"), "qwen3": ("qwen3_moe", "qwen3-30b-a3b-8l")}
 TINY = {"mixtral": ("mixtral", "tiny"), "qwen3": ("qwen3_moe", "tiny")}
 POLICIES = ("kubemoe", "on-demand", "gpu-prefetch", "fiddler-like", "hybrimoe-like", "static-split", "oracle")
+# The decode step --torch-trace records: kubemoe's first run on the H200 slowed down from the third step on.
+TRACED_STEP = 3
 ABLATIONS = {"no-hot-table": {"hot_table": False}, "no-prediction": {"lookahead": "none"},
              "no-asyncio": {"async_io": False}}
 WEIGHT_STD = 0.02
@@ -190,6 +194,7 @@ class Run:
     copied_bytes: int = 0
     copy_s: float = 0.0
     decode_seconds: OffloadSeconds = field(default_factory=OffloadSeconds)  # the decode steps' host-side split
+    decode_end_waits_s: list = field(default_factory=list)  # per step: the host waiting for the GPU at its end
 
     @property
     def tokens_per_s(self) -> float:
@@ -215,6 +220,7 @@ class Run:
                 "decode_cpu_experts_per_step": self.decode.cpu_experts / steps,
                 # Host wall time per decode step in the MoE layers, in the decisions, and blocked on CPU experts.
                 **{f"decode_{name}_s_per_step": value / steps for name, value in vars(self.decode_seconds).items()},
+                "decode_end_wait_s_per_step": sum(self.decode_end_waits_s) / steps,
                 "decode_step_median_s": statistics.median(self.decode_steps_s),
                 "decode_step_max_s": max(self.decode_steps_s), "decode_steps_s": self.decode_steps_s}
 
@@ -228,6 +234,8 @@ class Bench:
         self.preset = get_preset(arch, preset_name)
         self.name = f"{arch}/{preset_name}"
         self.device, self.cpu_threads = device, cpu_threads
+        self.trace_dir: Path | None = None  # torch.profiler traces of decode step TRACED_STEP, each run's first
+        self.traced: set[str] = set()
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         config = build_config(self.preset)
         self.adapter = MoEAdapter(config)
@@ -305,18 +313,25 @@ class Bench:
         prefill = time.perf_counter() - start
         after_prefill = _since(before, self.executor.stats)
         seconds_at_decode = _since(OffloadSeconds(), self.executor.seconds)
-        steps = []
+        steps, waits = [], []
+        name = f"{label}-b{batch}"
+        traced = self.trace_dir / f"{name}.json" if self.trace_dir and name not in self.traced else None
         for step in range(output - 1):
-            start = time.perf_counter()
-            self.replay.rows = self.trace.rows(batch, trace_start + prompt + step, 1).to(self.device)
-            logits = self.model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-            token = logits[:, -1].argmax(-1, keepdim=True)
-            self.sync()
-            steps.append(time.perf_counter() - start)
+            with torch_trace.window(traced) if traced and step == TRACED_STEP else contextlib.nullcontext():
+                start = time.perf_counter()
+                self.replay.rows = self.trace.rows(batch, trace_start + prompt + step, 1).to(self.device)
+                logits = self.model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                token = logits[:, -1].argmax(-1, keepdim=True)
+                launched = time.perf_counter()
+                self.sync()
+                steps.append(time.perf_counter() - start)
+                waits.append(steps[-1] - (launched - start))
+        if traced and output - 1 > TRACED_STEP:
+            self.traced.add(name)
         stats = _since(before, self.executor.stats)
         copied, seconds = store.copy_seconds() if store.timing else (0, 0.0)
         return Run(self.name, label, batch, prompt, output, prefill, steps, stats, _since(after_prefill, stats),
-                   copied, seconds, _since(seconds_at_decode, self.executor.seconds))
+                   copied, seconds, _since(seconds_at_decode, self.executor.seconds), waits)
 
     def decode_traces(self, batch: int, prompt: int, output: int) -> list[StepTrace]:
         """The decode steps `generate` replays, as pipeline.py's step traces (layers as MoE positions)."""
@@ -478,6 +493,8 @@ def main() -> None:
     parser.add_argument("--no-accelerate", action="store_true")
     parser.add_argument("--no-ablations", action="store_true")
     parser.add_argument("--cpu-threads", type=int, help="the CPU expert pool's threads (default: the engine's)")
+    parser.add_argument("--torch-trace", type=Path,
+                        help="folder for a torch.profiler trace of one decode step of each configuration's first run")
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -492,6 +509,9 @@ def main() -> None:
     for key in args.presets.split(","):
         arch, name = presets[key]
         bench = Bench(arch, name, device, args.trace, args.resident_share, args.cpu_threads)
+        if args.torch_trace:
+            args.torch_trace.mkdir(parents=True, exist_ok=True)
+            bench.trace_dir = args.torch_trace
         setups[name] = {"expert_bytes": bench.expert_bytes, "moe_layers": len(bench.layers),
                         "experts": bench.adapter.num_experts, "top_k": bench.adapter.top_k,
                         "budget_bytes": bench.budget, "resident_experts": bench.resident,
@@ -531,7 +551,8 @@ def main() -> None:
                     print(f"{name} round {round_} {label:>14} b{batch:<3} {run.tokens_per_s:9.1f} tok/s, step "
                           f"{run.decode_step_s * 1e3:8.2f} ms (MoE layers {run.decode_seconds.layers / steps * 1e3:.2f}, "
                           f"decisions {run.decode_seconds.decide / steps * 1e3:.2f}, CPU wait "
-                          f"{run.decode_seconds.cpu_wait / steps * 1e3:.2f}), hit {run.stats.hit_rate:.2f}, "
+                          f"{run.decode_seconds.cpu_wait / steps * 1e3:.2f}, GPU at the end "
+                          f"{sum(run.decode_end_waits_s) / steps * 1e3:.2f}), hit {run.stats.hit_rate:.2f}, "
                           f"cpu {run.stats.cpu_share:.2f}", flush=True)
         for (label, batch), measured in runs.items():
             (raw if label in policies else ablations).append(median_run(measured).row())
