@@ -74,13 +74,20 @@ class CpuExperts:
         self._timings: list[tuple[Key, int, float, float]] = []  # (key, tokens, start, end) per expert run
         self._lock = threading.Lock()
 
-    def submit(self, key: Key, x: torch.Tensor) -> Future:  # x [N, H] on the host -> future of [N, H], this dtype
-        return self.pool.submit(self.run, key, x)
+    def submit(self, key: Key, x: torch.Tensor, ready: torch.cuda.Event | None = None) -> Future:
+        """x [N, H] on the host -> future of [N, H] in this pool's dtype. `ready`: an event after the copy that
+        fills x, waited for on the worker (the thread that submits never waits for the device). The output is in
+        pinned memory where the host experts are, so the caller can copy it to the device without a sync."""
+        return self.pool.submit(self.run, key, x, ready)
 
-    def run(self, key: Key, x: torch.Tensor) -> torch.Tensor:
+    def run(self, key: Key, x: torch.Tensor, ready: torch.cuda.Event | None = None) -> torch.Tensor:
+        if ready is not None:
+            ready.synchronize()
         start = time.perf_counter()
         with torch.inference_mode():  # per thread
             out = expert_ffn(x.to(self.dtype), _widen(self.host.weights(key), self.dtype), self.act)
+            if self.host.pinned:
+                out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True).copy_(out)
         with self._lock:
             self._timings.append((key, x.shape[0], start, time.perf_counter()))
         return out

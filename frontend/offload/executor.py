@@ -173,9 +173,9 @@ class OffloadExecutor:
         futures = []
         if cpu_groups:
             inputs = torch.cat([expert_inputs(hidden, top_k_weights, g, self.weight_on_input) for g in cpu_groups])
-            inputs = inputs.cpu()  # [N, H]; waits for this layer's attention and gate, which the gate's read did already
+            inputs, landed = self._to_host(inputs)  # [N, H]
             parts = inputs.split([g.count for g in cpu_groups])
-            futures = [self.cpu.submit((layer, g.expert), x) for g, x in zip(cpu_groups, parts)]
+            futures = [self.cpu.submit((layer, g.expert), x, landed) for g, x in zip(cpu_groups, parts)]
 
         # 2. Experts already on the device (resident or prefetched), grouped where there are enough of them.
         loads = set(schedule.load)
@@ -202,9 +202,21 @@ class OffloadExecutor:
             waited = time.perf_counter()
             result = future.result()
             self.seconds.cpu_wait += time.perf_counter() - waited
-            combine(out, top_k_weights, group, result.to(out.device), self.weight_on_input)
+            combine(out, top_k_weights, group, result.to(out.device, non_blocking=True), self.weight_on_input)
         for _, tokens, start, end in self.cpu.drain_timings():
             self.refresher.observe_cpu(store.expert_bytes, tokens, end - start)
+
+    def _to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """x on the host, and the event the CPU worker waits for before reading it (None: there already). Into
+        pinned memory without waiting: a blocking copy here (or back, from pageable memory) synchronised the
+        device, and the host, which queues a Qwen3-30B-A3B-size layer's many small kernels ahead of the GPU,
+        lost its lead at every layer with a CPU expert."""
+        if x.device.type != "cuda":
+            return x, None
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+        return host, landed
 
     def refresh_hot_table(self) -> int:
         """Rank the hot table again from the counts so far; copy newly hot experts over cooled ones. -> swaps.
