@@ -8,12 +8,11 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from kubemoe.adapters import MoEAdapter
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.checkpoint import Checkpoint, default_model_id
-from kubemoe.devices import resolve_device, resolve_dtype
+from kubemoe.devices import resolve_device, resolve_dtype, serving_attention
 from kubemoe.frontend.compiled import CompiledDecode
 from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher
 from kubemoe.frontend.engine import Engine
@@ -81,13 +80,7 @@ class Frontend:
         self.checkpoint = Checkpoint(config.checkpoint)
         self.adapter = MoEAdapter(self.checkpoint.config)
         self.device = resolve_device(config.device)
-        if self.device.type == "cuda":
-            # cuDNN's attention builds a plan for every new key length the first time it sees it (56 ms
-            # per call on the H200, benchmarks/experiments/sdpa_probe.py); a decode pass has a mask (the
-            # case SDPA hands to cuDNN) and, whenever its cache rows grow, a new key length: 33 ms per layer
-            # in the engine when the padded cache grew every step. The memory-efficient kernel takes it at
-            # 0.07 ms from the first call.
-            torch.backends.cuda.enable_cudnn_sdp(False)
+        serving_attention(self.device)
         self.dtype = resolve_dtype(config.dtype, self.checkpoint.config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint.path)
         self.metrics = FrontendMetrics(config.model_id)

@@ -38,3 +38,18 @@ def resolve_dtype(dtype, model_config) -> torch.dtype:
     if name not in DTYPE_CHOICES:
         raise KubemoeError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPE_CHOICES)}")
     return getattr(torch, name)
+
+
+def serving_attention(device: torch.device) -> None:
+    """Attention kernels for serving on `device`: on a GPU, not cuDNN's. cuDNN's attention builds a plan for
+    every new key length the first time it sees it (56 ms per call on the H200, benchmarks/experiments/
+    sdpa_probe.py); a decode pass has a mask (the case SDPA hands to cuDNN) and, whenever its cache rows grow,
+    a new key length: 33 ms per layer in the engine when the padded cache grew every step, and 50 ms in one
+    step of the offload benchmark's first configuration, which met each key length first (the others
+    found its plans built). The memory-efficient kernel takes it at 0.07 ms from the first call. A
+    process-wide switch: call it where the process decides how it serves."""
+    import torch
+
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
