@@ -143,8 +143,8 @@ class Frontend:
                      prefetch_slots_of(offload, self.adapter.num_experts, self.adapter.top_k), self.device)
         lookahead = load_lookahead(offload.predictor, self.adapter, self.checkpoint, self.device)
 
-        def on_layer(stats) -> None:
-            self.metrics.record_offload(stats)
+        def on_layer(stats, seconds) -> None:
+            self.metrics.record_offload(stats, seconds)
             self.loads.record_offload(stats)
 
         host = HostExperts(self.adapter.moe_layers, self.adapter.num_experts, self.adapter.hidden_size,

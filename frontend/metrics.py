@@ -52,6 +52,10 @@ class FrontendMetrics:
                                             ["deployment", "kind"], registry=r)
         self.offload_expert_tokens = Counter("kubemoe_offload_expert_tokens", "Expert-token work by side (gpu, cpu)",
                                              ["deployment", "side"], registry=r)
+        # Against the layers' time: a large cpu_wait is a CPU side that holds up the GPU; a large decide, the policy.
+        self.offload_host_seconds = Counter(
+            "kubemoe_offload_host_seconds", "Host wall time of the offload layers (phase layers), of that in the "
+            "lookahead and policy (decide) and blocked on CPU experts (cpu_wait)", ["deployment", "phase"], registry=r)
         self._deployment = d["deployment"]
 
     def record_expert_tokens(self, layer: int, expert_counts: list[tuple[int, int]], predicted: bool = False) -> None:
@@ -63,9 +67,11 @@ class FrontendMetrics:
     def record_predictor_accuracy(self, layer: int, accuracy: float) -> None:
         self.predictor_accuracy.labels(self._deployment, str(layer)).set(accuracy)
 
-    def record_offload(self, stats) -> None:
-        """One MoE layer's `OffloadStats`."""
+    def record_offload(self, stats, seconds) -> None:
+        """One MoE layer's `OffloadStats` and `OffloadSeconds`."""
         d = self._deployment
+        for phase, value in vars(seconds).items():
+            self.offload_host_seconds.labels(d, phase).inc(value)
         prefetched_used = stats.prefetch_used
         for where, count in (("resident", stats.hits - prefetched_used), ("prefetched", prefetched_used),
                              ("loaded", stats.loaded), ("cpu", stats.cpu_experts)):

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 class OffloadExecutor:
     def __init__(self, store: ExpertStore, cpu: CpuExperts, policy: Policy, lookahead: Lookahead,
                  profile: OffloadProfile, resident: Sequence[Key], prefetch_slots: int, act: Callable,
-                 weight_on_input: bool, on_layer: Callable[[OffloadStats], None] | None = None,
+                 weight_on_input: bool, on_layer: Callable[[OffloadStats, OffloadSeconds], None] | None = None,
                  counter: TokenCounter | None = None, rerank: Callable[[TokenCounter], Sequence[Key]] | None = None,
                  rerank_every: int = 0, rerank_swaps: int | None = None):
         self.store, self.cpu, self.policy, self.lookahead = store, cpu, policy, lookahead
@@ -107,15 +107,16 @@ class OffloadExecutor:
         out = torch.zeros_like(hidden) if out is None else out
         decided = time.perf_counter()
         demand, schedule = self._decide(position, hidden, top_k_index, top_k_weights, groups)
-        self.seconds.decide += time.perf_counter() - decided
+        seconds = OffloadSeconds(decide=time.perf_counter() - decided)
         self.counter.add(layer, demand.pending)
         stats = self._stats(demand, schedule)
-        self._execute(position, hidden, top_k_weights, groups, schedule, out)
-        self.stats.add(stats)
-        if self.on_layer:
-            self.on_layer(stats)
+        seconds.cpu_wait = self._execute(position, hidden, top_k_weights, groups, schedule, out)
         self._left_at = time.perf_counter()
-        self.seconds.layers += self._left_at - entered
+        seconds.layers = self._left_at - entered
+        self.stats.add(stats)
+        self.seconds.add(seconds)
+        if self.on_layer:
+            self.on_layer(stats, seconds)
         return out
 
     def _decide(self, position, hidden, top_k_index, top_k_weights, groups) -> tuple[LayerDemand, Schedule]:
@@ -164,7 +165,7 @@ class OffloadExecutor:
             cpu_tokens=sum(demand.pending[e] for e in schedule.cpu), cpu_experts=len(schedule.cpu))
 
     def _execute(self, position: int, hidden: torch.Tensor, top_k_weights: torch.Tensor, groups: list[ExpertGroup],
-                 schedule: Schedule, out: torch.Tensor) -> None:
+                 schedule: Schedule, out: torch.Tensor) -> float:  # -> seconds blocked on the CPU experts
         layer, store = self.layers[position], self.store
         by_expert = {g.expert: g for g in groups}
 
@@ -198,13 +199,15 @@ class OffloadExecutor:
             self.landed[(target_position, expert)] = slot
 
         # 4. The CPU outputs join the same output; their times keep t_c true to what serving sees.
+        cpu_wait = 0.0
         for group, future in zip(cpu_groups, futures):
             waited = time.perf_counter()
             result = future.result()
-            self.seconds.cpu_wait += time.perf_counter() - waited
+            cpu_wait += time.perf_counter() - waited
             combine(out, top_k_weights, group, result.to(out.device, non_blocking=True), self.weight_on_input)
         for _, tokens, start, end in self.cpu.drain_timings():
             self.refresher.observe_cpu(store.expert_bytes, tokens, end - start)
+        return cpu_wait
 
     def _to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """x on the host, and the event the CPU worker waits for before reading it (None: there already). Into

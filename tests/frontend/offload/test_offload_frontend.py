@@ -83,6 +83,12 @@ def test_offload_counts_reach_metrics_loads_and_readyz(tiny_checkpoint):
         text = generate_latest(fe.metrics.registry).decode()
         work = f'kubemoe_offload_expert_tokens_total{{deployment="{fe.model_id}",side="gpu"}} {float(s.gpu_tokens)}'
         assert work in text and "kubemoe_offload_experts_total" in text and "kubemoe_offload_copied_bytes_total" in text
+        seconds = fe.offload.seconds
+        for phase in ("layers", "decide", "cpu_wait"):
+            sample = fe.metrics.registry.get_sample_value("kubemoe_offload_host_seconds_total",
+                                                          {"deployment": fe.model_id, "phase": phase})
+            assert sample == pytest.approx(getattr(seconds, phase))
+        assert 0 < seconds.decide < seconds.layers  # the decisions are part of the layers' time
         assert fe.readiness()["offload"]["policy"] == "kubemoe"
     finally:
         fe.close()
