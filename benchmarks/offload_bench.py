@@ -236,8 +236,7 @@ class Bench:
         self.preset = get_preset(arch, preset_name)
         self.name = f"{arch}/{preset_name}"
         self.device, self.cpu_threads = device, cpu_threads
-        self.trace_dir: Path | None = None  # torch.profiler traces of decode step TRACED_STEP, each run's first
-        self.traced: set[str] = set()
+        self.trace_dir: Path | None = None  # while set, each run's decode step TRACED_STEP is traced into it
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         config = build_config(self.preset)
         self.adapter = MoEAdapter(config)
@@ -317,8 +316,7 @@ class Bench:
         after_prefill = _since(before, self.executor.stats)
         seconds_at_decode = _since(OffloadSeconds(), self.executor.seconds)
         steps, waits = [], []
-        name = f"{label}-b{batch}"
-        traced = self.trace_dir / f"{name}.json" if self.trace_dir and name not in self.traced else None
+        traced = self.trace_dir / f"{label}-b{batch}.json" if self.trace_dir else None
         for step in range(output - 1):
             with torch_trace.window(traced) if traced and step == TRACED_STEP else contextlib.nullcontext():
                 start = time.perf_counter()
@@ -329,8 +327,6 @@ class Bench:
                 self.sync()
                 steps.append(time.perf_counter() - start)
                 waits.append(steps[-1] - (launched - start))
-        if traced and output - 1 > TRACED_STEP:
-            self.traced.add(name)
         stats = _since(before, self.executor.stats)
         copied, seconds = store.copy_seconds() if store.timing else (0, 0.0)
         return Run(self.name, label, batch, prompt, output, prefill, steps, stats, _since(after_prefill, stats),
@@ -497,7 +493,7 @@ def main() -> None:
     parser.add_argument("--no-ablations", action="store_true")
     parser.add_argument("--cpu-threads", type=int, help="the CPU expert pool's threads (default: the engine's)")
     parser.add_argument("--torch-trace", type=Path,
-                        help="folder for a torch.profiler trace of one decode step of each configuration's first run")
+                        help="folder for a torch.profiler trace of one decode step of each configuration's last-round run")
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -517,7 +513,6 @@ def main() -> None:
         bench = Bench(arch, name, device, args.trace, args.resident_share, args.cpu_threads)
         if args.torch_trace:
             args.torch_trace.mkdir(parents=True, exist_ok=True)
-            bench.trace_dir = args.torch_trace
         setups[name] = {"expert_bytes": bench.expert_bytes, "moe_layers": len(bench.layers),
                         "experts": bench.adapter.num_experts, "top_k": bench.adapter.top_k,
                         "budget_bytes": bench.budget, "resident_experts": bench.resident,
@@ -544,6 +539,8 @@ def main() -> None:
             # Round r starts r / rounds of the way along the list (round 2 of 2: the second half first), so
             # no configuration always runs early (cold host memory, caches) or late.
             shift = round_ * len(configurations) // args.rounds
+            # The last round is traced: by then every configuration has run and met every shape once.
+            bench.trace_dir = args.torch_trace if round_ == args.rounds - 1 else None
             for label, ablation in configurations[shift:] + configurations[:shift]:
                 for batch in (batches if label in policies else [args.ablation_batch]):
                     bench.start(label if label in policies else "kubemoe", **ablation)
