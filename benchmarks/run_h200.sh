@@ -5,7 +5,7 @@
 # for the tests, .whl-test (pytest and the test suite's imports; `pip download --python-version 3.12
 # --only-binary=:all: -d .whl-test pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf
 # prometheus-client aiohttp click pyyaml tqdm openai`). Results go into $OUT.
-# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab [ARGS]
+# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|grouped-slots|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab [ARGS]
 # (gpu-tests [PATHS]: the GPU tests under PATHS, default all of tests/)
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
 set -euo pipefail
@@ -109,6 +109,8 @@ case "${1:-all}" in
     python3 benchmarks/experiments/prefill_probe.py --device cuda --preset mixtral-4l --layers 2 --out "$OUT" "${@:2}" ;;
   disagg-step)  # issue 17: where a disaggregated decode step's time goes (experiments/disagg_step_probe.py)
     python3 benchmarks/experiments/disagg_step_probe.py --device cuda --preset mixtral-4l --layers 2 --out "$OUT" "${@:2}" ;;
+  grouped-slots)  # issue 15: one grouped FFN over the offload store's slot stack vs one FFN each (experiments/grouped_slots_probe.py)
+    python3 benchmarks/experiments/grouped_slots_probe.py --device cuda --out "$OUT" "${@:2}" ;;
   step-flags)  # issue 17: a layer handed between processes by flags in device memory (experiments/step_flags_probe.py)
     python3 benchmarks/experiments/step_flags_probe.py --out "$OUT" "${@:2}" ;;
   chunked-prefill)  # issue 17 item 3: how long a 4000-token prompt stalls 8 decoding requests, chunked (budget
