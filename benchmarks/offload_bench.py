@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -55,21 +55,21 @@ import torch_trace  # noqa: E402
 from common import RESULTS, Goal, print_table, write_results  # noqa: E402
 
 from kubemoe.adapters import MoEAdapter, install_routed_experts  # noqa: E402
+from kubemoe.devices import serving_attention  # noqa: E402
 from kubemoe.expert import ExpertWeights  # noqa: E402
 from kubemoe.frontend.offload.config import OffloadConfig  # noqa: E402
 from kubemoe.frontend.offload.baselines import FiddlerLike, GatePrefetch, HybriMoELike, OnDemand, Oracle  # noqa: E402
 from kubemoe.frontend.offload.executor import OffloadExecutor  # noqa: E402
 from kubemoe.frontend.offload.hot_table import TokenCounter, working_set_bytes  # noqa: E402
 from kubemoe.frontend.offload.lookahead import NoLookahead, Replayed  # noqa: E402
+from kubemoe.frontend.offload.cpu_experts import default_threads  # noqa: E402
 from kubemoe.frontend.offload.pipeline import (  # noqa: E402
     PCIE_BANDWIDTH, LayerRouting, StepTrace, simulate, step_lower_bound)
 from kubemoe.frontend.offload.presched import PreSched  # noqa: E402
 from kubemoe.frontend.offload.runtime import build_executor  # noqa: E402
-from kubemoe.devices import serving_attention  # noqa: E402
-from kubemoe.frontend.offload.cpu_experts import default_threads  # noqa: E402
-from kubemoe.gc_freeze import settle  # noqa: E402
 from kubemoe.frontend.offload.stats import OffloadSeconds, OffloadStats  # noqa: E402
 from kubemoe.frontend.offload.store import HostExperts  # noqa: E402
+from kubemoe.gc_freeze import settle  # noqa: E402
 from kubemoe.presets import get_preset  # noqa: E402
 from kubemoe.synth import build_config  # noqa: E402
 
@@ -78,8 +78,7 @@ LLAPOR = RESULTS / "llapor_h200.json"
 PRESETS = {"mixtral": ("mixtral", "mixtral-4l"), "qwen3": ("qwen3_moe", "qwen3-30b-a3b-8l")}
 TINY = {"mixtral": ("mixtral", "tiny"), "qwen3": ("qwen3_moe", "tiny")}
 POLICIES = ("kubemoe", "on-demand", "gpu-prefetch", "fiddler-like", "hybrimoe-like", "static-split", "oracle")
-# The decode step --torch-trace records: kubemoe's first run on the H200 slowed down from the third step on.
-TRACED_STEP = 3
+TRACED_STEP = 3  # the decode step --torch-trace records: one from the middle of a run
 ABLATIONS = {"no-hot-table": {"hot_table": False}, "no-prediction": {"lookahead": "none"},
              "no-asyncio": {"async_io": False}}
 WEIGHT_STD = 0.02
@@ -501,6 +500,8 @@ def main() -> None:
     # As the frontend serves: without it, whichever configuration met a decode key length first paid cuDNN's
     # plan for it (50 ms in a step of kubemoe's, run first in round 0, on the H200 at 46cbd49).
     serving_attention(device)
+    if args.torch_trace:
+        args.torch_trace.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
     policies = args.policies.split(",")
     presets = TINY if args.tiny else PRESETS
@@ -511,8 +512,6 @@ def main() -> None:
     for key in args.presets.split(","):
         arch, name = presets[key]
         bench = Bench(arch, name, device, args.trace, args.resident_share, args.cpu_threads)
-        if args.torch_trace:
-            args.torch_trace.mkdir(parents=True, exist_ok=True)
         setups[name] = {"expert_bytes": bench.expert_bytes, "moe_layers": len(bench.layers),
                         "experts": bench.adapter.num_experts, "top_k": bench.adapter.top_k,
                         "budget_bytes": bench.budget, "resident_experts": bench.resident,
