@@ -31,6 +31,12 @@ class ExpertGroup:
     count: int  # N_e, known on the host (a tensor's len() is a call into torch: ~1 us a group)
 
 
+def merge_groups(groups: Sequence[ExpertGroup]) -> ExpertGroup:
+    """The rows of `groups`, in their order, as one group (expert -1): one gather and one combine for them all."""
+    return ExpertGroup(-1, torch.cat([g.tokens for g in groups]), torch.cat([g.slots for g in groups]),
+                       sum(g.count for g in groups))
+
+
 def group_tokens(top_k_index: torch.Tensor) -> list[ExpertGroup]:  # [T, K] -> groups, by expert id
     """The (token, choice) pairs of each routed expert, in ascending expert order, each group in
     token order: one stable sort and one count where the index lives, one read to the host (the

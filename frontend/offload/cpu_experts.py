@@ -74,20 +74,21 @@ class CpuExperts:
         self._timings: list[tuple[Key, int, float, float]] = []  # (key, tokens, start, end) per expert run
         self._lock = threading.Lock()
 
-    def submit(self, key: Key, x: torch.Tensor, ready: torch.cuda.Event | None = None) -> Future:
+    def submit(self, key: Key, x: torch.Tensor, ready: torch.cuda.Event | None = None,
+               out: torch.Tensor | None = None) -> Future:
         """x [N, H] on the host -> future of [N, H] in this pool's dtype. `ready`: an event after the copy that
-        fills x, waited for on the worker (the thread that submits never waits for the device). The output is in
-        pinned memory where the host experts are, so the caller can copy it to the device without a sync."""
-        return self.pool.submit(self.run, key, x, ready)
+        fills x, waited for on the worker (the thread that submits never waits for the device). `out`: where
+        the output goes (e.g. its rows of a pinned block the caller copies to the device at once)."""
+        return self.pool.submit(self.run, key, x, ready, out)
 
-    def run(self, key: Key, x: torch.Tensor, ready: torch.cuda.Event | None = None) -> torch.Tensor:
+    def run(self, key: Key, x: torch.Tensor, ready: torch.cuda.Event | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
         if ready is not None:
             ready.synchronize()
         start = time.perf_counter()
         with torch.inference_mode():  # per thread
-            out = expert_ffn(x.to(self.dtype), _widen(self.host.weights(key), self.dtype), self.act)
-            if self.host.pinned:
-                out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True).copy_(out)
+            y = expert_ffn(x.to(self.dtype), _widen(self.host.weights(key), self.dtype), self.act)
+            out = y if out is None else out.copy_(y)
         with self._lock:
             self._timings.append((key, x.shape[0], start, time.perf_counter()))
         return out

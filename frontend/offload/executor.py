@@ -4,12 +4,14 @@ Per layer, once the gate has run: the lookahead predicts the next layer's expert
 or a baseline, `policy.Policy`) gets what this layer's tokens chose, what is on the device and what is
 expected next, and says which experts run from device slots (the hot table's resident ones and those
 prefetched earlier), which are copied on demand, which run on the CPU and what to prefetch. Then:
-1. the CPU experts' inputs go to the host and the CPU pool starts on them;
+1. the CPU experts' rows go to the host as one block (pinned, without waiting for the device) and the CPU pool
+   starts on them once they land;
 2. resident and prefetched experts compute on the device after their own copies' events: as one grouped FFN
    over the slot stack when GROUPED_MIN_EXPERTS or more are there, else one FFN each;
 3. on-demand copies alternate between two slots, each computed as soon as its copy lands, while the
    next copy runs; the prefetches queue behind them on the copy streams into the prefetch groups;
-4. the CPU outputs are added into the same output as the device experts' (index_add).
+4. the CPU outputs, one block written in place by the pool, come back and are added into the same output as the
+   device experts' (index_add).
 Device slots: [0, R) the hot table's R experts, then the two on-demand slots, then 2 x P prefetch slots
 (two groups of P: this layer's and the next one's, managed as one pool as pipeline.py models them).
 Layers in decisions are MoE-layer positions (0, 1, ...), so "the next layer" is the next MoE layer.
@@ -35,7 +37,9 @@ from kubemoe.frontend.offload.pipeline import WINDOW
 from kubemoe.frontend.offload.policy import LayerDemand, Policy, Schedule
 from kubemoe.frontend.offload.stats import OffloadSeconds, OffloadStats
 from kubemoe.frontend.offload.store import ExpertStore, Key
-from kubemoe.moe import ExpertGroup, StackedExperts, can_group, combine, expert_inputs, group_tokens, sorted_ffn, upload_ends
+from kubemoe.moe import (
+    ExpertGroup, StackedExperts, can_group, combine, expert_inputs, group_tokens, merge_groups, sorted_ffn, upload_ends,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,9 @@ class OffloadExecutor:
         # One grouped FFN over the slots for a layer's experts on the device, where the kernels run here.
         hidden_size, intermediate = store.host.down_shape  # [H, I]
         self.stack = store.stacked() if can_group(store.dtype, store.device, hidden_size, intermediate) else None
+        # CPU experts' rows and outputs cross in pinned memory where the experts' weights could be pinned (else
+        # pageable, as the weights: slower, synchronous copies).
+        self._pinned = store.cuda and store.pinned
         self._left_at: float | None = None  # when the previous layer's experts returned (t_attn is the gap)
 
     def _index_resident(self) -> None:
@@ -169,14 +176,17 @@ class OffloadExecutor:
         layer, store = self.layers[position], self.store
         by_expert = {g.expert: g for g in groups}
 
-        # 1. The CPU side starts first: it is the slower one per expert.
+        # 1. The CPU side starts first: it is the slower one per expert. Its experts' rows go to the host as one
+        # block, and their outputs come back as one, written in place by the worker.
         cpu_groups = [by_expert[e] for e in schedule.cpu]
         futures = []
         if cpu_groups:
-            inputs = torch.cat([expert_inputs(hidden, top_k_weights, g, self.weight_on_input) for g in cpu_groups])
-            inputs, landed = self._to_host(inputs)  # [N, H]
-            parts = inputs.split([g.count for g in cpu_groups])
-            futures = [self.cpu.submit((layer, g.expert), x, landed) for g, x in zip(cpu_groups, parts)]
+            cpu_rows = merge_groups(cpu_groups)
+            inputs, landed = self._to_host(expert_inputs(hidden, top_k_weights, cpu_rows, self.weight_on_input))
+            cpu_out = torch.empty(inputs.shape, dtype=self.cpu.dtype, pin_memory=self._pinned)  # [N, H]
+            sizes = [g.count for g in cpu_groups]
+            futures = [self.cpu.submit((layer, g.expert), x, landed, y)
+                       for g, x, y in zip(cpu_groups, inputs.split(sizes), cpu_out.split(sizes))]
 
         # 2. Experts already on the device (resident or prefetched), grouped where there are enough of them.
         loads = set(schedule.load)
@@ -200,11 +210,12 @@ class OffloadExecutor:
 
         # 4. The CPU outputs join the same output; their times keep t_c true to what serving sees.
         cpu_wait = 0.0
-        for group, future in zip(cpu_groups, futures):
+        if futures:
             waited = time.perf_counter()
-            result = future.result()
-            cpu_wait += time.perf_counter() - waited
-            combine(out, top_k_weights, group, result.to(out.device, non_blocking=True), self.weight_on_input)
+            for future in futures:
+                future.result()
+            cpu_wait = time.perf_counter() - waited
+            combine(out, top_k_weights, cpu_rows, cpu_out.to(out.device, non_blocking=True), self.weight_on_input)
         for _, tokens, start, end in self.cpu.drain_timings():
             self.refresher.observe_cpu(store.expert_bytes, tokens, end - start)
         return cpu_wait
@@ -216,7 +227,7 @@ class OffloadExecutor:
         lost its lead at every layer with a CPU expert."""
         if x.device.type != "cuda":
             return x, None
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self._pinned).copy_(x, non_blocking=True)
         landed = torch.cuda.Event()
         landed.record()
         return host, landed
@@ -259,8 +270,7 @@ class OffloadExecutor:
         for slot, group in ready:
             self.store.wait_ready(slot)
             counts[slot] = group.count
-        rows = ExpertGroup(-1, torch.cat([g.tokens for _, g in ready]), torch.cat([g.slots for _, g in ready]),
-                           sum(counts))
+        rows = merge_groups([g for _, g in ready])
         x = expert_inputs(hidden, top_k_weights, rows, self.weight_on_input)
         ends = upload_ends(list(itertools.accumulate(counts)), self.store.device)
         combine(out, top_k_weights, rows, sorted_ffn(x, ends, stack, self.act), self.weight_on_input)
