@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import write_results  # noqa: E402
 
 from kubemoe.expert import ExpertWeights, expert_ffn  # noqa: E402
+from kubemoe.frontend.offload.profiler import median_seconds  # noqa: E402
 from kubemoe.frontend.offload.store import ExpertStore, HostExperts  # noqa: E402
 from kubemoe.moe import StackedExperts, sorted_ffn, upload_ends  # noqa: E402
 
@@ -49,25 +49,14 @@ def host_experts(hidden: int, intermediate: int) -> HostExperts:
 
 
 def timed(run, device: torch.device, repeats: int, queued: int) -> tuple[float, float]:
-    """(median ms of one call between syncs, ms per call of `queued` calls back to back), after a warm-up."""
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    run()
-    sync()
-    alone = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        run()
-        sync()
-        alone.append(time.perf_counter() - start)
+    """(median ms of one call between syncs, as the profiler times it; ms per call of `queued` back to back)."""
+    alone = median_seconds(run, device, repeats)
     start = time.perf_counter()
     for _ in range(queued):
         run()
-    sync()
-    return statistics.median(alone) * 1e3, (time.perf_counter() - start) / queued * 1e3
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return alone * 1e3, (time.perf_counter() - start) / queued * 1e3
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ TOKENS = (1, 16, 64, 256)
 WARM_TOKENS = 64
 
 
-def _seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+def median_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Median seconds of `run` (after one warm-up), the device's queue drained around each."""
     def sync():
         if device.type == "cuda":
@@ -69,7 +69,7 @@ def measure_profile(store: ExpertStore, cpu: CpuExperts, act: Callable, slot: in
         store.copy(key, slot)
         store.wait_ready(slot)
 
-    t_io = _seconds(copy, device, repeats)
+    t_io = median_seconds(copy, device, repeats)
     weights = store.slot_weights(slot)
     hidden = weights.hidden_size
     for n in sorted(set(range(1, warm_tokens + 1)) | set(tokens)):
@@ -79,7 +79,7 @@ def measure_profile(store: ExpertStore, cpu: CpuExperts, act: Callable, slot: in
     gpu, cpu_samples = [], []
     for n in tokens:
         x = torch.randn(n, hidden, device=device, dtype=store.dtype)
-        gpu.append((n, _seconds(lambda: expert_ffn(x, weights, act), device, repeats)))  # noqa: B023 - called here
+        gpu.append((n, median_seconds(lambda: expert_ffn(x, weights, act), device, repeats)))  # noqa: B023 - called here
         x_host = x.cpu()
         runs = []
         for _ in range(repeats):
@@ -115,7 +115,7 @@ def _grouped_line(store: ExpertStore, act: Callable, tokens: tuple[int, ...], re
     for n in tokens:
         x = torch.randn(experts * n, hidden, device=store.device, dtype=store.dtype)
         ends = upload_ends([n * min(e + 1, experts) for e in range(store.num_slots)], store.device)
-        seconds = _seconds(lambda: sorted_ffn(x, ends, stack, act), store.device, repeats)  # noqa: B023 - called here
+        seconds = median_seconds(lambda: sorted_ffn(x, ends, stack, act), store.device, repeats)  # noqa: B023 - called here
         samples.append((n, seconds / experts))
     store.release(*range(experts))
     return fit_line(samples)
