@@ -547,14 +547,14 @@ def main() -> None:
                         resident = frozenset(bench.executor.resident_slot)
                     run = bench.generate(label, batch, args.prompt, args.output)
                     bench.stop()
-                    steps = max(len(run.decode_steps_s), 1)
                     runs.setdefault((label, batch), []).append(run)
-                    rounds.append({**run.row(), "round": round_})
+                    row = run.row()
+                    rounds.append({**row, "round": round_})
                     print(f"{name} round {round_} {label:>14} b{batch:<3} {run.tokens_per_s:9.1f} tok/s, step "
-                          f"{run.decode_step_s * 1e3:8.2f} ms (MoE layers {run.decode_seconds.layers / steps * 1e3:.2f}, "
-                          f"decisions {run.decode_seconds.decide / steps * 1e3:.2f}, CPU wait "
-                          f"{run.decode_seconds.cpu_wait / steps * 1e3:.2f}, GPU at the end "
-                          f"{sum(run.decode_end_waits_s) / steps * 1e3:.2f}), hit {run.stats.hit_rate:.2f}, "
+                          f"{run.decode_step_s * 1e3:8.2f} ms (MoE layers {row['decode_layers_s_per_step'] * 1e3:.2f}, "
+                          f"decisions {row['decode_decide_s_per_step'] * 1e3:.2f}, CPU wait "
+                          f"{row['decode_cpu_wait_s_per_step'] * 1e3:.2f}, GPU at the end "
+                          f"{row['decode_end_wait_s_per_step'] * 1e3:.2f}), hit {run.stats.hit_rate:.2f}, "
                           f"cpu {run.stats.cpu_share:.2f}", flush=True)
         for (label, batch), measured in runs.items():
             (raw if label in policies else ablations).append(median_run(measured).row())

@@ -8,7 +8,6 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from kubemoe.adapters import MoEAdapter
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.checkpoint import Checkpoint, default_model_id

@@ -52,4 +52,3 @@ def serving_attention(device: torch.device) -> None:
 
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
-

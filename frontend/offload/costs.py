@@ -115,8 +115,8 @@ class ExpertCosts:
         executor runs them: one grouped FFN (`groups`), else one FFN each. A Qwen3-30B-A3B-size expert's FFN
         alone is launch-bound (0.08 ms on the H200 for 2 us of weight reads); priced so, tens of resident ones
         made a busy GPU side that PreSched balanced with CPU experts."""
-        line = self.grouped if self.grouped is not None and len(tokens) >= GROUPED_MIN_EXPERTS else self.gpu
-        return sum(line(n) for n in tokens)
+        grouped = self.grouped if self.groups(len(tokens)) else None
+        return sum((grouped or self.gpu)(n) for n in tokens)
 
     def t_c(self, tokens: float) -> float:
         return self.cpu(tokens)

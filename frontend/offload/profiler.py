@@ -88,7 +88,7 @@ def measure_profile(store: ExpertStore, cpu: CpuExperts, act: Callable, slot: in
             runs.append(time.perf_counter() - start)
         cpu_samples.append((n, statistics.median(runs)))
     cpu.drain_timings()  # the profile's runs are not serving's
-    grouped = _grouped_line(store, act, tokens, repeats)
+    grouped = _grouped_line(store, act, keys, tokens, repeats)
     store.release(slot)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     pinned = "pinned" if store.pinned else "pageable"
@@ -98,16 +98,16 @@ def measure_profile(store: ExpertStore, cpu: CpuExperts, act: Callable, slot: in
                           CostLine(0.0, 0.0))
 
 
-def _grouped_line(store: ExpertStore, act: Callable, tokens: tuple[int, ...], repeats: int) -> CostLine | None:
+def _grouped_line(store: ExpertStore, act: Callable, keys: list[tuple[int, int]], tokens: tuple[int, ...],
+                  repeats: int) -> CostLine | None:
     """t_g per expert inside one grouped FFN over the slot stack, as the executor runs a layer's experts on the
     device: 2 x GROUPED_MIN_EXPERTS experts (or every slot) with n tokens each, the time shared among them
-    (slots free at the call: they get the model's first experts, real weights as serving reads; uninitialised
+    (slots free at the call: they get the first of `keys`, real weights as serving reads; uninitialised
     memory may hold denormals, which the CPU multiplies many times slower). None where it cannot group."""
     hidden, intermediate = store.host.down_shape
     if not can_group(store.dtype, store.device, hidden, intermediate) or store.num_slots < GROUPED_MIN_EXPERTS:
         return None
     stack, experts = store.stacked(), min(store.num_slots, 2 * GROUPED_MIN_EXPERTS)
-    keys = [(layer, e) for layer in store.layers for e in range(store.host.num_experts)]
     for slot, key in zip(range(experts), itertools.cycle(keys)):
         store.copy(key, slot)
         store.wait_ready(slot)
