@@ -29,7 +29,7 @@ from kubemoe.expert_fn.follow import TableFollower
 from kubemoe.expert_fn.metrics import ExpertFnMetrics
 from kubemoe.expert_fn.servicer import SERVICE_NAME, ExpertServicer
 from kubemoe.expert_fn.store import ExpertStore
-from kubemoe.expert_fn.transport import grpc_options
+from kubemoe.expert_fn.transport import EXCLUSIVE_PORT, grpc_options, listen
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
 from kubemoe.routing_watch import watch_configmap, watch_file
 
@@ -81,16 +81,14 @@ async def build_server(
     store = ExpertStore(checkpoint, MoEAdapter(checkpoint.config), config.bundle, config.dtype, config.device)
     servicer = ExpertServicer(config, store, metrics or ExpertFnMetrics(config.bundle_spec),
                               health_aio.HealthServicer())
-    server = grpc.aio.server(options=grpc_options(config.max_message_bytes))
+    server = grpc.aio.server(options=[*grpc_options(config.max_message_bytes), EXCLUSIVE_PORT])
     pb_grpc.add_ExpertServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot listen on {address}: the address is taken or not local")
+    port = listen(server, address)
     if config.data_port is not None:
         servicer.data_port = DataPort(config.host, config.data_port, config.data_host)
         servicer.data_port.start()

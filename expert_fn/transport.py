@@ -19,6 +19,21 @@ DEFAULT_SHM_DIR = "/dev/shm"
 DEFAULT_SHM_SEGMENT_BYTES = 16 << 20
 
 HTTP2_WINDOW_BYTES = 64 << 20
+# gRPC servers set SO_REUSEPORT by default, so a second server binds a taken port without an error and
+# the two split its connections; with port 0 a server may even be handed a port another one holds
+# (grpc/grpc#10755). A kubemoe server owns its port: a taken one is an error, never crosstalk.
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+
+
+def listen(server, address: str) -> int:
+    """Bind gRPC `server` (made with EXCLUSIVE_PORT) to `address`; the port it got (port 0: any free one)."""
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises where older releases returned 0
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on {address}: the address is taken or not local; choose another port")
+    return port
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:

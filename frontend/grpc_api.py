@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kubemoe.frontend.app import NOT_READY
 from kubemoe.frontend.engine import InvalidPrompt, QueueFull
+from kubemoe.expert_fn.transport import EXCLUSIVE_PORT, listen
 from kubemoe.frontend.sampling import SamplingParams
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
@@ -109,14 +110,12 @@ async def _follow_readiness(server: grpc.aio.Server, health: health_aio.HealthSe
 async def create_grpc_server(address: str, frontend, *,
                              readiness_interval: float = 1.0) -> tuple[grpc.aio.Server, int]:
     """A server for `frontend` bound to `address` (port 0: any free port), not yet started."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[EXCLUSIVE_PORT])
     pb_grpc.add_GeneratorServicer_to_server(GeneratorServicer(frontend), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot listen on {address}: the address is taken or not local")
+    port = listen(server, address)
     task = asyncio.get_running_loop().create_task(_follow_readiness(server, health, frontend, readiness_interval))
     _background.add(task)
     task.add_done_callback(_background.discard)

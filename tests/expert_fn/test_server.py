@@ -62,6 +62,14 @@ async def test_preload_turns_serving_by_itself(tiny_checkpoint, serve, health):
         assert server.metrics.value("experts_held") == 5
 
 
+async def test_a_second_server_on_a_taken_port_is_refused_not_sharing_it(tiny_checkpoint, serve):
+    from kubemoe.expert_fn.server import build_server
+
+    async with serve(tiny_checkpoint(ARCH), BUNDLE) as server:
+        with pytest.raises(OSError, match="taken"):  # with SO_REUSEPORT the two would split its connections
+            await build_server(server.address, server.config, preload=False)
+
+
 async def test_reflection_lists_the_services(tiny_checkpoint, serve):
     async with serve(tiny_checkpoint(ARCH), BUNDLE) as server:
         async with grpc.aio.insecure_channel(server.address) as channel:

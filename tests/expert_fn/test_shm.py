@@ -207,9 +207,11 @@ async def test_a_call_larger_than_the_segment_goes_through_it_in_parts(shm_serve
     late = await client.forward(0, [3], [16], x[:16])  # 2 parts: one finds no free region and travels inline
     assert sorted(placed[6:]) == [(8, False), (8, True)]
     inline = shm_server.client(streaming=False)
-    assert torch.equal(big, await inline.forward(0, [2, 5], [25, 15], x))
-    assert torch.equal(held, await inline.forward(0, [1], [8], x[:8]))
-    assert torch.equal(late, await inline.forward(0, [3], [16], x[:16]))
+    # Close, not bitwise: a part's 8 rows and the whole call's 25 meet GEMM kernels blocked differently
+    # (on AVX-512 the last bits differ).
+    torch.testing.assert_close(big, await inline.forward(0, [2, 5], [25, 15], x))
+    torch.testing.assert_close(held, await inline.forward(0, [1], [8], x[:8]))
+    torch.testing.assert_close(late, await inline.forward(0, [3], [16], x[:16]))
     await client.close()
     await inline.close()
 
