@@ -31,17 +31,20 @@ from kubemoe.operator.config import PREFIX, OperatorConfig
               help="Liveness endpoint for the kubelet's probe; '' disables it.")
 @click.option("--loads-interval", type=float, default=None,
               help=f"Seconds between pulls of /loads and re-plans [default: {OperatorConfig.loads_interval_s:.0f}].")
+@click.option("--scale-out-check", type=float, default=None,
+              help="Seconds between reads of /loads that re-plan at once when a hot expert is short of replicas; "
+                   f"0: only every --loads-interval [default: {OperatorConfig.scale_out_check_s:g}].")
 @click.option("--frontend-image", default=None, help=f"Default frontend image [{OperatorConfig.frontend_image}].")
 @click.option("--expert-image", default=None, help=f"Default expert-function image [{OperatorConfig.expert_image}].")
 @click.option("--verbose", is_flag=True, help="Debug logging.")
-def command(namespaces, all_namespaces, peering, standalone, priority, liveness, loads_interval, frontend_image,
-            expert_image, verbose) -> None:
+def command(namespaces, all_namespaces, peering, standalone, priority, liveness, loads_interval, scale_out_check,
+            frontend_image, expert_image, verbose) -> None:
     """Run the kubemoe operator (Kopf) until interrupted."""
     if namespaces and all_namespaces:
         raise click.UsageError("give --namespace or --all-namespaces, not both")
     # Flags become the environment OperatorConfig.from_env reads when the handlers are imported: one config.
-    for name, value in (("loads_interval_s", loads_interval), ("frontend_image", frontend_image),
-                        ("expert_image", expert_image)):
+    for name, value in (("loads_interval_s", loads_interval), ("scale_out_check_s", scale_out_check),
+                        ("frontend_image", frontend_image), ("expert_image", expert_image)):
         if value is not None:
             os.environ[PREFIX + name.upper()] = str(value)
     os.environ[PREFIX + "WATCH_NAMESPACES"] = ",".join(namespaces)

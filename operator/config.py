@@ -20,6 +20,9 @@ class OperatorConfig:
     s3_fetch_image: str = "docker.io/amazon/aws-cli:2.17.0"             # runs `aws s3 sync`
     gs_fetch_image: str = "gcr.io/google.com/cloudsdktool/google-cloud-cli:stable"  # runs `gcloud storage rsync`
     loads_interval_s: float = 30.0     # how often the timer pulls /loads and re-plans
+    # How often /loads is read between those re-plans, to re-plan at once when a hot expert is short of
+    # replicas (scaling out; scaling in waits for the timer). 0: only at each loadsInterval.
+    scale_out_check_s: float = 1.0
     loads_port: int = ports.FRONTEND_HTTP  # the frontend's HTTP port, where /loads is served
     loads_timeout_s: float = 2.0       # per frontend; a frontend that does not answer is left out
     field_manager: str = FIELD_MANAGER

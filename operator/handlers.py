@@ -3,7 +3,8 @@
     kubemoe operator --all-namespaces     # peering set up as the chart does (operator/cli.py)
 
 Create, update and resume reconcile the spec; the timer pulls the frontends' /loads and re-plans; a
-daemon re-plans when a service kept warm is past keepAlive; delete only reports (owner references let
+daemon re-plans between its ticks when a service kept warm is past keepAlive or the loads leave a hot
+expert short of replicas; delete only reports (owner references let
 the garbage collector remove the children, so no finalizer is needed). Settings come from the
 environment once (`OperatorConfig.from_env`).
 
@@ -23,9 +24,9 @@ import kopf
 
 from kubemoe.operator.config import OperatorConfig
 from kubemoe.operator.events import events
-from kubemoe.operator.kube import Kube
+from kubemoe.operator.kube import ApiError, Kube
 from kubemoe.operator.loads import FrontendLoads
-from kubemoe.operator.plan import NodeInfo
+from kubemoe.operator.plan import Loads, NodeInfo
 from kubemoe.operator.reconcile import Outcome, Reconciler, Watched
 from kubemoe.operator.render import KNATIVE, MANAGED_BY, MANAGER
 from kubemoe.operator.spec import GROUP, KIND, PLURAL, VERSION
@@ -37,7 +38,7 @@ RESOURCE = (GROUP, VERSION, PLURAL)
 CHILD_LABELS = {MANAGED_BY: MANAGER}  # the workloads this operator made
 CHILD_KINDS = (("v1", "Pod"), ("apps/v1", "Deployment"), KNATIVE)  # whose readiness the status follows
 PODS_LISTED_S = 60.0
-KEEP_ALIVE_CHECK_S = 1.0  # how often the daemon looks for a warm service past its keepAlive
+KEEP_ALIVE_CHECK_S = 1.0  # how often the daemon looks for a warm service past its keepAlive (between_ticks)
 
 
 @kopf.on.startup()
@@ -157,19 +158,35 @@ def replan(body, memo: kopf.Memo, node_infos: kopf.Index, **_) -> None:
 
 
 @kopf.daemon(*RESOURCE, cancellation_timeout=5.0)  # type: ignore[arg-type]  # see INDICES
-async def expire(body, memo: kopf.Memo, node_infos: kopf.Index, stopped, **_) -> None:
-    # A service kept warm is deleted within a second of its keepAlive's end, not at the next loads tick
-    # (loadsInterval later): until then the status counts it and its GPU memory stays taken. A daemon, not
-    # a timer: a timer's every tick is a log line.
+async def between_ticks(body, memo: kopf.Memo, node_infos: kopf.Index, stopped, **_) -> None:
+    # What must not wait for the next loads tick (loadsInterval, 30 s by default): a service kept warm is
+    # deleted within a second of its keepAlive's end (until then the status counts it and its GPU memory
+    # stays taken), and loads that leave a hot expert short of replicas re-plan within scaleOutCheck.
+    # A daemon, not a timer: a timer's every tick is a log line.
     loop, uid = asyncio.get_running_loop(), body["metadata"]["uid"]
+    checked, pause = loop.time(), min(KEEP_ALIVE_CHECK_S, CONFIG.scale_out_check_s or KEEP_ALIVE_CHECK_S)
     while not stopped:
-        if memo.reconciler.keep_alive_over(uid):
+        loads = None
+        if CONFIG.scale_out_check_s > 0 and loop.time() - checked >= CONFIG.scale_out_check_s:
+            checked = loop.time()
+            loads = await loop.run_in_executor(None, short_of_replicas, uid, memo)
+        if loads is not None or memo.reconciler.keep_alive_over(uid):
             # in kopf's context: kopf.event reads its queue from a context variable
-            await loop.run_in_executor(None, contextvars.copy_context().run, expire_now, body, memo, node_infos)
-        await stopped.wait(KEEP_ALIVE_CHECK_S)
+            await loop.run_in_executor(None, contextvars.copy_context().run, replan_now, body, memo, node_infos, loads)
+        await stopped.wait(pause)
 
 
-def expire_now(body, memo: kopf.Memo, node_infos: kopf.Index) -> None:
+def short_of_replicas(uid: str, memo: kopf.Memo) -> Loads | None:
+    try:
+        return memo.reconciler.short_of_replicas(uid, memo.load_source)
+    except ApiError as e:  # listing the frontends failed: the timer's re-plan says so in an Event
+        logging.getLogger(__name__).info("cannot check the loads between re-plans: %s", e.message)
+        return None
+
+
+def replan_now(body, memo: kopf.Memo, node_infos: kopf.Index, loads: Loads | None) -> None:
+    if loads is not None:
+        memo.loads = loads
     report(body, memo.reconciler.reconcile(body, memo.get("loads"), watched=watched(node_infos, memo)),
            retry_later=False)
 

@@ -638,6 +638,18 @@ def keep_alive_ends(plan: Plan, keep_alive_s: float) -> float | None:
     return min(r.since for r in plan.retired.values()) + keep_alive_s
 
 
+def short_of_replicas(spec: MoESpec, current: Plan, loads: Loads) -> list[str]:
+    """Bundles to which the scaler would give more replicas under `loads` than `current` has (placed, hosted
+    in place, or wanted and unplaced): a hot expert the plan leaves overloaded, so a plan made now would
+    scale out. A plan is never short under the loads it was made with. Fewer wanted (scaling in) is not
+    short: that waits for the regular re-plan, as autoscalers damp scaling down."""
+    if current.mode == "offload" or not loads.per_expert:
+        return []
+    wanted = _replicas(spec, current.bundles, loads)
+    return [b.name for b in current.bundles
+            if wanted[b.name] > current.replicas_of(b.name) + current.unplaced.get(b.name, 0)]
+
+
 def _kept(previous: Plan, now: float, keep_alive_s: float) -> dict[ServiceKey, Retired]:
     """Retired services still warm: keepAlive has not passed since they left the plan."""
     return {key: r for key, r in previous.retired.items() if now - r.since < keep_alive_s}

@@ -25,7 +25,7 @@ from kubemoe.operator.diff import Diff, Object, ObjectKey, diff, is_ready, key_o
 from kubemoe.operator.kube import ApiError, Kube
 from kubemoe.operator.loads import LoadSource
 from kubemoe.operator.plan import (NO_LOADS, Decisions, Loads, NodeInfo, Plan, PlanError, decisions,
-                                   keep_alive_ends, plan, with_dra_devices)
+                                   keep_alive_ends, plan, short_of_replicas, with_dra_devices)
 from kubemoe.operator.render import (COMPONENT, EXPERT, FRONTEND, KINDS, OPTIONAL_KINDS, ROUTING, function_of,
                                      observe, render, selector, service_of)
 from kubemoe.operator.spec import API_VERSION, KIND, MoEDeployment, MoESpec, SpecError
@@ -127,6 +127,24 @@ class Reconciler:
             return False
         ends = keep_alive_ends(last.plan, last.deployment.spec.experts.scaling.keep_alive_s)
         return ends is not None and self.clock() >= ends
+
+    def short_of_replicas(self, uid: str, source: LoadSource) -> Loads | None:
+        """The frontends' loads now, if the plan last applied for `uid` is short of replicas under them (a hot
+        expert needs more: `plan.short_of_replicas`), for a re-plan before the next loadsInterval tick; else None
+        (no plan applied yet, no frontend answered, or replicas enough)."""
+        last = self._applied.get(uid)
+        if last is None:
+            return None
+        loads = source.fetch(last.deployment)
+        if loads is None:
+            return None
+        short = short_of_replicas(last.deployment.spec, last.plan, loads)
+        if not short:
+            return None
+        log.info("%s/%s: plan version %d is short of replicas for %d bundles (%s%s) under the loads now: re-planning",
+                 last.deployment.namespace, last.deployment.name, last.plan.version, len(short),
+                 ", ".join(short[:5]), " ..." if len(short) > 5 else "")
+        return loads
 
     def forget(self, uid: str) -> None:
         self._applied.pop(uid, None)

@@ -1,7 +1,7 @@
 import pytest
 
 from kubemoe.operator.plan import (Loads, NodeInfo, Plan, PlanError, Retired, decisions, eligible_nodes,
-                                   min_replica_load, plan, tolerated)
+                                   min_replica_load, plan, short_of_replicas, tolerated)
 from kubemoe.operator.spec import MoESpec
 
 NOW = 1_000_000.0
@@ -219,3 +219,28 @@ def test_scaling_obeys_the_spec_caps(f):
     assert len(memory.nodes["l0-e0-1"]) == 3 and len(memory.nodes["l0-e2-3"]) == 1
     loose = plan(spec_of(f, experts={"scaling": {"cvThreshold": 1.0}}), skewed, f.gpu_nodes(2), None, NOW)
     assert loose.replicas == 4
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 8])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_plan_is_never_short_of_replicas_under_the_loads_it_was_made_with(f, nodes, seed):
+    """What the operator checks every second between re-plans (handlers.between_ticks): were a plan short
+    under its own loads, it would re-plan every second for nothing. One node leaves replicas unplaced."""
+    spec = spec_of(f, experts={"bundleBytes": "128Mi", "scaling": {"maxReplicasPerExpert": 4}})
+    loads = _zipf(spec, seed)
+    p = plan(spec, loads, f.gpu_nodes(nodes), None, NOW)
+    assert short_of_replicas(spec, p, loads) == []
+    assert p.replicas > len(p.bundles) or p.unplaced  # it did scale out (or wanted to)
+
+
+def test_loads_that_move_the_hot_experts_leave_the_plan_short_and_loads_that_cool_do_not(f):
+    spec = spec_of(f, experts={"bundleBytes": "128Mi", "scaling": {"maxReplicasPerExpert": 4}})
+    nodes, skewed = f.gpu_nodes(4), _zipf(spec, 0)
+    p = plan(spec, skewed, nodes, None, NOW)
+    moved = _zipf(spec, 1)
+    short = short_of_replicas(spec, p, moved)
+    again = plan(spec, moved, nodes, p, NOW + 1)
+    assert short and all(again.replicas_of(b) > p.replicas_of(b) for b in short)
+    even = Loads({key: 10.0 for key in skewed.per_expert}, 5000.0, 4)  # cooler: fewer replicas wanted, not more
+    assert short_of_replicas(spec, p, even) == [] and plan(spec, even, nodes, p, NOW + 1).replicas < p.replicas
+    assert short_of_replicas(spec, p, Loads()) == []  # no frontend answered: nothing to go by
