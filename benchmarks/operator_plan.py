@@ -5,7 +5,8 @@ of 1000 fake GPU nodes, from `kubectl apply` to Ready with every pod Ready, and 
     python benchmarks/operator_plan.py --nodes 100      # another size
 
 The operator runs as in a cluster: the chart installed with helm, `python -m kubemoe.operator.cli` (kopf,
-peering) with the chart's ServiceAccount token (its RBAC), pulling /loads every --interval seconds. Runtime
+peering) with the chart's ServiceAccount token (its RBAC), re-planning every --interval seconds and, in between,
+as soon as a check of /loads (every second, the chart's scaleOutCheck) finds a hot expert short of replicas. Runtime
 pods, so that pods exist: the operator makes the expert functions' pods (kube-controller-manager the
 frontend's ReplicaSet and pods), kube-scheduler binds them to the planned nodes, kwok (the nodes' kubelet) marks them Running and Ready. This process only
 watches the API (and serves the frontends' /loads on their pods' IPs, which kwok takes from loopback):

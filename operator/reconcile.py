@@ -133,7 +133,7 @@ class Reconciler:
         expert needs more: `plan.short_of_replicas`), for a re-plan before the next loadsInterval tick; else None
         (no plan applied yet, no frontend answered, or replicas enough)."""
         last = self._applied.get(uid)
-        if last is None:
+        if last is None or last.plan.mode == "offload":  # an offload plan has no replicas to add
             return None
         loads = source.fetch(last.deployment)
         if loads is None:

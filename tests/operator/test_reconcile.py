@@ -396,6 +396,8 @@ def test_labelling_the_namespace_privileged_lets_the_refused_plan_through(f):
     kube.namespace_labels[ENFORCE] = "privileged"
     clock.now += 30
     assert reconciler.reconcile(body, Loads()).error is None and kube.objects
+
+
 def test_the_mode_auto_chose_is_in_the_status_and_an_event_when_it_changes(f):
     # 4 bundles of a whole GPU each, one node of one 24 GiB GPU: offload, 3/4 of the GPU for experts.
     body = f.moed_body(mode="auto", experts={"runtime": "pods", "bundleBytes": "256Mi"})
@@ -405,6 +407,9 @@ def test_the_mode_auto_chose_is_in_the_status_and_an_event_when_it_changes(f):
     assert kube.status["mode"] == "offload" and kube.status["offload"] == {"gpuMemoryBudget": 18 * 2**30}
     assert "every eligible node has one GPU, too few or too small" in kube.status["modeReason"]
     assert found[ev.MODE_CHOSEN].message == f"mode offload: {kube.status['modeReason']}"
+    asked = []  # an offload plan has no replicas to add: the check between re-plans asks no frontend
+    assert reconciler.short_of_replicas(body["metadata"]["uid"], type("Source", (), {"fetch": asked.append})) is None
+    assert asked == []
     clock.now += 30
     _, found = step(body, reconciler, kube, Loads())
     assert ev.MODE_CHOSEN not in found  # told once, not every timer tick
