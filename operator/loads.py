@@ -50,6 +50,8 @@ class FrontendLoads:
         self.kube, self.port, self.timeout_s = kube, port, timeout_s
         # Pod IPs are cluster-internal: never send them through an HTTP proxy from the environment.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        # Frontends that did not answer last time: said once, not at every look (the operator looks every second)
+        self._silent: set[str] = set()
 
     def fetch(self, deployment: MoEDeployment) -> Loads | None:
         pods = self.kube.list("v1", "Pod", deployment.namespace, selector(deployment, FRONTEND))
@@ -58,18 +60,25 @@ class FrontendLoads:
         if not ips:
             return None
         with ThreadPoolExecutor(max_workers=min(8, len(ips))) as pool:
-            reports = [r for r in pool.map(self._report, ips) if r is not None]
-        return aggregate(reports, deployment.name)
+            answers = list(pool.map(self._report, ips))
+        for ip, (_, error) in zip(ips, answers):
+            if error is not None and ip not in self._silent:
+                log.info("no loads from frontend %s (said once until it answers): %s", ip, error)
+            elif error is None and ip in self._silent:
+                log.info("loads from frontend %s again", ip)
+        self._silent = {ip for ip, (_, error) in zip(ips, answers) if error is not None}
+        return aggregate([report for report, _ in answers if report is not None], deployment.name)
 
-    def _report(self, ip: str) -> pb.LoadReport | None:
+    def _report(self, ip: str) -> tuple[pb.LoadReport | None, str | None]:
+        """(its report, None), or (None, why not): one silent frontend must not stop planning."""
         url = f"http://{ip}:{self.port}/loads"
         try:
             with self._opener.open(urllib.request.Request(url, headers={"Accept": PROTOBUF}),
                                    timeout=self.timeout_s) as response:
                 body = response.read()
                 if response.headers.get_content_type() == PROTOBUF:
-                    return pb.LoadReport.FromString(body)
-                return json_format.Parse(body, pb.LoadReport(), ignore_unknown_fields=True)  # an older frontend
-        except (OSError, json_format.ParseError, DecodeError) as e:  # one silent frontend must not stop planning
-            log.info("no loads from %s: %s", url, e)
-            return None
+                    return pb.LoadReport.FromString(body), None
+                # an older frontend
+                return json_format.Parse(body, pb.LoadReport(), ignore_unknown_fields=True), None
+        except (OSError, json_format.ParseError, DecodeError) as e:
+            return None, f"{url}: {e}"

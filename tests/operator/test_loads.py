@@ -1,4 +1,5 @@
 import json
+import logging
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -29,7 +30,7 @@ class FakeKube:
         return self.pods
 
 
-def test_frontend_loads_pulls_every_running_frontend_and_skips_silent_ones(f):
+def test_frontend_loads_pulls_every_running_frontend_and_skips_silent_ones(f, caplog):
     body = json.dumps({"model": "tiny", "frontend": "a", "windowSeconds": 10, "tokens": "50",
                        "loads": [{"layer": 0, "expert": 2, "tokensPerSecond": 4.0}]}).encode()
 
@@ -51,7 +52,13 @@ def test_frontend_loads_pulls_every_running_frontend_and_skips_silent_ones(f):
         loads = source.fetch(MoEDeployment.from_body(f.moed_body()))
         assert loads.per_expert == {(0, 2): 4.0} and loads.frontends == 1
         silent = FrontendLoads(FakeKube([{"status": {"phase": "Running", "podIP": "127.0.0.1"}}]), 1, timeout_s=0.5)
-        assert silent.fetch(MoEDeployment.from_body(f.moed_body())) is None
+        with caplog.at_level(logging.INFO, logger="kubemoe.operator.loads"):
+            assert silent.fetch(MoEDeployment.from_body(f.moed_body())) is None
+            assert silent.fetch(MoEDeployment.from_body(f.moed_body())) is None  # said once, not at every look
+            silent.port = server.server_port
+            assert silent.fetch(MoEDeployment.from_body(f.moed_body())).frontends == 1
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 2 and said[0].startswith("no loads from frontend 127.0.0.1") and "again" in said[1], said
     finally:
         server.shutdown()
         server.server_close()
