@@ -178,7 +178,7 @@ def test_expired_services_are_deleted_concurrently(f):
 
 
 def test_the_operator_knows_when_a_warm_service_is_past_its_keepalive(f):
-    """What the operator's daemon asks every second (handlers.expire): a service kept warm is deleted
+    """What the operator's daemon asks every second (handlers.between_ticks): a service kept warm is deleted
     within a second of its keepAlive's end, not at the next loads tick."""
     body, kube, clock, reconciler = setup(f)
     uid = body["metadata"]["uid"]
