@@ -181,7 +181,9 @@ def short_of_replicas(uid: str, memo: kopf.Memo) -> Loads | None:
         return memo.reconciler.short_of_replicas(uid, memo.load_source)
     except ApiError as e:  # listing the frontends failed: the timer's re-plan says so in an Event
         logging.getLogger(__name__).info("cannot check the loads between re-plans: %s", e.message)
-        return None
+    except Exception:  # noqa: BLE001 - a failed check must not stop the daemon (keepAlive expiry); the timer re-plans
+        logging.getLogger(__name__).exception("checking the loads between re-plans failed; the next loads tick re-plans")
+    return None
 
 
 def replan_now(body, memo: kopf.Memo, node_infos: kopf.Index, loads: Loads | None) -> None:

@@ -55,6 +55,17 @@ class Reported:
         return self.loads
 
 
+class Broken:
+    """A load source that fails in a way nobody planned for."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def fetch(self, deployment):
+        self.asked += 1
+        raise RuntimeError("a frontend answered something unexpected")
+
+
 def test_the_daemon_deletes_warm_services_past_keepalive_and_its_events_reach_kopf(f, monkeypatch):
     body, kube, clock, reconciler = setup(f)
     uid = body["metadata"]["uid"]
@@ -63,10 +74,13 @@ def test_the_daemon_deletes_warm_services_past_keepalive_and_its_events_reach_ko
     step(body, reconciler, kube, MOVED)
     assert kept_warm(kube)
     clock.now += 601  # keepAlive (10m) over
-    memo = kopf.Memo(reconciler=reconciler, loads=MOVED, pods=None, load_source=Reported(MOVED))
+    memo = kopf.Memo(reconciler=reconciler, loads=MOVED, pods=None, load_source=Broken())
     node_infos = {None: [NodeInfo.from_node(n) for n in api_nodes(4)]}
     monkeypatch.setattr(handlers, "KEEP_ALIVE_CHECK_S", 0.01)
-    posted = run_daemon(body, memo, node_infos, lambda: not reconciler.keep_alive_over(uid))
+    monkeypatch.setattr(handlers, "CONFIG", dataclasses.replace(handlers.CONFIG, scale_out_check_s=0.01))
+    # Runs on after two failed checks: a check that fails does not stop the daemon
+    posted = run_daemon(body, memo, node_infos,
+                        lambda: not reconciler.keep_alive_over(uid) and memo.load_source.asked >= 2)
     assert not kept_warm(kube)
     assert ev.EXPIRED in {e.reason for e in posted}, posted
 
