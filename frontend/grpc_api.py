@@ -18,9 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from kubemoe.expert_fn.transport import EXCLUSIVE_PORT, listen
 from kubemoe.frontend.app import NOT_READY
 from kubemoe.frontend.engine import InvalidPrompt, QueueFull
-from kubemoe.expert_fn.transport import EXCLUSIVE_PORT, listen
 from kubemoe.frontend.sampling import SamplingParams
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
