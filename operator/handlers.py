@@ -59,7 +59,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **
         kube_config.load_kube_config()
     kube = Kube(ApiClient(), CONFIG.field_manager)
     memo.reconciler = Reconciler(kube, CONFIG)
-    memo.load_source = FrontendLoads(kube, CONFIG.loads_port, CONFIG.loads_timeout_s)
+    memo.load_source = FrontendLoads(kube, CONFIG.loads_port, CONFIG.loads_timeout_s, pods=lambda: listed_pods(memo))
     memo.status_follower = StatusFollower()
     start_watches(kube.api, memo, asyncio.get_running_loop())
     logger.info("kubemoe operator: peering %r (priority %d), loads every %.0fs", settings.peering.name,
@@ -97,6 +97,13 @@ def start_watches(api, memo: kopf.Memo, loop: asyncio.AbstractEventLoop) -> None
     kinds = [kind for kind in CHILD_KINDS if memo.pods is None or kind != ("v1", "Pod")]
     memo.children = [ListWatch(api, api_version, kind, namespace, selector, on_change=changed).start()
                      for api_version, kind in kinds for namespace in CONFIG.watch_namespaces or [None]]
+
+
+def listed_pods(memo: kopf.Memo) -> list[dict] | None:
+    """The cluster's pods from the watch, once it has listed them; None where there is no such watch
+    (namespaces watched one by one) or not yet."""
+    pods = memo.get("pods")
+    return pods.values() if pods is not None and pods.synced.is_set() else None
 
 
 def all_children(memo: kopf.Memo) -> list[dict]:

@@ -1,7 +1,7 @@
 """Where the planner's expert loads come from: the frontends' `/loads` (JSON kubemoe.v1.LoadReport).
 
-`FrontendLoads` asks every running frontend pod of a MoEDeployment (GET http://<pod IP>:8000/loads)
-and sums what answered; pod IPs rather than the Service, because each frontend reports only its
+`FrontendLoads` asks every running frontend pod of a MoEDeployment (GET http://<pod IP>:8000/loads;
+the pods from the operator's pod watch where it has one, else listed) and sums what answered; pod IPs rather than the Service, because each frontend reports only its
 own traffic. `aggregate` is the pure part. Anything with a `fetch(deployment) -> Loads | None` can
 stand in (tests, benchmarks, a future Prometheus source).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError
 from kubemoe.load_report import PROTOBUF, passes_per_second, rates
 from kubemoe.operator.kube import Kube
 from kubemoe.operator.plan import Loads
-from kubemoe.operator.render import FRONTEND, selector
+from kubemoe.operator.render import FRONTEND, selected, selector
 from kubemoe.operator.spec import MoEDeployment
 from kubemoe.proto import kubemoe_pb2 as pb
 
@@ -46,16 +46,19 @@ def aggregate(reports: Iterable[pb.LoadReport], model: str) -> Loads | None:
 
 
 class FrontendLoads:
-    def __init__(self, kube: Kube, port: int, timeout_s: float):
+    def __init__(self, kube: Kube, port: int, timeout_s: float,
+                 pods: Callable[[], Iterable[Mapping[str, Any]] | None] | None = None):
         self.kube, self.port, self.timeout_s = kube, port, timeout_s
+        # The cluster's pods as a watch of the operator holds them (None until it has listed them): the
+        # frontends are found there, not by a LIST of the API at every look (every second).
+        self.pods = pods
         # Pod IPs are cluster-internal: never send them through an HTTP proxy from the environment.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         # Frontends that did not answer last time: said once, not at every look (the operator looks every second)
         self._silent: set[str] = set()
 
     def fetch(self, deployment: MoEDeployment) -> Loads | None:
-        pods = self.kube.list("v1", "Pod", deployment.namespace, selector(deployment, FRONTEND))
-        ips = [p["status"]["podIP"] for p in pods
+        ips = [p["status"]["podIP"] for p in self._frontends(deployment)
                if p.get("status", {}).get("phase") == "Running" and p["status"].get("podIP")]
         if not ips:
             return None
@@ -68,6 +71,14 @@ class FrontendLoads:
                 log.info("loads from frontend %s again", ip)
         self._silent = {ip for ip, (_, error) in zip(ips, answers) if error is not None}
         return aggregate([report for report, _ in answers if report is not None], deployment.name)
+
+    def _frontends(self, deployment: MoEDeployment) -> Iterable[Mapping[str, Any]]:
+        watched = self.pods() if self.pods is not None else None
+        if watched is None:
+            return self.kube.list("v1", "Pod", deployment.namespace, selector(deployment, FRONTEND))
+        wanted = selected(deployment, FRONTEND).items()
+        return [p for p in watched if p["metadata"].get("namespace") == deployment.namespace
+                and wanted <= (p["metadata"].get("labels") or {}).items()]
 
     def _report(self, ip: str) -> tuple[pb.LoadReport | None, str | None]:
         """(its report, None), or (None, why not): one silent frontend must not stop planning."""

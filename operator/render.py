@@ -111,10 +111,14 @@ def labels(deployment: MoEDeployment, component: str) -> dict[str, str]:
             MANAGED_BY: MANAGER}
 
 
+def selected(deployment: MoEDeployment, component: str) -> dict[str, str]:
+    """The labels that pick one component's children (or all children when component is empty)."""
+    return {INSTANCE: deployment.name, MANAGED_BY: MANAGER, **({COMPONENT: component} if component else {})}
+
+
 def selector(deployment: MoEDeployment, component: str) -> str:
-    """Label selector of one component's children (or all children when component is empty)."""
-    chosen = {INSTANCE: deployment.name, MANAGED_BY: MANAGER, **({COMPONENT: component} if component else {})}
-    return ",".join(f"{k}={v}" for k, v in chosen.items())
+    """`selected` as a label selector."""
+    return ",".join(f"{k}={v}" for k, v in selected(deployment, component).items())
 
 
 def render(deployment: MoEDeployment, plan: Plan, config: OperatorConfig) -> list[Object]:

@@ -64,6 +64,34 @@ def test_frontend_loads_pulls_every_running_frontend_and_skips_silent_ones(f, ca
         server.server_close()
 
 
+def test_frontends_are_found_in_the_watched_pods_when_there_are_some(f):
+    """The operator looks every second: from its pod watch (once listed), not by a LIST of the API each time."""
+    deployment = MoEDeployment.from_body(f.moed_body())
+    frontend = {"app.kubernetes.io/instance": "tiny", "app.kubernetes.io/managed-by": "kubemoe-operator",
+                "app.kubernetes.io/component": "frontend"}
+
+    def pod(ip, namespace="default", **labels):
+        return {"metadata": {"namespace": namespace, "labels": {**frontend, **labels}},
+                "status": {"phase": "Running", "podIP": ip}}
+
+    watched = [pod("127.0.0.1"), pod("127.0.0.2", namespace="other"),
+               pod("127.0.0.3", **{"app.kubernetes.io/component": "expert"}),
+               pod("127.0.0.4", **{"app.kubernetes.io/instance": "another"})]
+    asked: list[str] = []
+
+    class Recorded(FrontendLoads):
+        def _report(self, ip):
+            asked.append(ip)
+            return report("a", l0e1=1.0), None
+
+    unlistable = FakeKube(None)
+    unlistable.list = None  # a LIST would fail
+    assert Recorded(unlistable, 1, 1.0, pods=lambda: watched).fetch(deployment).frontends == 1
+    assert asked == ["127.0.0.1"]
+    listed = Recorded(FakeKube([pod("127.0.0.5")]), 1, 1.0, pods=lambda: None)  # not listed yet: the API
+    assert listed.fetch(deployment).frontends == 1 and asked[-1] == "127.0.0.5"
+
+
 def test_frontend_loads_asks_for_the_binary_report_a_frontend_serves(f):
     from kubemoe.load_report import PROTOBUF
     sent = report("a", l0e1=2.5, l1e3=7.0)
