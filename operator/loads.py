@@ -2,8 +2,9 @@
 
 `FrontendLoads` asks every running frontend pod of a MoEDeployment (GET http://<pod IP>:8000/loads;
 the pods from the operator's pod watch where it has one, else listed) and sums what answered; pod
-IPs rather than the Service, because each frontend reports only its own traffic. `aggregate` is the pure part. Anything with a `fetch(deployment) -> Loads | None` can
-stand in (tests, benchmarks, a future Prometheus source).
+IPs rather than the Service, because each frontend reports only its own traffic. `aggregate` is the
+pure part. Anything with a `fetch(deployment) -> Loads | None` can stand in (tests, benchmarks, a
+future Prometheus source).
 """
 
 from __future__ import annotations

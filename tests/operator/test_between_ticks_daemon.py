@@ -1,7 +1,7 @@
-"""The daemon between the loads ticks (handlers.between_ticks) as kopf runs it: an async daemon whose reconcile runs in a worker
-thread. Its Events must reach kopf's posting queue, which kopf.event finds through context variables that
-a thread started with run_in_executor does not see unless the daemon hands its context over (without it
-the daemon's first report raised and kopf restarted the daemon a minute later)."""
+"""The daemon between the loads ticks (handlers.between_ticks) as kopf runs it: an async daemon whose
+reconcile runs in a worker thread. Its Events must reach kopf's posting queue, which kopf.event finds
+through context variables that a thread started with run_in_executor does not see unless the daemon hands
+its context over (without it the daemon's first report raised and kopf restarted the daemon a minute later)."""
 
 import asyncio
 import dataclasses
@@ -100,7 +100,7 @@ def test_loads_that_leave_a_hot_expert_short_re_plan_before_the_next_tick(f, mon
     posted = run_daemon(body, memo, node_infos, lambda: source.fetched >= 4)
     assert reconciler.short_of_replicas(uid, source) is None and memo.loads is MOVED
     assert len({function for function in services(kube, retired=False) if "-l0-e3-3-" in function}) == 4
-    assert len(hot & kept_warm_functions(kube)) == 3  # expert 0's extra replicas retire, kept warm
+    assert len(hot & services(kube, retired=True)) == 3  # expert 0's extra replicas retire, kept warm
     reasons = [e.reason for e in posted]
     assert reasons.count(ev.SCALED_OUT) == 1, posted  # one re-plan: the later checks found replicas enough
 
@@ -111,6 +111,3 @@ def test_loads_that_leave_a_hot_expert_short_re_plan_before_the_next_tick(f, mon
     run_daemon(body, memo, node_infos, lambda: next(checks, None) is None)
     assert source.fetched == 0 and reconciler.short_of_replicas(uid, source) is SKEWED
 
-
-def kept_warm_functions(kube) -> set[str]:
-    return services(kube, retired=True)
