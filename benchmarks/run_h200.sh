@@ -32,7 +32,7 @@ python3 -c 'import torch, transformers, grpc; print("torch", torch.__version__, 
 case "${1:-all}" in
   expert_fn) python3 benchmarks/expert_fn_overhead.py --device cuda --out "$OUT" "${@:2}" ;;
   gpu-tests)
-    install /tmp/site-test --no-index --find-links .whl-test \
+    install /tmp/site-test --no-index --find-links .whl-test --find-links .whl \
       pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf prometheus-client aiohttp click pyyaml tqdm openai
     targets=("${@:2}"); [ ${#targets[@]} -gt 0 ] || targets=(tests)  # e.g. tests/frontend/offload: only those
     PYTHONPATH="/tmp/site:/tmp/site-test:$PWD" python3 -m pytest -q -p no:cacheprovider -m gpu "${targets[@]}" ;;
