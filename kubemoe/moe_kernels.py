@@ -67,6 +67,14 @@ def _kernel():
     return grouped_mm_small
 
 
+def _unit_rows(t: torch.Tensor) -> torch.Tensor:
+    """t itself where its last dimension has unit stride (the kernels take every other stride), else a
+    contiguous copy. A stack of views into a larger buffer (the offload store's slot stack: every slot, each
+    expert's gate/up and down side by side) is not contiguous, and .contiguous() copied all of it, 2.6 GB
+    at Qwen3-30B-A3B's 274 slots, 3 ms a call where the kernel reads a few experts in 0.1 ms
+    (grouped_slots_probe.py on the H200 at c55eab3)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
 
 def blocks(n: int, k: int) -> tuple[int, ...]:
     """(BLOCK_N, BLOCK_K, warps, stages[, BLOCK_M]) for weights of N x K, swept on the H200
@@ -96,7 +104,7 @@ def grouped_mm_small(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor,
     rows, k = x.shape
     experts, n, _ = weights.shape
     block_n, block_k, num_warps, num_stages, *chosen_m = config or blocks(n, k)
-    x, weights = x.contiguous(), weights.contiguous()
+    x, weights = _unit_rows(x), _unit_rows(weights)
     out, dst = scatter if scatter is not None else (torch.empty(rows, n, dtype=x.dtype, device=x.device), ends)
     if out.stride(1) != 1:
         raise ValueError("grouped_mm_small writes rows of unit stride")
@@ -261,7 +269,7 @@ def swiglu_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor, ends: torch.Tensor
     # Each program streams a block of gate rows and the same block of up rows: half blocks.n of the unfused
     # gate_up kernel's, the same weight bytes per program.
     block_n, block_k, num_warps, num_stages, *chosen_m = blocks(two_i, k)
-    x, gate_up = x.contiguous(), gate_up.contiguous()
+    x, gate_up = _unit_rows(x), _unit_rows(gate_up)
     out = torch.empty(rows, intermediate, dtype=x.dtype, device=x.device)
     block_m = chosen_m[0] if chosen_m else min(64, max(16, triton.next_power_of_2(rows)))
     _swiglu_kernel()[(experts, triton.cdiv(intermediate, block_n // 2))](
@@ -361,7 +369,7 @@ def top_k(logits: torch.Tensor, k: int, softmax: bool, normalize: bool,
     tokens, experts = logits.shape
     if not 1 <= k <= experts:
         raise ValueError(f"top_k picks 1 to {experts} experts of {experts}, not {k}")
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    logits = _unit_rows(logits)
     weights = torch.empty(tokens, k, dtype=dtype, device=logits.device)
     index = torch.empty(tokens, k, dtype=torch.int64, device=logits.device)
     if tokens:
