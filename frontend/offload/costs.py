@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 PROFILE_FILE = "offload_profile.json"
-# A layer's experts already on the device run as one grouped FFN from this many on (where the kernels group):
-# grouping two Mixtral-size experts cost more than their two FFNs on the H200 (c677f96), tens of
-# Qwen3-30B-A3B-size ones far less. The executor runs them so, and the cost model prices them so.
-GROUPED_MIN_EXPERTS = 8
+# A layer's experts already on the device run as one grouped FFN from this many on (where the kernels group).
+# On the H200 (grouped_slots_probe at 66ed960, queued calls): four Mixtral-size experts grouped 0.35 ms, one
+# FFN each 0.40 (two: 0.22 against 0.20); four Qwen3-30B-A3B-size ones 0.07 against 0.25. The executor runs
+# them so, and the cost model prices them so.
+GROUPED_MIN_EXPERTS = 4
 
 
 @dataclass(frozen=True)
