@@ -439,6 +439,16 @@ def geomean(values) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
+def steps_vs_bound(raw: list[dict], bounds: list[dict]) -> dict[str, float]:
+    """Per policy, the geometric mean over presets and batches of its decode step over the lower bound for any
+    policy (hardware_bounds): how far each is from the limit, and so the most a schedule could gain over it
+    on this host (a throughput goal above a baseline's figure here cannot be met by scheduling)."""
+    bound = {(b["preset"], b["batch"]): b["any_policy_lower_bound_s_per_step"] for b in bounds}
+    policies = dict.fromkeys(r["policy"] for r in raw)
+    return {policy: geomean(r["decode_step_s"] / bound[(r["preset"], r["batch"])] for r in raw
+                            if r["policy"] == policy and (r["preset"], r["batch"]) in bound) for policy in policies}
+
+
 def modelled(bench: Bench, resident: frozenset, batches, prompt: int, output: int) -> list[dict]:
     """pipeline.py's step times with the measured costs, t_io rescaled to PCIe 3.0 / 4.0: MODELLED."""
     rows = []
@@ -575,6 +585,8 @@ def main() -> None:
     print_table(raw, [("preset", "preset", "s"), ("policy", "policy", "s"), ("batch", "batch", "d"),
                       ("tokens_per_s", "tok/s", ".1f"), ("decode_step_s", "step s", ".4f"), ("hit_rate", "hit", ".2f"),
                       ("prefetch_accuracy", "pref acc", ".2f"), ("cpu_share", "cpu", ".2f")])
+    vs_bound = steps_vs_bound(raw, bounds)
+    print("decode step / any policy's lower bound:", ", ".join(f"{p} {v:.2f}x" for p, v in vs_bound.items()))
     streamed = [r for r in raw if r["policy"] in ("kubemoe", "on-demand") and r["stream_bytes_per_s"]]
     stream_bw = geomean(r["stream_bytes_per_s"] for r in streamed) if streamed else float("nan")
     goals = {
@@ -608,7 +620,7 @@ def main() -> None:
         pinned_peak_bytes_per_s=peak, streaming_bytes_per_s=stream_bw,
         hardware_bound="H2D copies bounded by the measured pinned peak (PCIe 5.0 x16 on the H200 host); CPU experts "
                        "by the host's cores and memory bandwidth; per decode step see hardware_bounds",
-        hardware_bounds=bounds,
+        hardware_bounds=bounds, decode_step_vs_bound=vs_bound,
         ablations=ablations, ablation_note="no PreSched = the gpu-prefetch row (same hot table and prediction)",
         modelled_links=models, modelled_note="MODELLED: pipeline.py with the costs measured here, t_io rescaled",
         external_peers=peers, llapor=llapor_note, rounds_raw=rounds, seconds=round(time.perf_counter() - started, 1),

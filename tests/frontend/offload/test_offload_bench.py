@@ -32,6 +32,16 @@ def test_mapped_routing_picks_distinct_experts_and_keeps_the_skew(bench, experts
     assert torch.equal(bench.map_experts(hot[:1], 16, experts, top_k), mapped[:1])  # a token maps the same every time
 
 
+def test_steps_against_the_bound_are_each_policys_geometric_mean_over_presets_and_batches(bench):
+    bounds = [{"preset": "a", "batch": 4, "any_policy_lower_bound_s_per_step": 0.01},
+              {"preset": "b", "batch": 4, "any_policy_lower_bound_s_per_step": 0.02}]
+    raw = [{"preset": "a", "batch": 4, "policy": "on-demand", "decode_step_s": 0.04},
+           {"preset": "b", "batch": 4, "policy": "on-demand", "decode_step_s": 0.02},
+           {"preset": "a", "batch": 4, "policy": "kubemoe", "decode_step_s": 0.01},
+           {"preset": "a", "batch": 16, "policy": "kubemoe", "decode_step_s": 0.5}]  # no bound for it: left out
+    assert bench.steps_vs_bound(raw, bounds) == pytest.approx({"on-demand": 2.0, "kubemoe": 1.0})
+
+
 @pytest.mark.slow
 def test_a_tiny_run_on_the_cpu_writes_every_policy_and_the_goals(tmp_path):
     done = subprocess.run([sys.executable, str(BENCHMARKS / "offload_bench.py"), "--device", "cpu", "--tiny",
@@ -44,6 +54,8 @@ def test_a_tiny_run_on_the_cpu_writes_every_policy_and_the_goals(tmp_path):
     assert {r["policy"] for r in doc["ablations"]} == {"no-hot-table", "no-prediction", "no-asyncio"}
     assert {"throughput_vs_ondemand", "throughput_vs_hybrimoe", "throughput_vs_fiddler", "step_vs_oracle"} <= set(doc["goals"])
     assert "REPLAYED" in doc["measured"] and doc["modelled_links"]
+    assert set(doc["decode_step_vs_bound"]) == {r["policy"] for r in doc["raw"]}
+    assert all(v > 0 for v in doc["decode_step_vs_bound"].values())
     # three rounds, each in another order; a configuration's row is its round of median throughput
     order = [[r["policy"] for r in doc["rounds_raw"] if r["round"] == k] for k in (0, 1, 2)]
     assert sorted(order[0]) == sorted(order[1]) == sorted(order[2]) and len({o[0] for o in order}) == 3
