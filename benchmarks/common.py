@@ -53,8 +53,36 @@ def machine_slug(device: torch.device) -> str:
     return f"cpu{os.cpu_count()}"
 
 
+def cpu_list_size(text: str) -> int:
+    """How many CPUs a kernel CPU list names ("0-3,8,10-11" -> 7)."""
+    size = 0
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        size += int(last or first) - int(first) + 1
+    return size
+
+
+def threads_per_core() -> int | None:
+    """Logical CPUs sharing the first one's core (2 with SMT: `cores` then counts each twice)."""
+    try:
+        return cpu_list_size(Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_mhz() -> float | None:
+    """The highest clock /proc/cpuinfo reports now: lent hosts of one model ran host-bound work 2x apart."""
+    try:
+        clocks = [float(line.split(":", 1)[1]) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("cpu MHz")]
+    except (OSError, ValueError):
+        return None
+    return max(clocks, default=None)
+
+
 def describe_machine(device: torch.device) -> dict:
-    info = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+    info = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads_per_core": threads_per_core(), "cpu_mhz": cpu_mhz(),
+            "torch": torch.__version__, "python": platform.python_version(),
             "load_average_1m": os.getloadavg()[0]}  # other work on the machine skews latencies: say so
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
