@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
-# Run kubemoe's GPU benchmarks and tests on the lent H200 (the device tool): carries .whl
-# (transformers, grpcio, protobuf at kubemoe's versions, the machine's image has older ones; accelerate
-# and psutil for transformers' device_map and the offload peer) and,
-# for the tests, .whl-test (pytest and the test suite's imports; `pip download --python-version 3.12
-# --only-binary=:all: -d .whl-test pytest pytest-asyncio pytest-timeout hypothesis kubernetes kopf
-# prometheus-client aiohttp click pyyaml tqdm openai`). Results go into $OUT.
+# Run kubemoe's GPU benchmarks and tests on the lent H200 (the device tool), carrying .whl (the runtime wheels at
+# kubemoe's versions: the machine's image has older ones) and, for the tests, .whl-test; both are built here by
+# `bash benchmarks/device_wheels.sh`. Results go into $OUT.
 # Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|grouped-slots|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab [ARGS]
 # (gpu-tests [PATHS]: the GPU tests under PATHS, default all of tests/)
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
