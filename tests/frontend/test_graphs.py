@@ -1,6 +1,7 @@
 """A decode pass run as a CUDA-graph program computes what an ordinary pass does, with its spare rows
-unseen: checked on the CPU by running the program's code eagerly (graphs.run_eagerly: the same layers'
-recorded path, each cut at once, the afters at the end); the capture and replays are -m gpu."""
+unseen, whether a layer's experts are captured, called at a cut or placed there by the offload executor:
+checked on the CPU by running the program's code eagerly (graphs.run_eagerly: the same layers' recorded
+path, each cut at once, the afters at the end); the capture and replays are -m gpu."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from transformers import DynamicCache
 from kubemoe.frontend.batch import BatchState
 from kubemoe.frontend.graphs import padded_rows, run_eagerly
 
+from .offload.test_offload_frontend import offload_frontend
 from .test_correctness import PROMPTS, local_frontend
 
 
@@ -28,12 +30,15 @@ def _counted(fe) -> tuple[int, int, int]:
             sum(p.tokens for p in report.predictions))
 
 
-@pytest.mark.parametrize("stacked", [True, False], ids=["captured-experts", "experts-at-a-cut"])
-def test_a_program_pass_equals_an_ordinary_pass_and_counts_only_real_rows(stacked, tiny_checkpoint):
-    fe = local_frontend(tiny_checkpoint("mixtral"), predictor="router")
+@pytest.mark.parametrize("experts", ["stacked", "per-expert", "offload"],
+                         ids=["captured-experts", "experts-at-a-cut", "offload-at-a-cut"])
+def test_a_program_pass_equals_an_ordinary_pass_and_counts_only_real_rows(experts, tiny_checkpoint):
+    path = tiny_checkpoint("mixtral")
+    # offload: every layer's experts placed by the offload executor at the cut, from a store smaller than the model
+    fe = offload_frontend(path) if experts == "offload" else local_frontend(path, predictor="router")
     try:
         fe.dispatcher.apply_pending()
-        if not stacked:  # every layer through the per-expert path: what a layer of remote experts takes
+        if experts == "per-expert":  # every layer through the per-expert path: what a layer of remote experts takes
             fe.dispatcher._stacked.clear()
         seen: list[tuple[int, int]] = []
 
@@ -53,8 +58,11 @@ def test_a_program_pass_equals_an_ordinary_pass_and_counts_only_real_rows(stacke
                 between = _counted(fe)
                 program.advance(tokens, padded)
                 seen.clear()
+                placed = fe.offload.stats.activated if fe.offload else 0
                 got = run_eagerly(fe.model, program, padded, rows)
                 assert seen == [(layer, rows) for layer in fe.adapter.moe_layers]
+                if fe.offload:  # the executor placed the program's experts (the real rows' only)
+                    assert 0 < fe.offload.stats.activated - placed <= rows * fe.adapter.top_k * len(fe.adapter.moe_layers)
                 after = _counted(fe)
                 ordinary = [b - a for a, b in zip(before, between)]
                 in_program = [b - a for a, b in zip(between, after)]
