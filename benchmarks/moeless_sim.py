@@ -37,8 +37,9 @@ Policies, re-planned every `window` iterations (the first window is history only
 - kubemoe, as the operator and the dispatcher run it: the scaler on the loads predicted for the
   coming window, the placer (warm replicas from the previous window first, within the operator's
   WARM_SLACK), both knowing the expert curve's knee (no replica for less than a knee of tokens, and
-  a replica queues at least a weight read, plus its tokens' copies); per iteration `split` with the predicted tokens, as the
-  dispatcher does it: no replica has tokens in flight when a layer starts, so parts are even.
+  a replica queues at least a weight read, plus its tokens' copies); per iteration `split_layer`
+  with the predicted tokens, as the dispatcher does it: the least flexible experts first, each
+  one's parts levelling the queues (one a GPU) of the shortest of its replicas.
 - static EP: one replica per expert, round-robin, never changes.
 - EPLB: `rebalance_experts` on observed loads, with as many redundant slots per layer as kubemoe
   used on average; tokens split evenly over an expert's replicas. As production systems run it
@@ -93,6 +94,7 @@ from kubemoe.planning.latency import (MIXTRAL_EXPERT_BYTES, MIXTRAL_FLOPS_PER_TO
                                       LatencyModel, held_byte_seconds)
 from kubemoe.planning.placer import GPU, WARM_SLACK, Placement, place  # noqa: E402
 from kubemoe.planning.scaler import scale  # noqa: E402
+from kubemoe.planning.split import split_layer  # noqa: E402
 
 H200_MEMORY = 141 * 10**9
 PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9)
@@ -357,26 +359,26 @@ def even_tokens(tokens: np.ndarray, experts: np.ndarray, num_experts: int) -> np
     return base + (nth < tokens[:, experts] % counts[experts])
 
 
-def split_tokens(tokens: np.ndarray, predicted: np.ndarray, experts: np.ndarray, knee: int) -> np.ndarray:
-    """kubemoe's per-iteration dispatch as the frontend's dispatcher runs it (`split`, one expert a
-    bundle): tokens, predicted [T, E] -> [T, R]. One frontend runs a layer's calls together and the
-    layers one after another, so no replica has tokens in flight when a layer starts: an expert's
-    tokens go in even parts to its first ceil(predicted / knee) replicas (at least one, at most all;
-    NaN: no prediction, the step's own count).
-    The dispatcher knows replicas, not GPUs: two replicas on one GPU look as idle as on two."""
+def split_tokens(tokens: np.ndarray, predicted: np.ndarray, experts: np.ndarray, gpus: np.ndarray,
+                 knee: int) -> np.ndarray:
+    """kubemoe's per-iteration dispatch as the frontend's dispatcher runs it (`split_layer`): tokens,
+    predicted [T, E], each replica's expert and GPU [R] -> [T, R]. One frontend runs a layer's calls
+    together and the layers one after another, so every queue is empty when a layer starts; within
+    the layer an expert's parts (how many: ceil(predicted / knee), at least one, at most all its
+    replicas; NaN: no prediction, the step's own count) go to the shortest queues and level them.
+    One expert function per GPU serves that GPU's replicas (as the live benchmark runs them), so the
+    dispatcher's queue per address is the GPU's."""
     tokens = np.asarray(tokens, dtype=np.int64)
     out = np.zeros((tokens.shape[0], len(experts)), dtype=np.int64)
-    for e in range(tokens.shape[1]):
-        replicas = np.flatnonzero(experts == e)
-        if len(replicas) == 0:
-            continue
-        count = tokens[:, e]
-        guess = np.where(np.isnan(predicted[:, e]), count, predicted[:, e])  # no prediction: the step's own count
-        wanted = np.ceil(np.maximum(guess, 0.0) / knee)
-        parts = np.minimum(np.maximum(wanted, 1), np.minimum(len(replicas), np.maximum(count, 1))).astype(np.int64)
-        base, extra = np.divmod(count, parts)
-        for i, r in enumerate(replicas):
-            out[:, r] = np.where(i < parts, base + (i < extra), 0)
+    columns = [np.flatnonzero(experts == e) for e in range(tokens.shape[1])]
+    placed = [e for e, c in enumerate(columns) if len(c)]
+    where = [[int(gpus[r]) for r in columns[e]] for e in placed]
+    for t in range(tokens.shape[0]):
+        guesses = [None if np.isnan(predicted[t, e]) else float(predicted[t, e]) for e in placed]
+        parts = split_layer([int(tokens[t, e]) for e in placed], where, {}, guesses, knee)
+        for e, expert_parts in zip(placed, parts):
+            for _, part in expert_parts:
+                out[t, columns[e][part.replica]] = part.count
     return out
 
 
@@ -458,7 +460,7 @@ def simulate(layout: Layout, trace: np.ndarray, sim: SimConfig, seed: int, redun
         for layer in range(L):
             tokens = now[:, layer, :]
             experts, on = ours[layer]
-            mine = split_tokens(tokens, predicted_now[:, layer, :], experts, knee)
+            mine = split_tokens(tokens, predicted_now[:, layer, :], experts, on, knee)
             results["kubemoe"]["lost_tokens"] += lost_tokens(tokens, experts, E)
             lat["kubemoe"][:, layer] = model.layer_seconds(on, mine)
             cost["kubemoe"] += model.busy_byte_seconds(mine)

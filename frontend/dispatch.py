@@ -13,9 +13,10 @@ adding back are captured on either side of the cut: on the H200 host the groupin
 scattering around the calls cost ~1 ms a layer of torch calls at batch 1). A hot
 expert's tokens are split across several of its warm replicas in the same step
 (`kubemoe.planning.split`): how many from the tokens predicted for this layer d layers earlier (the
-online predictor's; without one, this step's tokens), each part at least `split_min_tokens`, and
-which by join-the-shortest-queue on in-flight tokens. Lossless: every token goes to exactly one
-replica of the expert its router chose, and each part's output is added back at its own rows.
+online predictor's; without one, this step's tokens), each part at least `split_min_tokens`, which
+by join-the-shortest-queue on in-flight tokens, and the parts sized to level those queues.
+Lossless: every token goes to exactly one replica of the expert its router chose, and each part's
+output is added back at its own rows.
 A replica that fails or times out is put aside for a moment and its part is retried on another,
 so a dead replica loses no request while another one lives; a function that answers it lacks some
 experts (NOT_FOUND: unloaded, loading in place) is put aside for those experts only.
@@ -53,7 +54,7 @@ from kubemoe.frontend.loop_thread import LoopThread
 from kubemoe.frontend.tally import DeviceTally
 from kubemoe.moe import (SortedPairs, StackedExperts, can_group, expert_counts, grouped_ffn, sort_pairs,
                          unsort_pairs, weighted_sum)
-from kubemoe.planning.split import split
+from kubemoe.planning.split import split_layer
 from kubemoe.routing_table import LOCAL, BundleRoute, RouteMap
 
 if TYPE_CHECKING:  # for its type only: the module is imported where the first client is made
@@ -126,19 +127,19 @@ def plan_calls(experts: Sequence[int], counts: Sequence[int], candidates: Sequen
                tags: Sequence[str] | None = None) -> dict[CallKey, list[Piece]]:
     """A layer's remote experts (their tokens, the replicas each may use now) -> calls -> their pieces.
 
-    Each expert is split on its own (`kubemoe.planning.split`); the tokens given to an address count
-    as in flight on it when the next expert is split, so one step's parts spread over the replicas.
-    Everything one address gets is one call (tag ""), unless `tags` gives experts tags that must
-    not share a call (the per-bundle calls of the benchmark's baseline).
+    The layer is split as one (`kubemoe.planning.split.split_layer`): the tokens given to an address
+    count as queued there when the next expert is split, so one step's parts level the addresses'
+    queues. Everything one address gets is one call (tag ""), unless `tags` gives experts tags that
+    must not share a call (the per-bundle calls of the benchmark's baseline). A call's pieces follow
+    `experts`' order, so a call of sorted rows stays one run of them.
     """
-    load = {a: inflight.get(a, 0) for addresses in candidates for a in addresses}
+    guesses = [None if predicted is None or len(addresses) == 1 or expert >= len(predicted) else predicted[expert]
+               for expert, addresses in zip(experts, candidates)]
+    parts = split_layer(counts, candidates, dict(inflight), guesses, min_tokens)
     calls: dict[CallKey, list[Piece]] = {}
-    for n, (expert, count, addresses) in enumerate(zip(experts, counts, candidates)):
-        guess = None if predicted is None or len(addresses) == 1 or expert >= len(predicted) else predicted[expert]
-        for part in split(count, [load[a] for a in addresses], guess, min_tokens):
-            address = addresses[part.replica]
+    for n, (expert, expert_parts) in enumerate(zip(experts, parts)):
+        for address, part in expert_parts:
             calls.setdefault((address, tags[n] if tags else ""), []).append(Piece(expert, part.start, part.count))
-            load[address] += part.count
     return calls
 
 

@@ -23,25 +23,26 @@ def test_generated_trace_routes_top_k_tokens_per_token(sim):
 
 
 def test_dispatch_is_lossless_and_is_the_dispatchers_split(sim):
-    from kubemoe.planning.split import split
+    from kubemoe.planning.split import split_layer
 
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 2000, (5, 4))
     predicted = tokens * rng.uniform(0.5, 1.5, tokens.shape)
     predicted[:, 3] = np.nan  # no prediction: the step's own counts
     experts = np.array([0, 0, 0, 1, 2, 3, 3])
-    mine = sim.split_tokens(tokens, predicted, experts, knee=200)
+    gpus = np.array([0, 1, 2, 0, 1, 2, 0])  # the queues: one expert function a GPU
+    mine = sim.split_tokens(tokens, predicted, experts, gpus, knee=200)
     for out in (mine, sim.even_tokens(tokens, experts, 4)):
         assert (np.stack([out[:, experts == e].sum(axis=1) for e in range(4)], axis=1) == tokens).all()
     for t in range(5):
-        for e in range(4):
-            replicas = np.flatnonzero(experts == e)
-            guess = None if np.isnan(predicted[t, e]) else predicted[t, e]
-            parts = split(int(tokens[t, e]), [0] * len(replicas), guess, 200)
-            expected = np.zeros(len(replicas), dtype=np.int64)
-            for part in parts:
-                expected[part.replica] = part.count
-            assert (mine[t, replicas] == expected).all()
+        replicas = [np.flatnonzero(experts == e) for e in range(4)]
+        guesses = [None if np.isnan(predicted[t, e]) else predicted[t, e] for e in range(4)]
+        parts = split_layer(tokens[t].tolist(), [gpus[r].tolist() for r in replicas], {}, guesses, 200)
+        expected = np.zeros(len(experts), dtype=np.int64)
+        for e, expert_parts in enumerate(parts):
+            for _, part in expert_parts:
+                expected[replicas[e][part.replica]] = part.count
+        assert (mine[t] == expected).all()
 
 
 def test_the_trained_models_routing_replays_and_maps_onto_deepseek_v3(sim):
