@@ -46,6 +46,8 @@ def split(tokens: int, queued: Sequence[int], predicted_tokens: float | None = N
         raise ValueError(f"min_tokens_per_replica must be >= 1, got {min_tokens_per_replica}")
     if tokens == 0:
         return []
+    if len(queued) == 1:
+        return [Part(0, 0, tokens)]
     wanted = tokens if predicted_tokens is None else max(float(predicted_tokens), 0.0)
     parts = max(1, min(len(queued), tokens, math.ceil(wanted / min_tokens_per_replica)))
     chosen = sorted(range(len(queued)), key=lambda i: (queued[i], i))[:parts]
@@ -66,8 +68,11 @@ def split(tokens: int, queued: Sequence[int], predicted_tokens: float | None = N
 def layer_order(tokens: Sequence[int], replicas: Sequence[Sequence[Q]]) -> list[int]:
     """The order a layer's experts are split in: fewest replicas first (an expert with one has no
     choice, so the queues it lengthens are known before the others fill around it), then most
-    tokens first, as longest-processing-time-first scheduling places jobs."""
-    return sorted(range(len(tokens)), key=lambda i: (len(replicas[i]), -tokens[i], i))
+    tokens first, as longest-processing-time-first scheduling places jobs. (Experts of one replica
+    stay in index order: where each goes is fixed, so their order changes nothing, and sorting them
+    costs the dispatcher's host time in every layer.)"""
+    several = sorted((i for i in range(len(tokens)) if len(replicas[i]) > 1), key=lambda i: (len(replicas[i]), -tokens[i], i))
+    return [i for i in range(len(tokens)) if len(replicas[i]) == 1] + several
 
 
 def split_layer(tokens: Sequence[int], replicas: Sequence[Sequence[Q]], queued: MutableMapping[Q, int],
