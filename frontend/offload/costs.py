@@ -213,14 +213,15 @@ class ProfileRefresher:
         entry = self._profile.costs(expert_bytes)
         self._put(replace(entry, gpu=self._refit(("gpu", expert_bytes), entry.gpu, tokens, seconds)))
 
-    def observe_cpu(self, expert_bytes: int, tokens: int, seconds: float) -> None:
-        """One CPU expert's wall time: t_c becomes the profiled line times an EMA of observed / profiled."""
+    def observe_cpu(self, expert_bytes: int, runs: Sequence[tuple[int, float]]) -> None:
+        """CPU experts' wall times, (tokens, seconds) each in the order they ran: t_c becomes the profiled
+        line times an EMA of observed / profiled (one update of the profile for them all)."""
         entry = self._profile.costs(expert_bytes)
         base, scale = self._cpu_scale.get(expert_bytes, (entry.cpu, 1.0))
-        expected = base(tokens)
-        if expected <= 0:
-            return
-        scale = (1 - self.alpha) * scale + self.alpha * seconds / expected
+        for tokens, seconds in runs:
+            expected = base(tokens)
+            if expected > 0:
+                scale = (1 - self.alpha) * scale + self.alpha * seconds / expected
         self._cpu_scale[expert_bytes] = (base, scale)
         self._put(replace(entry, cpu=CostLine(base.slope * scale, base.intercept * scale)))
 

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -27,6 +27,8 @@ from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.frontend.offload.store import HostExperts, Key
 
 log = logging.getLogger(__name__)
+
+CpuJob = tuple[Key, torch.Tensor, torch.Tensor | None]  # (expert, x [N, H] on the host, where its output goes or None)
 
 
 def _widen(weights: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
@@ -74,24 +76,27 @@ class CpuExperts:
         self._timings: list[tuple[Key, int, float, float]] = []  # (key, tokens, start, end) per expert run
         self._lock = threading.Lock()
 
-    def submit(self, key: Key, x: torch.Tensor, ready: torch.cuda.Event | None = None,
-               out: torch.Tensor | None = None) -> Future:
-        """x [N, H] on the host -> future of [N, H] in this pool's dtype. `ready`: an event after the copy that
-        fills x, waited for on the worker (the thread that submits never waits for the device). `out`: where
-        the output goes (e.g. its rows of a pinned block the caller copies to the device at once)."""
-        return self.pool.submit(self.run, key, x, ready, out)
+    def submit(self, jobs: Sequence[CpuJob], ready: torch.cuda.Event | None = None) -> Future[list[torch.Tensor]]:
+        """A layer's CPU experts, (key, x [N, H] on the host, out or None) each -> future of their outputs
+        [N, H] in this pool's dtype, run one after another as one task: one hand-over to the worker a layer
+        (a wake-up and a turn at the GIL each), not one an expert. `ready`: an event after the copy that
+        fills the xs, waited for on the worker (the thread that submits never waits for the device). `out`:
+        where an output goes (e.g. its rows of a pinned block the caller copies to the device at once)."""
+        return self.pool.submit(self.run, list(jobs), ready)
 
-    def run(self, key: Key, x: torch.Tensor, ready: torch.cuda.Event | None = None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, jobs: Sequence[CpuJob], ready: torch.cuda.Event | None = None) -> list[torch.Tensor]:
         if ready is not None:
             ready.synchronize()
-        start = time.perf_counter()
+        outs, timings = [], []
         with torch.inference_mode():  # per thread
-            y = expert_ffn(x.to(self.dtype), _widen(self.host.weights(key), self.dtype), self.act)
-            out = y if out is None else out.copy_(y)
+            for key, x, out in jobs:
+                start = time.perf_counter()
+                y = expert_ffn(x.to(self.dtype), _widen(self.host.weights(key), self.dtype), self.act)
+                outs.append(y if out is None else out.copy_(y))
+                timings.append((key, x.shape[0], start, time.perf_counter()))
         with self._lock:
-            self._timings.append((key, x.shape[0], start, time.perf_counter()))
-        return out
+            self._timings += timings
+        return outs
 
     def drain_timings(self) -> list[tuple[Key, int, float, float]]:
         """(key, tokens, start, end) of every expert run since the last call, in the order they ran."""

@@ -179,14 +179,14 @@ class OffloadExecutor:
         # 1. The CPU side starts first: it is the slower one per expert. Its experts' rows go to the host as one
         # block, and their outputs come back as one, written in place by the worker.
         cpu_groups = [by_expert[e] for e in schedule.cpu]
-        futures = []
+        cpu_done = None
         if cpu_groups:
             cpu_rows = merge_groups(cpu_groups)
             inputs, landed = self._to_host(expert_inputs(hidden, top_k_weights, cpu_rows, self.weight_on_input))
             cpu_out = torch.empty(inputs.shape, dtype=self.cpu.dtype, pin_memory=self._pinned)  # [N, H]
             sizes = [g.count for g in cpu_groups]
-            futures = [self.cpu.submit((layer, g.expert), x, landed, y)
-                       for g, x, y in zip(cpu_groups, inputs.split(sizes), cpu_out.split(sizes))]
+            cpu_done = self.cpu.submit([((layer, g.expert), x, y) for g, x, y in
+                                        zip(cpu_groups, inputs.split(sizes), cpu_out.split(sizes))], landed)
 
         # 2. Experts already on the device (resident or prefetched), grouped where there are enough of them.
         loads = set(schedule.load)
@@ -210,14 +210,14 @@ class OffloadExecutor:
 
         # 4. The CPU outputs join the same output; their times keep t_c true to what serving sees.
         cpu_wait = 0.0
-        if futures:
+        if cpu_done is not None:
             waited = time.perf_counter()
-            for future in futures:
-                future.result()
+            cpu_done.result()
             cpu_wait = time.perf_counter() - waited
             combine(out, top_k_weights, cpu_rows, cpu_out.to(out.device, non_blocking=True), self.weight_on_input)
-        for _, tokens, start, end in self.cpu.drain_timings():
-            self.refresher.observe_cpu(store.expert_bytes, tokens, end - start)
+        timings = self.cpu.drain_timings()
+        if timings:
+            self.refresher.observe_cpu(store.expert_bytes, [(tokens, end - start) for _, tokens, start, end in timings])
         return cpu_wait
 
     def _to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

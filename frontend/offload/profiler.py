@@ -75,7 +75,7 @@ def measure_profile(store: ExpertStore, cpu: CpuExperts, act: Callable, slot: in
     for n in sorted(set(range(1, warm_tokens + 1)) | set(tokens)):
         x = torch.randn(n, hidden, device=device, dtype=store.dtype)
         expert_ffn(x, weights, act)
-        cpu.submit(next(cold), x.cpu()).result()
+        cpu.submit([(next(cold), x.cpu(), None)]).result()
     gpu, cpu_samples = [], []
     for n in tokens:
         x = torch.randn(n, hidden, device=device, dtype=store.dtype)
@@ -84,7 +84,7 @@ def measure_profile(store: ExpertStore, cpu: CpuExperts, act: Callable, slot: in
         runs = []
         for _ in range(repeats):
             start = time.perf_counter()
-            cpu.submit(next(cold), x_host).result()
+            cpu.submit([(next(cold), x_host, None)]).result()
             runs.append(time.perf_counter() - start)
         cpu_samples.append((n, statistics.median(runs)))
     cpu.drain_timings()  # the profile's runs are not serving's

@@ -58,11 +58,10 @@ def test_refresher_moves_t_io_by_ema_and_keeps_a_line_until_it_can_fit_one():
 
 def test_cpu_timings_scale_the_profiled_line_and_never_refit_its_slope():
     refresher = ProfileRefresher(make_profile(), alpha=0.25)  # t_c(n) = n + 1
-    refresher.observe_cpu(1000, 8, 27.0)  # three times the profiled 9 s
+    refresher.observe_cpu(1000, [(8, 27.0)])  # three times the profiled 9 s
     assert refresher.profile.costs(1000).cpu == CostLine(1.5, 1.5)  # scale 0.75 * 1 + 0.25 * 3
     for _ in range(60):  # decode: a few tokens each, 3x slower; a refit would make up a slope from these
-        for n in (1, 2):
-            refresher.observe_cpu(1000, n, 3.0 * (n + 1))
+        refresher.observe_cpu(1000, [(n, 3.0 * (n + 1)) for n in (1, 2)])
     line = refresher.profile.costs(1000).cpu
     assert line.slope == pytest.approx(3.0, rel=1e-3) and line.intercept == pytest.approx(3.0, rel=1e-3)
     assert refresher.profile.costs(1000).t_c(800) == pytest.approx(3.0 * 801, rel=1e-3)  # prefill priced alike

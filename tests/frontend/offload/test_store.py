@@ -62,7 +62,8 @@ def test_cpu_experts_read_host_weights_in_the_chosen_dtype():
         assert cpu.dtype in (torch.bfloat16, torch.float32)
         x = torch.randn(5, H)
         exact = expert_ffn(x, ExpertWeights(w[(1, 2)].gate_up.float(), w[(1, 2)].down.float()), F.silu)
-        got = cpu.submit((1, 2), x.to(torch.bfloat16)).result().float()
+        [got] = cpu.submit([((1, 2), x.to(torch.bfloat16), None)]).result()
+        got = got.float()
         torch.testing.assert_close(got, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
     finally:
         cpu.close()
@@ -187,9 +188,10 @@ def test_cpu_experts_run_one_after_another_and_report_their_times():
     _, s = store()
     cpu = CpuExperts(s.host, F.silu)
     try:
-        futures = [cpu.submit((1, e), torch.randn(3 + e, H)) for e in range(E)]
-        for f in futures:
-            f.result()
+        outs = [torch.empty(3 + e, H, dtype=cpu.dtype) for e in range(E)]
+        results = cpu.submit([((1, e), torch.randn(3 + e, H), outs[e] if e % 2 else None) for e in range(E)]).result()
+        assert [r.shape[0] for r in results] == [3 + e for e in range(E)]
+        assert all(results[e] is outs[e] for e in range(1, E, 2)), "an output given is where the result goes"
         timings = cpu.drain_timings()
         assert [(key, tokens) for key, tokens, _, _ in timings] == [((1, e), 3 + e) for e in range(E)]
         assert all(end >= start for _, _, start, end in timings)
