@@ -8,6 +8,7 @@ demand, and which later-layer experts to prefetch. Pure: executors (and pipeline
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
@@ -30,12 +31,22 @@ class LayerDemand:
         if any(n <= 0 for n in self.pending.values()):
             raise ValueError(f"layer {self.layer}: pending token counts must be positive, got {dict(self.pending)}")
 
-    def missing(self) -> list[tuple[int, int]]:
-        """This layer's (expert, tokens) not on the GPU, most tokens first (ties: lower expert id)."""
-        return by_tokens((e, n) for e, n in self.pending.items() if e not in self.resident)
+    # Sorted once per demand (it is frozen): a policy reads them several times a layer, and the
+    # decisions are host time every MoE layer of every step.
+    @functools.cached_property
+    def _missing(self) -> tuple[tuple[int, int], ...]:
+        return tuple(by_tokens((e, n) for e, n in self.pending.items() if e not in self.resident))
 
-    def resident_pending(self) -> list[tuple[int, int]]:
-        return by_tokens((e, n) for e, n in self.pending.items() if e in self.resident)
+    @functools.cached_property
+    def _resident_pending(self) -> tuple[tuple[int, int], ...]:
+        return tuple(by_tokens((e, n) for e, n in self.pending.items() if e in self.resident))
+
+    def missing(self) -> tuple[tuple[int, int], ...]:
+        """This layer's (expert, tokens) not on the GPU, most tokens first (ties: lower expert id)."""
+        return self._missing
+
+    def resident_pending(self) -> tuple[tuple[int, int], ...]:
+        return self._resident_pending
 
 
 def by_tokens(items) -> list[tuple[int, int]]:

@@ -36,14 +36,13 @@ not overlapped); pipeline.py times the overlap.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kubemoe.frontend.offload.costs import ExpertCosts
 from kubemoe.frontend.offload.policy import LayerDemand, Schedule, prefix_spans
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):  # a tuple, not a dataclass: a layer makes a hundred of them on the host
     offset: int  # 0: this layer, 1: the next one, ...
     expert: int
     tokens: int  # pending (this layer) or predicted (later layers)
@@ -104,13 +103,14 @@ class PreSched:
         t_g_all = costs.t_g_all([n for _, n in demand.resident_pending()])
         for predicted, resident in zip(demand.ahead[:depth], demand.resident_ahead):
             t_g_all += costs.t_g_all([n for e, n in predicted.items() if e in resident and n > 0])
-        t_c_all = sum(costs.t_c(c.tokens) for c in candidates)
+        t_c = [costs.t_c(c.tokens) for c in candidates]
+        t_c_all = sum(t_c)
         chosen = []
-        for c in candidates:
+        for c, c_on_cpu in zip(candidates, t_c):
             if t_g_all >= t_c_all:
                 break
             t_g_all += costs.t_io + costs.t_g(c.tokens)
-            t_c_all -= costs.t_c(c.tokens)
+            t_c_all -= c_on_cpu
             chosen.append(c)
         return chosen
 
