@@ -135,7 +135,8 @@ def plan_calls(experts: Sequence[int], counts: Sequence[int], candidates: Sequen
     """
     guesses = [None if predicted is None or len(addresses) == 1 or expert >= len(predicted) else predicted[expert]
                for expert, addresses in zip(experts, candidates)]
-    parts = split_layer(counts, candidates, dict(inflight), guesses, min_tokens)
+    queued = {a: inflight.get(a, 0) for addresses in candidates for a in addresses}
+    parts = split_layer(counts, candidates, queued, guesses, min_tokens)
     calls: dict[CallKey, list[Piece]] = {}
     for n, (expert, expert_parts) in enumerate(zip(experts, parts)):
         for address, part in expert_parts:
@@ -639,7 +640,7 @@ class Dispatcher:
         # Read only where an expert has several replicas to split across: reading it waits for the GPU.
         predicted = self._predicted(layer) if any(len(c) > 1 for c in candidates) else None
         plan = plan_calls(experts, [spans[e][1] - spans[e][0] for e in experts], candidates,
-                          {a: r.inflight_tokens for a, r in self._replicas.items()}, predicted,
+                          {a: self._replicas[a].inflight_tokens for c in candidates for a in c}, predicted,
                           self.config.split_min_tokens,
                           [remote[e].bundle for e in experts] if self.config.calls_per_bundle else None)
         # Ids are unique per call in flight on a client: every call of the layer gets its own.
