@@ -6,8 +6,8 @@ from kubemoe.planning.split import Part, layer_order, split, split_layer
 
 
 def test_hand_worked_split_goes_to_the_shortest_queues_and_levels_them():
-    # 10 tokens, 3 parts worth a replica each (>= 3 tokens): the least-busy replicas. Levelling 0 and 3
-    # queued with 5 would give the third 1 token, under 3: it gets none, and 0 and 3 level at 7 and 6.
+    # 10 tokens, 3 parts worth a replica each (>= 3 tokens): the least-busy replicas. Levelling the queues
+    # 0, 3 and 5 would give the one at 5 a single token, under 3: it gets none, and the others end at 7 and 6.
     assert split(10, [5, 0, 3], predicted_tokens=10, min_tokens_per_replica=3) == [Part(1, 0, 7), Part(2, 7, 3)]
     # On equal queues the parts are even, larger parts first (the old split's answer).
     assert split(10, [0, 0, 0], predicted_tokens=10, min_tokens_per_replica=3) == [
