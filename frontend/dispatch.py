@@ -135,7 +135,7 @@ def plan_calls(experts: Sequence[int], counts: Sequence[int], candidates: Sequen
     """
     guesses = [None if predicted is None or len(addresses) == 1 or expert >= len(predicted) else predicted[expert]
                for expert, addresses in zip(experts, candidates)]
-    queued = {a: inflight.get(a, 0) for addresses in candidates for a in addresses}
+    queued = dict(inflight)  # a copy: split_layer adds this layer's parts to it
     parts = split_layer(counts, candidates, queued, guesses, min_tokens)
     calls: dict[CallKey, list[Piece]] = {}
     for n, (expert, expert_parts) in enumerate(zip(experts, parts)):

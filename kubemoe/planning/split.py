@@ -53,10 +53,11 @@ def split(tokens: int, queued: Sequence[int], predicted_tokens: float | None = N
     chosen = sorted(range(len(queued)), key=lambda i: (queued[i], i))[:parts]
     smallest = min(min_tokens_per_replica, tokens // parts)
     # Water-filling: the longest chosen queue leaves while its share of the level is too small.
-    k = parts
-    while k > 1 and (tokens + sum(queued[i] for i in chosen[:k])) // k - queued[chosen[k - 1]] < smallest:
+    k, total = parts, tokens + sum(queued[i] for i in chosen)  # total: the tokens the first k queues end with
+    while k > 1 and total // k - queued[chosen[k - 1]] < smallest:
         k -= 1
-    level, extra = divmod(tokens + sum(queued[i] for i in chosen[:k]), k)
+        total -= queued[chosen[k]]
+    level, extra = divmod(total, k)
     result, start = [], 0
     for rank, replica in enumerate(chosen[:k]):
         count = level - queued[replica] + (1 if rank < extra else 0)  # the shortest queues take the remainder
