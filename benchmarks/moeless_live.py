@@ -311,6 +311,26 @@ def summarize(name: str, served: Served) -> dict:
     return row
 
 
+def process_memory(processes: int, num_gpus: int, device: torch.device, static: Placement, expert_bytes: int,
+                   reserve: int = 8 << 30) -> list[GPU]:
+    """What each process (a 'GPU' of the plans) may hold: the static plan it holds now plus an even share of
+    what its GPU has free, less `reserve` for the driver's and the processes' working memory. A re-plan holds
+    the old plan and the new one's gains at once, so the placer is given half the free share.
+
+    The P processes share one or a few real GPUs: a plan sized as if each had a whole GPU runs an 80 GB
+    card out of memory."""
+    if device.type != "cuda":
+        return [GPU(str(p), str(p), 10**15) for p in range(processes)]  # host memory: not what is measured here
+    held = {str(p): 0 for p in range(processes)}
+    for gpu in static.gpu_of.values():
+        held[str(gpu)] += expert_bytes
+    physical = [p % num_gpus if num_gpus else device.index or 0 for p in range(processes)]
+    sharing = {g: physical.count(g) for g in set(physical)}
+    free = {g: torch.cuda.mem_get_info(g)[0] for g in sharing}
+    return [GPU(str(p), str(p), held[str(p)] + max(0, free[g] - reserve) // (2 * sharing[g]))
+            for p, g in enumerate(physical)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -342,7 +362,7 @@ def main() -> None:
                          args.prefill_iterations, args.seed)
     hidden, intermediate = SIZES[args.size]
     expert_bytes = 3 * hidden * intermediate * torch.tensor([], dtype=dtype).element_size()
-    gpus = [GPU(str(p), str(p), 10**15) for p in range(P)]  # memory: the H200 holds every plan here
+    gpus = [GPU(str(p), str(p), 10**15) for p in range(P)]  # the static plan's; the others': process_memory()
     split_min = DispatchConfig(model="").split_min_tokens
     started = time.perf_counter()
 
@@ -361,6 +381,9 @@ def main() -> None:
         with expert_processes(ckpt, bundles, model, ready_timeout=900, shm_dir=Path(shm),
                               gpus=list(range(args.gpus))) as procs:
             addresses = [procs.addresses[b.name][0] for b in bundles]
+            gpus = process_memory(P, args.gpus, device, static, expert_bytes)
+            print("memory a process may hold:", ", ".join(f"{g.memory_bytes / 2**30:.1f}" for g in gpus), "GiB",
+                  flush=True)
             dispatcher = Dispatcher(adapter, checkpoint, DispatchConfig(model=model, shm_dir=Path(shm)),
                                     LoadRecorder(model, "live"), dtype, device)
             driver = Driver(dispatcher, adapter, model, expert_bytes, device, dtype)
