@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, NamedTuple, Protocol, Sequence
 
 from kubemoe.frontend.offload.costs import ExpertCosts
 
@@ -99,8 +99,7 @@ class Policy(Protocol):
     def schedule(self, demand: LayerDemand, costs: ExpertCosts) -> Schedule: ...
 
 
-@dataclass(frozen=True)
-class SideTimes:
+class SideTimes(NamedTuple):  # a tuple, not a dataclass: prefix_spans makes one per missing expert, every layer
     """LayerScope's estimate of one layer's two sides: sums of per-expert costs (transfers included)."""
 
     gpu: float  # resident experts' t_g (`t_g_all`) + each loaded expert's t_io + t_g
@@ -116,15 +115,15 @@ def prefix_spans(demand: LayerDemand, costs: ExpertCosts) -> list[SideTimes]:
     """[k] -> the layer's times when its k missing experts with the most tokens are loaded, the rest on
     the CPU, for k = 0 .. len(missing) (prefix and suffix sums: linear in the experts)."""
     missing = [n for _, n in demand.missing()]
+    t_c = costs.cpu.each(missing)
     cpu_from = [0.0] * (len(missing) + 1)  # [k]: t_c of missing[k:]
     for k in range(len(missing) - 1, -1, -1):
-        cpu_from[k] = cpu_from[k + 1] + costs.t_c(missing[k])
-    gpu = costs.t_g_all([n for _, n in demand.resident_pending()])
-    spans = []
-    for k in range(len(missing) + 1):
-        spans.append(SideTimes(gpu + k * costs.t_io, cpu_from[k], k * costs.t_io))
-        if k < len(missing):
-            gpu += costs.t_g(missing[k])
+        cpu_from[k] = cpu_from[k + 1] + t_c[k]
+    gpu, t_io = costs.t_g_all([n for _, n in demand.resident_pending()]), costs.t_io
+    spans = [SideTimes(gpu, cpu_from[0], 0.0)]
+    for k, t_g in enumerate(costs.gpu.each(missing), 1):
+        gpu += t_g
+        spans.append(SideTimes(gpu + k * t_io, cpu_from[k], k * t_io))
     return spans
 
 

@@ -48,6 +48,10 @@ class Candidate(NamedTuple):  # a tuple, not a dataclass: a layer makes a hundre
     tokens: int  # pending (this layer) or predicted (later layers)
 
 
+def _sort_key(c: Candidate) -> tuple[int, int, int]:
+    return -c.tokens, c.offset, c.expert
+
+
 def prefetch_count(window_s: float, t_io: float, xi: float) -> float:
     """Step 5: how many expert copies fit in `window_s` seconds of idle copy engine, rounded by xi
     (an int; infinite when copies are free)."""
@@ -71,7 +75,8 @@ class PreSched:
     def schedule(self, demand: LayerDemand, costs: ExpertCosts) -> Schedule:
         depth = min(1, len(demand.ahead))
         while True:
-            chosen = self.gpu_queue(demand, costs, depth)
+            candidates = self.candidates(demand, depth)
+            chosen = self.gpu_queue(demand, costs, depth, candidates)
             prefetchable = [c for c in chosen if c.offset > 0]
             # Step 6: nothing to prefetch for the window's layers: look one layer further.
             if prefetchable or not self.extend_window or depth >= len(demand.ahead):
@@ -85,7 +90,7 @@ class PreSched:
         if self.fill_idle_copies and count > len(prefetchable):
             # Step 7: the copies the queue leaves idle go to the window's other predicted experts.
             queued = set(prefetchable)
-            prefetchable += [c for c in self.candidates(demand, depth) if c.offset > 0 and c not in queued]
+            prefetchable += [c for c in candidates if c.offset > 0 and c not in queued]
         prefetch = [(demand.layer + c.offset, c.expert) for c in prefetchable[:count]]
         return Schedule.from_split(demand, [e for e, _ in demand.missing()[:k]], prefetch)
 
@@ -95,21 +100,23 @@ class PreSched:
         items = [Candidate(0, e, n) for e, n in demand.missing()]
         for offset, (predicted, resident) in enumerate(zip(demand.ahead[:depth], demand.resident_ahead), 1):
             items += [Candidate(offset, e, n) for e, n in predicted.items() if e not in resident and n > 0]
-        return sorted(items, key=lambda c: (-c.tokens, c.offset, c.expert))
+        return sorted(items, key=_sort_key)
 
-    def gpu_queue(self, demand: LayerDemand, costs: ExpertCosts, depth: int) -> list[Candidate]:
-        """Step 2: candidates moved to the GPU, in sorted order, while T_G_all < T_C_all."""
-        candidates = self.candidates(demand, depth)
+    @staticmethod
+    def gpu_queue(demand: LayerDemand, costs: ExpertCosts, depth: int, candidates: list[Candidate]) -> list[Candidate]:
+        """Step 2: of step 1's `candidates` for `depth` layers ahead, those moved to the GPU, in their order,
+        while T_G_all < T_C_all."""
         t_g_all = costs.t_g_all([n for _, n in demand.resident_pending()])
         for predicted, resident in zip(demand.ahead[:depth], demand.resident_ahead):
             t_g_all += costs.t_g_all([n for e, n in predicted.items() if e in resident and n > 0])
-        t_c = [costs.t_c(c.tokens) for c in candidates]
+        tokens = [c.tokens for c in candidates]
+        t_c = costs.cpu.each(tokens)
         t_c_all = sum(t_c)
         chosen = []
-        for c, c_on_cpu in zip(candidates, t_c):
+        for c, c_on_cpu, moved in zip(candidates, t_c, costs.gpu.each(tokens)):
             if t_g_all >= t_c_all:
                 break
-            t_g_all += costs.t_io + costs.t_g(c.tokens)
+            t_g_all += costs.t_io + moved
             t_c_all -= c_on_cpu
             chosen.append(c)
         return chosen
@@ -117,9 +124,8 @@ class PreSched:
     @staticmethod
     def monotone_loads(demand: LayerDemand, chosen: list[Candidate]) -> int:
         """Step 3: the number k of this layer's missing experts loaded: every one down to the last chosen."""
-        order = [e for e, _ in demand.missing()]
-        picked = [order.index(c.expert) for c in chosen if c.offset == 0]
-        return max(picked) + 1 if picked else 0
+        order = {e: i for i, (e, _) in enumerate(demand.missing())}
+        return max((order[c.expert] + 1 for c in chosen if c.offset == 0), default=0)
 
     @staticmethod
     def recheck(spans: list[float], k: int) -> int:
