@@ -16,10 +16,6 @@ runs a layer's experts at once from the stack (batcher.py), anything else (graph
 from the views. A Load or Unload makes each layer it changes a new stack, the experts kept copied
 from the old one: while it does, that layer is held twice, and the old stack serves the rounds
 meanwhile. Reads take no lock: the store replaces its dicts, never mutates them.
-
-What a change frees goes back to the device, not to this process's allocator cache: functions share a
-GPU (time-slicing, MPS), and memory cached here is memory a co-tenant's Load cannot have. With eight
-functions on one 80 GB GPU re-planning in turn, each cache grew to its own peak and a Load ran out.
 """
 
 from __future__ import annotations
@@ -146,7 +142,6 @@ class ExpertStore:
                 loaded = sum(self._weights[key].nbytes for key in self._loading)
             finally:
                 self._loading = frozenset()
-            self._release_freed()
         return loaded, time.perf_counter() - start
 
     def unload(self, keys: Iterable[ExpertKey]) -> int:
@@ -162,10 +157,7 @@ class ExpertStore:
                     self._restack(layer, self._held_of(layer) - experts)
             else:
                 self._weights = {k: w for k, w in held.items() if k not in gone}
-            freed = sum(held[key].nbytes for key in gone)
-            del held
-            self._release_freed()
-        return freed
+        return sum(held[key].nbytes for key in gone)
 
     def _held_of(self, layer: int) -> set[int]:
         stack = self._stacks.get(layer)
@@ -193,12 +185,6 @@ class ExpertStore:
             stacks[layer] = LayerStack(stack, {e: i for i, e in enumerate(ids)})
         # Each read alone is consistent: a round takes a layer's experts from its stack, or from the weights
         self._stacks, self._weights = stacks, weights
-
-    def _release_freed(self) -> None:
-        """Hand the blocks no tensor uses any more back to the device (see the module's docstring). It waits
-        for the rounds queued on them (record_stream) on this thread only; rounds go on meanwhile."""
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def _read(self, key: ExpertKey) -> ExpertWeights:
         """One expert from the checkpoint; on a GPU queued on the load stream (_ready_for_serving() them)."""
