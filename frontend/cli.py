@@ -12,25 +12,7 @@ from kubemoe import logs, offload_env, pod_args, ports
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.expert_fn.cli import busy_poll_option, shm_dir_option
 from kubemoe.frontend.offload.config import POLICIES
-
-
-class ByteSize(click.ParamType):
-    """A size as Kubernetes writes quantities (20Gi, 512Mi, 1G) or in bytes."""
-
-    name = "SIZE"
-
-    def convert(self, value, param, ctx) -> int:
-        from kubernetes.utils import parse_quantity
-
-        if isinstance(value, int):
-            return value
-        try:
-            size = int(parse_quantity(value))
-        except (ValueError, TypeError):
-            self.fail(f"{value!r} is not a size: write e.g. 20Gi, 512Mi or a number of bytes", param, ctx)
-        if size <= 0:
-            self.fail(f"{value!r}: the size must be positive", param, ctx)
-        return size
+from kubemoe.sizes import ByteSize
 
 
 checkpoint_option = click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),

@@ -19,6 +19,7 @@ import click
 from kubemoe.errors import KubemoeError
 from kubemoe.planning.placer import GPU, Placement, place
 from kubemoe.planning.scaler import layer_cv, scale
+from kubemoe.sizes import ByteSize
 
 
 @dataclass(frozen=True)
@@ -85,18 +86,6 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def _bytes(value: str, flag: str) -> int:
-    from kubernetes.utils import parse_quantity
-
-    try:
-        quantity = int(parse_quantity(value))
-    except (ValueError, TypeError):
-        raise click.BadParameter(f"{value!r} is not a size; write e.g. 80Gi or 141Gi", param_hint=flag) from None
-    if quantity <= 0:
-        raise click.BadParameter(f"{value!r} must be positive", param_hint=flag)
-    return quantity
-
-
 @click.command("plan")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True,
               help="Checkpoint folder: its MoE layers, experts and expert size.")
@@ -104,13 +93,15 @@ def _bytes(value: str, flag: str) -> int:
               help="A frontend's /loads (JSON LoadReport), or a JSON list of them.")
 @click.option("--nodes", type=click.IntRange(1), required=True, help="GPU nodes to plan for.")
 @click.option("--gpus-per-node", type=click.IntRange(1), default=8, show_default=True)
-@click.option("--gpu-memory", default="80Gi", show_default=True, help="Memory per GPU for expert replicas.")
+@click.option("--gpu-memory", type=ByteSize(), default="80Gi", show_default=True,
+              help="Memory per GPU for expert replicas.")
 @click.option("--cv", type=click.FloatRange(min=0), default=0.2, show_default=True,
               help="Scale until the CV of per-replica loads in a layer is at most this.")
 @click.option("--max-per-expert", type=click.IntRange(1), default=8, show_default=True)
-@click.option("--layer-memory-cap", default=None, help="Memory cap per layer's replicas, e.g. 16Gi [default: none].")
-def plan_command(checkpoint: Path, loads_file: Path, nodes: int, gpus_per_node: int, gpu_memory: str, cv: float,
-                 max_per_expert: int, layer_memory_cap: str | None) -> None:
+@click.option("--layer-memory-cap", type=ByteSize(), default=None,
+              help="Memory cap per layer's replicas, e.g. 16Gi [default: none].")
+def plan_command(checkpoint: Path, loads_file: Path, nodes: int, gpus_per_node: int, gpu_memory: int, cv: float,
+                 max_per_expert: int, layer_memory_cap: int | None) -> None:
     """Print the replicas and GPUs kubemoe would plan for these loads."""
     from kubemoe.adapters import MoEAdapter
     from kubemoe.checkpoint import Checkpoint
@@ -127,11 +118,9 @@ def plan_command(checkpoint: Path, loads_file: Path, nodes: int, gpus_per_node: 
     except LoadReportError as e:
         raise KubemoeError(f"{loads_file}: {e}") from None
     loads = loads_matrix(rates(reports), adapter.moe_layers, adapter.num_experts)
-    memory = _bytes(gpu_memory, "--gpu-memory")
-    gpus = [GPU(f"node{n}/gpu{g}", f"node{n}", memory) for n in range(nodes) for g in range(gpus_per_node)]
-    cap = _bytes(layer_memory_cap, "--layer-memory-cap") if layer_memory_cap else None
+    gpus = [GPU(f"node{n}/gpu{g}", f"node{n}", gpu_memory) for n in range(nodes) for g in range(gpus_per_node)]
     least = min_replica_load(expert_bytes, dtype.itemsize, passes_per_second(reports))
-    summary = summarize(loads, adapter.moe_layers, expert_bytes, gpus, cv, max_per_expert, cap, least)
+    summary = summarize(loads, adapter.moe_layers, expert_bytes, gpus, cv, max_per_expert, layer_memory_cap, least)
     click.echo(f"{adapter.arch.name}: {len(adapter.moe_layers)} MoE layers x {adapter.num_experts} experts of "
                f"{expert_bytes / 2**20:.1f} MiB; {sum(map(sum, loads)):.1f} tokens/s routed (from {len(reports)} "
                f"report{'s' if len(reports) != 1 else ''})")
