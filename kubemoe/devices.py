@@ -45,11 +45,12 @@ def limit_gpu_memory(device: torch.device, limit_bytes: int) -> None:
     then raises OutOfMemoryError); a limit larger than the GPU is refused, as it would cap nothing."""
     import torch
 
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = torch.cuda.current_device() if device.index is None else device.index  # the fraction wants an index
+    total = torch.cuda.get_device_properties(index).total_memory
     if limit_bytes > total:
         raise KubemoeError(f"--gpu-memory-limit of {limit_bytes / 2**30:.2f} GiB is more than {device} has "
                            f"({total / 2**30:.2f} GiB): lower it to this function's share of the GPU")
-    torch.cuda.set_per_process_memory_fraction(limit_bytes / total, device)
+    torch.cuda.set_per_process_memory_fraction(limit_bytes / total, index)
 
 
 def serving_attention(device: torch.device) -> None:

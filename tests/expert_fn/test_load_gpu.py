@@ -162,4 +162,4 @@ def test_a_load_past_the_memory_limit_is_refused_and_what_was_held_still_serves(
         store.load([(layer, 1)])  # one expert fits again
         assert store.held() == [(layer, 1)]
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, cuda)
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
