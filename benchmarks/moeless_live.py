@@ -36,7 +36,6 @@ balance across processes buys far less than across P real GPUs (each extra weigh
 all). The figures say what kubemoe's machinery costs and does on one GPU, not MoEless's 8-GPU gains.
 With `--gpus N` process p runs on GPU p % N (CUDA_VISIBLE_DEVICES, as a pod gets its GPU): `--processes 8
 --gpus 8` on an 8-GPU host is MoEless's setting (issue 18); the driver stays on `--device`.
-Each process may hold an even share of its GPU's free memory (`--gpu-memory-limit`), and plans fill half of it.
 Goals: the four ratios of moeless_sim (latency_vs_static, _eplb, _oracle; cost_vs_static) over
 decode and prefill together, and replan_step_p99_vs_steady (<= 1.1): kubemoe's re-plan steps' p99
 over its steady steps' p99, the larger of decode and prefill.
@@ -312,19 +311,24 @@ def summarize(name: str, served: Served) -> dict:
     return row
 
 
-def process_memory(processes: int, num_gpus: int, device: torch.device, reserve: int = 6 << 30,
-                   context: int = 1 << 30) -> int | None:
-    """The bytes each expert-function process may hold (its --gpu-memory-limit): an even share of what its GPU
-    has free, less `reserve` for the driver's working memory and `context` per process (its CUDA context lies
-    outside the allocator). None off CUDA.
+def process_memory(processes: int, num_gpus: int, device: torch.device, static: Placement, expert_bytes: int,
+                   reserve: int = 8 << 30) -> list[GPU]:
+    """What each process (a 'GPU' of the plans) may hold: the static plan it holds now plus an even share of
+    what its GPU has free, less `reserve` for the driver's and the processes' working memory. A re-plan holds
+    the old plan and the new one's gains at once, so the placer is given half the free share.
 
-    The P processes stand for P GPUs but share one or a few: planned as if each had a whole GPU, and each
-    keeping what it freed in its own cache, they ran an 80 GB card out of memory."""
+    The P processes share one or a few real GPUs: a plan sized as if each had a whole GPU runs an 80 GB
+    card out of memory."""
     if device.type != "cuda":
-        return None
+        return [GPU(str(p), str(p), 10**15) for p in range(processes)]  # host memory: not what is measured here
+    held = {str(p): 0 for p in range(processes)}
+    for gpu in static.gpu_of.values():
+        held[str(gpu)] += expert_bytes
     physical = [p % num_gpus if num_gpus else device.index or 0 for p in range(processes)]
-    return min((torch.cuda.mem_get_info(g)[0] - reserve - physical.count(g) * context) // physical.count(g)
-               for g in set(physical))
+    sharing = {g: physical.count(g) for g in set(physical)}
+    free = {g: torch.cuda.mem_get_info(g)[0] for g in sharing}
+    return [GPU(str(p), str(p), held[str(p)] + max(0, free[g] - reserve) // (2 * sharing[g]))
+            for p, g in enumerate(physical)]
 
 
 def main() -> None:
@@ -358,10 +362,7 @@ def main() -> None:
                          args.prefill_iterations, args.seed)
     hidden, intermediate = SIZES[args.size]
     expert_bytes = 3 * hidden * intermediate * torch.tensor([], dtype=dtype).element_size()
-    limit = process_memory(P, args.gpus, device)
-    # The placer fills half a process's limit: a re-plan holds the old plan and the new one's gains at once, and a
-    # Load holds the layer it restacks twice.
-    gpus = [GPU(str(p), str(p), limit // 2 if limit else 10**15) for p in range(P)]
+    gpus = [GPU(str(p), str(p), 10**15) for p in range(P)]  # the static plan's; the others': process_memory()
     split_min = DispatchConfig(model="").split_min_tokens
     started = time.perf_counter()
 
@@ -377,12 +378,12 @@ def main() -> None:
         static = static_ep(np.ones((L, E)).tolist(), gpus, expert_bytes)
         first = {p: tuple(sorted((layer, e) for (layer, e, _), g in static.gpu_of.items() if int(g) == p)) for p in range(P)}
         bundles = [Bundle(f"p{p}", first[p]) for p in range(P)]
-        if limit:
-            print(f"each process may hold {limit / 2**30:.1f} GiB, plans fill {gpus[0].memory_bytes / 2**30:.1f}",
-                  flush=True)
         with expert_processes(ckpt, bundles, model, ready_timeout=900, shm_dir=Path(shm),
-                              gpus=list(range(args.gpus)), gpu_memory_limit=limit) as procs:
+                              gpus=list(range(args.gpus))) as procs:
             addresses = [procs.addresses[b.name][0] for b in bundles]
+            gpus = process_memory(P, args.gpus, device, static, expert_bytes)
+            print("memory a process may hold:", ", ".join(f"{g.memory_bytes / 2**30:.1f}" for g in gpus), "GiB",
+                  flush=True)
             dispatcher = Dispatcher(adapter, checkpoint, DispatchConfig(model=model, shm_dir=Path(shm)),
                                     LoadRecorder(model, "live"), dtype, device)
             driver = Driver(dispatcher, adapter, model, expert_bytes, device, dtype)
@@ -448,7 +449,7 @@ def main() -> None:
              "replan_step_p99_vs_steady": Goal(max(replan) if replan else float("nan"), "<= 1.1")}
     write_results("moeless_live", device, rows, goals, out=args.out,
                   settings={k: str(v) for k, v in vars(args).items()},
-                  expert_mib=expert_bytes / 2**20, eplb_redundant_per_layer=redundant, process_memory_limit=limit,
+                  expert_mib=expert_bytes / 2**20, eplb_redundant_per_layer=redundant,
                   bound="one GPU shared by every expert-function process: balance across processes buys "
                         "little; cost is memory held x time (every plan holds its replicas), not pay-per-use",
                   seconds=round(time.perf_counter() - started, 1))

@@ -9,7 +9,6 @@ import click
 from kubemoe import busy_poll, logs, ports
 from kubemoe.devices import DTYPE_CHOICES
 from kubemoe.expert_fn.transport import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_DIR
-from kubemoe.sizes import ByteSize
 
 
 def shm_dir_option(peers: str):
@@ -59,16 +58,13 @@ def busy_poll_option(waits_for: str, default: float = busy_poll.DEFAULT_BUSY_POL
 @click.option("--drop-after", type=float, default=30.0, show_default=True,
               help="Seconds an expert the table no longer sends here stays loaded (frontends switch tables a "
                    "moment apart).")
-@click.option("--gpu-memory-limit", type=ByteSize(), default=None,
-              help="GPU memory this function may hold, e.g. 8Gi (where functions share a GPU: its share) "
-                   "[default: no limit].")
 @shm_dir_option("frontends")
 @busy_poll_option("the next request")
 def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | None, device: str, dtype: str | None,
             metrics_port: int, batch_wait_ms: float, max_message_bytes: int, grace_seconds: float,
             cuda_graph_tokens: int | None, data_port: int, data_host: str | None,
             routing_table: str | None, routing_configmap: str | None, address: str | None,
-            drop_after: float, gpu_memory_limit: int | None, shm_dir: Path | None, busy_poll_us: float) -> None:
+            drop_after: float, shm_dir: Path | None, busy_poll_us: float) -> None:
     """Serve a bundle of experts over gRPC until SIGTERM."""
     from kubemoe.expert_fn.config import ExpertFnConfig
     from kubemoe.expert_fn.server import serve
@@ -82,7 +78,6 @@ def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | No
         max_message_bytes=max_message_bytes, grace_seconds=grace_seconds, shm_dir=shm_dir,
         data_port=None if data_port < 0 else data_port, data_host=data_host or None,
         routing_table=routing_table, routing_configmap=routing_configmap, address=address, drop_after=drop_after,
-        gpu_memory_limit=gpu_memory_limit,
         **({} if cuda_graph_tokens is None else {"cuda_graph_tokens": cuda_graph_tokens}),
     )
     busy_poll.run(serve(config), busy_poll_us)

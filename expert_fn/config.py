@@ -51,21 +51,12 @@ class ExpertFnConfig:
     routing_configmap: str | None = None
     address: str | None = None
     drop_after: float = 30.0  # seconds an expert the table no longer sends here stays loaded
-    # Bytes this function's CUDA allocator may hold (weights, a Load's new stack, activations); None: no limit.
-    # Functions sharing a GPU (time-slicing, MPS) have no memory isolation, and each keeps what it freed in its
-    # own cache: eight of them re-planning on one 80 GB GPU grew their caches until a Load ran out. Under a
-    # limit, the allocator gives its cache back before it passes the limit, and a Load that needs more fails
-    # with RESOURCE_EXHAUSTED instead of taking a co-tenant's memory.
-    gpu_memory_limit: int | None = None
     arch: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if (self.routing_table or self.routing_configmap) and not self.address:
             raise KubemoeError("following the routing table needs --address: how the table names this expert "
                                "function (host:port), so it knows which experts are its own")
-        if self.gpu_memory_limit is not None and (self.gpu_memory_limit <= 0 or self.device.type != "cuda"):
-            raise KubemoeError(f"--gpu-memory-limit {self.gpu_memory_limit} needs a positive size and a CUDA device "
-                               f"(this function runs on {self.device}): drop it, or serve on a GPU")
         if self.routing_configmap and self.routing_configmap.count("/") != 1:
             raise KubemoeError(f"--routing-configmap must be NAMESPACE/NAME, got {self.routing_configmap!r}")
 

@@ -19,7 +19,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from kubemoe.devices import limit_gpu_memory
 from kubemoe.errors import KubemoeError
 from kubemoe.gc_freeze import settle
 from kubemoe.adapters import MoEAdapter
@@ -78,8 +77,6 @@ async def build_server(
     With `preload` the bundle's weights start loading now, in a thread; health reports NOT_SERVING
     until they are in. Without it nothing loads until a Load call (tests use this).
     """
-    if config.gpu_memory_limit is not None:
-        limit_gpu_memory(config.device, config.gpu_memory_limit)
     checkpoint = Checkpoint(config.checkpoint)
     store = ExpertStore(checkpoint, MoEAdapter(checkpoint.config), config.bundle, config.dtype, config.device)
     servicer = ExpertServicer(config, store, metrics or ExpertFnMetrics(config.bundle_spec),

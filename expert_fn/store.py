@@ -140,19 +140,9 @@ class ExpertStore:
                     self._ready_for_serving(*(t for w in new.values() for t in (w.gate_up, w.down)))
                     self._weights = {**self._weights, **new}
                 loaded = sum(self._weights[key].nbytes for key in self._loading)
-            except torch.cuda.OutOfMemoryError as e:  # what was held stays held: no dict was replaced
-                raise self._out_of_memory(self._loading) from e
             finally:
                 self._loading = frozenset()
         return loaded, time.perf_counter() - start
-
-    def _out_of_memory(self, keys: Iterable[ExpertKey]) -> ExpertFnError:
-        held = torch.cuda.memory_allocated(self.device) / 2**30
-        return ExpertFnError(grpc.StatusCode.RESOURCE_EXHAUSTED, (
-            f"loading {format_bundle_spec(keys)} ran out of GPU memory on {self.device} ({held:.2f} GiB held by this "
-            f"function, {self.nbytes / 2**30:.2f} GiB of it experts; a layer being restacked is held twice meanwhile): "
-            "unload experts first, give this function more (--gpu-memory-limit, or a larger GPU share), or plan "
-            "fewer replicas on its GPU"))
 
     def unload(self, keys: Iterable[ExpertKey]) -> int:
         """Drop the given experts (those not held are ignored); returns the bytes freed."""

@@ -40,19 +40,6 @@ def resolve_dtype(dtype, model_config) -> torch.dtype:
     return getattr(torch, name)
 
 
-def limit_gpu_memory(device: torch.device, limit_bytes: int) -> None:
-    """Cap this process's CUDA allocator on `device` at `limit_bytes` (it frees its cache before passing it,
-    then raises OutOfMemoryError); a limit larger than the GPU is refused, as it would cap nothing."""
-    import torch
-
-    index = torch.cuda.current_device() if device.index is None else device.index  # the fraction wants an index
-    total = torch.cuda.get_device_properties(index).total_memory
-    if limit_bytes > total:
-        raise KubemoeError(f"--gpu-memory-limit of {limit_bytes / 2**30:.2f} GiB is more than {device} has "
-                           f"({total / 2**30:.2f} GiB): lower it to this function's share of the GPU")
-    torch.cuda.set_per_process_memory_fraction(limit_bytes / total, index)
-
-
 def serving_attention(device: torch.device) -> None:
     """Attention kernels for serving on `device`: on a GPU, not cuDNN's. cuDNN's attention builds a plan for
     every new key length the first time it sees it (56 ms per call on the H200, benchmarks/experiments/

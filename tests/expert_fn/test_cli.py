@@ -59,10 +59,3 @@ def test_bad_flags_say_what_to_do(tmp_path, tiny_checkpoint):
     assert "bad --bundle: layer 5" in str(result.exception) and "MoE layers: [0, 1]" in str(result.exception)
     result = CliRunner().invoke(command, ["--checkpoint", str(tmp_path)])
     assert result.exit_code != 0 and "kubemoe checkpoint make" in str(result.exception)
-    ckpt = str(tiny_checkpoint("mixtral"))
-    result = CliRunner().invoke(command, ["--checkpoint", ckpt, "--gpu-memory-limit", "lots"])
-    assert result.exit_code == 2 and "'lots' is not a size: write e.g. 20Gi" in result.output
-    result = CliRunner().invoke(command, ["--checkpoint", ckpt, "--device", "cpu", "--gpu-memory-limit", "8Gi"])
-    assert result.exit_code != 0
-    assert "--gpu-memory-limit 8589934592 needs a positive size and a CUDA device (this function runs on cpu)" in \
-        str(result.exception)

@@ -9,7 +9,6 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
@@ -129,37 +128,3 @@ def test_pinned_staging_copies_every_byte_whatever_the_chunks(nbytes, chunk):
         assert torch.equal(target.cpu().view(torch.uint8), shaped.view(torch.uint8))  # bytes: random bits make NaNs
     with pytest.raises(ValueError, match="cannot copy"):
         staging.copy(torch.empty(3, device="cuda"), torch.zeros(4))
-
-
-def test_a_load_past_the_memory_limit_is_refused_and_what_was_held_still_serves(mixtral_sized):
-    """--gpu-memory-limit: a function sharing a GPU stays within its share; a Load that needs more leaves with
-    RESOURCE_EXHAUSTED, and the experts held before it are still held."""
-    from kubemoe.devices import limit_gpu_memory
-    from kubemoe.errors import KubemoeError
-    from kubemoe.expert_fn.errors import ExpertFnError
-
-    adapter = MoEAdapter(mixtral_sized.config)
-    layer = adapter.moe_layers[0]
-    one = 3 * HIDDEN * INTERMEDIATE * 2
-    cuda = torch.device("cuda")
-    with pytest.raises(KubemoeError, match="more than cuda has"):
-        limit_gpu_memory(cuda, torch.cuda.get_device_properties(cuda).total_memory + 1)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # the limit counts what the allocator reserves, cached blocks included
-    store = ExpertStore(mixtral_sized, adapter, [], torch.bfloat16, cuda)
-    limit_gpu_memory(cuda, torch.cuda.memory_reserved() + int(2.5 * one))
-    try:
-        store.load([(layer, 0)])
-        with pytest.raises(ExpertFnError) as refused:
-            store.load([(layer, 1)])  # a stack of two beside the old one of one: three experts
-        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert f"loading {layer}:1 ran out of GPU memory" in str(refused.value)
-        assert "--gpu-memory-limit" in str(refused.value)
-        assert store.held() == [(layer, 0)]
-        want = adapter.load_expert(mixtral_sized, layer, 0, torch.bfloat16, "cpu")
-        assert torch.equal(store.get(layer, 0).gate_up.cpu(), want.gate_up)
-        store.unload([(layer, 0)])
-        store.load([(layer, 1)])  # one expert fits again
-        assert store.held() == [(layer, 1)]
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
