@@ -8,8 +8,12 @@ prefetched earlier), which are copied on demand, which run on the CPU and what t
    starts on them once they land;
 2. resident and prefetched experts compute on the device after their own copies' events: as one grouped FFN
    over the slot stack when GROUPED_MIN_EXPERTS or more are there, else one FFN each;
-3. on-demand copies alternate between two slots, each computed as soon as its copy lands, while the
-   next copy runs; the prefetches queue behind them on the copy streams into the prefetch groups;
+3. on-demand copies alternate between two halves of the slots free at this layer (the two on-demand slots and
+   the prefetch slots nothing is held in), each computed as soon as it lands while the next copies run: where
+   a half holds GROUPED_MIN_EXPERTS or more, the loads go in batches, each copied together and computed as
+   one grouped FFN (at Qwen3-30B-A3B size a layer loads tens of small experts, and issuing a copy and an FFN
+   for each one took the host longer than the link took to move them), else one by one; the prefetches queue
+   behind them on the copy streams into the prefetch groups;
 4. the CPU outputs, one block written in place by the pool, come back and are added into the same output as the
    device experts' (index_add).
 Device slots: [0, R) the hot table's R experts, then the two on-demand slots, then 2 x P prefetch slots
@@ -64,7 +68,7 @@ class OffloadExecutor:
         self.resident_slot: dict[Key, int] = {}  # (position, expert) -> slot
         for slot, (layer, expert) in enumerate(resident):
             self.resident_slot[(self.position[layer], expert)] = slot
-            store.copy((layer, expert), slot)
+        store.copy_many([(key, slot) for slot, key in enumerate(resident)])
         self._index_resident()
         # LayerScope's Counter, fed by serving: every `rerank_every` forward passes the hot table is ranked
         # again and the experts that became hotter replace those that cooled, slot for slot.
@@ -197,15 +201,13 @@ class OffloadExecutor:
             for slot, group in ready:
                 self._compute(slot, hidden, top_k_weights, group, out)
 
-        # 3. On-demand copies through two alternating slots, then the prefetches behind them.
-        for j, expert in enumerate(schedule.load):
-            slot = self.on_demand[j % ON_DEMAND_BUFFERS]
-            store.copy((layer, expert), slot)
-            self._compute(slot, hidden, top_k_weights, by_expert[expert], out)
+        # 3. On-demand copies through the free slots (this layer's prefetched experts are queued above: theirs are
+        # free again), then the prefetches behind them.
         self._release_landed(position)
-        for target_position, expert in schedule.prefetch:
-            slot = self.free_prefetch.pop()
-            store.copy((self.layers[target_position], expert), slot)
+        self._load(layer, [by_expert[e] for e in schedule.load], hidden, top_k_weights, out)
+        prefetches = [((self.layers[p], e), self.free_prefetch.pop()) for p, e in schedule.prefetch]
+        store.copy_many(prefetches)
+        for ((_, expert), slot), (target_position, _) in zip(prefetches, schedule.prefetch):
             self.landed[(target_position, expert)] = slot
 
         # 4. The CPU outputs join the same output; their times keep t_c true to what serving sees.
@@ -219,6 +221,30 @@ class OffloadExecutor:
         if timings:
             self.refresher.observe_cpu(store.expert_bytes, [(tokens, end - start) for _, tokens, start, end in timings])
         return cpu_wait
+
+    def _load(self, layer: int, groups: list[ExpertGroup], hidden, top_k_weights, out: torch.Tensor) -> None:
+        """Copy `groups`' experts on demand and compute them, alternating between two halves of the free slots
+        (the on-demand slots first, then the prefetch slots the prefetches take last), so a copy never waits for
+        the kernels of the batch before it."""
+        free = self.on_demand + self.free_prefetch
+        half = len(free) // 2
+        if self.stack is None or half < GROUPED_MIN_EXPERTS:
+            for j, group in enumerate(groups):
+                slot = free[j % len(free)]
+                self.store.copy((layer, group.expert), slot)
+                self._compute(slot, hidden, top_k_weights, group, out)
+            return
+        count = -(-len(groups) // half)  # batches, as even as can be
+        for i in range(count):
+            batch = groups[i * len(groups) // count:(i + 1) * len(groups) // count]
+            slots = free[(i % 2) * half:][:len(batch)]
+            if len(batch) < GROUPED_MIN_EXPERTS:
+                for slot, group in zip(slots, batch):
+                    self.store.copy((layer, group.expert), slot)
+                    self._compute(slot, hidden, top_k_weights, group, out)
+            else:
+                self.store.copy_many([((layer, g.expert), slot) for slot, g in zip(slots, batch)])
+                self._compute_grouped(self.stack, list(zip(slots, batch)), hidden, top_k_weights, out)
 
     def _to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """x on the host, and the event the CPU worker waits for before reading it (None: there already). Into
@@ -268,8 +294,8 @@ class OffloadExecutor:
         ready = sorted(ready, key=lambda pair: pair[0])  # rows in the stack's (slot) order
         counts = [0] * self.store.num_slots
         for slot, group in ready:
-            self.store.wait_ready(slot)
             counts[slot] = group.count
+        self.store.wait_ready(*(slot for slot, _ in ready))
         rows = merge_groups([g for _, g in ready])
         x = expert_inputs(hidden, top_k_weights, rows, self.weight_on_input)
         ends = upload_ends(list(itertools.accumulate(counts)), self.store.device)

@@ -7,7 +7,9 @@ a policy and the cost figures, it plays every layer as the engine will run it:
 - copies share one copy engine, one after another: first this layer's on-demand loads, then its
   prefetches; prefetches issued earlier still in flight delay them (the price of a wrong prefetch);
 - on-demand loads go through two buffers used alternately: the third load waits until the first
-  loaded expert has been computed (its buffer is free again);
+  loaded expert has been computed (its buffer is free again; the engine also borrows the free prefetch
+  slots and batches small experts, so this wait is the model's worst case, and one it rarely meets: a
+  loaded expert computes in a fraction of its copy's time);
 - prefetched experts go to two prefetch groups of `prefetch_slots`, modelled as one pool of twice that:
   a buffer is held from its copy until its layer is done;
 - the GPU computes resident experts first, then the loaded ones in copy order, each after its copy;

@@ -106,6 +106,43 @@ def check_grouped(device, dtype, tolerance):
         close(executor)
 
 
+def check_loads_grouped(device, dtype, tolerance):
+    """Nothing resident and room for batches (two halves of five free slots): a layer's on-demand loads are
+    copied in batches and each batch runs as one grouped FFN, never one expert at a time."""
+    experts, hidden = weights(), torch.randn(32, H)
+    routes = [routing(32, seed=s) for s in range(len(LAYERS))]  # every expert of every layer
+    expert_bytes = EXPERT_BYTES * dtype.itemsize // 4
+    host = HostExperts(LAYERS, E, H, I, dtype, lambda l, e: experts[(l, e)])
+    executor = build_executor(OffloadConfig((2 + 2 * 4) * expert_bytes, policy="on-demand", prefetch_slots=4), host,
+                              K, torch.device(device), F.silu, False, NoLookahead(), profile=profile(expert_bytes=expert_bytes))
+    assert executor.stack is not None and not executor.resident_slot
+    batches = []
+
+    def one_by_one(*args):
+        raise AssertionError("an expert loaded on demand ran alone")
+
+    copy_many = executor.store.copy_many
+    executor.store.copy_many = lambda pairs: batches.append(len(pairs)) or copy_many(pairs)
+    executor._compute = one_by_one
+    try:
+        outs = forward(executor, hidden.to(device, dtype), [(i.to(device), w.to(device)) for i, w in routes])
+        for layer, out, (index, w) in zip(LAYERS, outs, routes):
+            reference = LocalExperts({e: experts[(layer, e)] for e in range(E)}, F.silu, False)
+            torch.testing.assert_close(out.float().cpu(), reference(hidden, index, w), **tolerance)
+        assert executor.stats.loaded == len(LAYERS) * E and batches == [4, 4, 0] * len(LAYERS)  # no prefetches
+    finally:
+        close(executor)
+
+
+def test_loads_on_demand_run_in_grouped_batches():
+    check_loads_grouped("cpu", torch.float32, dict(rtol=1e-4, atol=1e-5))
+
+
+@pytest.mark.gpu
+def test_loads_on_demand_on_the_gpu_run_in_grouped_batches():
+    check_loads_grouped("cuda", torch.bfloat16, dict(rtol=3e-2, atol=3e-2))
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, dict(rtol=1e-4, atol=1e-5)),
                                               (torch.bfloat16, dict(rtol=3e-2, atol=3e-2))])
 def test_experts_on_the_device_run_as_one_grouped_ffn(dtype, tolerance):

@@ -40,6 +40,20 @@ def test_host_holds_every_expert_and_copies_land_in_fixed_slots():
     assert s.slots.data_ptr() == slots and s.num_slots == 3
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_experts_copied_together_land_in_their_own_slots(device):
+    w, s = store(device)
+    try:
+        s.copy_many([((1, 3), 2), ((3, 0), 0), ((1, 1), 1)])
+        s.wait_ready(0, 1, 2)
+        for slot, key in [(2, (1, 3)), (0, (3, 0)), (1, (1, 1))]:
+            assert torch.equal(s.slot_weights(slot).gate_up.cpu(), w[key].gate_up)
+            assert torch.equal(s.slot_weights(slot).down.cpu(), w[key].down)
+    finally:
+        s.close()
+        s.host.close()
+
+
 def test_pinning_that_fails_is_logged_and_leaves_pageable_memory(caplog):
     tensors = [torch.empty(10), torch.empty(10)]
     pinned, undone = [], []
@@ -141,6 +155,24 @@ def test_a_stream_waits_for_a_copy_once(monkeypatch):
         waits.clear()
         s.wait_ready(0)
         assert len(waits) == 3  # a new copy: waited for again
+    finally:
+        s.close()
+        s.host.close()
+
+
+@pytest.mark.gpu
+def test_experts_copied_together_are_one_copy_per_stream_and_waited_for_once(monkeypatch):
+    waits, copies = [], []
+    wait_event, copy_ = torch.cuda.Stream.wait_event, torch.Tensor.copy_
+    monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda stream, event: waits.append(event) or wait_event(stream, event))
+    _, s = store("cuda", torch.bfloat16, slots=3)
+    try:
+        monkeypatch.setattr(torch.Tensor, "copy_", lambda dst, src, **kw: copies.append(dst) or copy_(dst, src, **kw))
+        s.copy_many([((1, 0), 0), ((1, 1), 1), ((3, 2), 2)])
+        monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+        assert len(copies) == 3 * 3  # three experts' three chunks
+        s.wait_ready(0, 1, 2)
+        assert len(waits) == 3  # the three streams' events, shared by the three slots
     finally:
         s.close()
         s.host.close()
