@@ -2,7 +2,7 @@
 # Run kubemoe's GPU benchmarks and tests on the lent H200 (the device tool), carrying .whl (the runtime wheels at
 # kubemoe's versions: the machine's image has older ones) and, for the tests, .whl-test; both are built here by
 # `bash benchmarks/device_wheels.sh`. Results go into $OUT.
-# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|grouped-slots|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab [ARGS]
+# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|offload-ab|grouped-slots|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab [ARGS]
 # (gpu-tests [PATHS]: the GPU tests under PATHS, default all of tests/)
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
 set -euo pipefail
@@ -74,6 +74,16 @@ case "${1:-all}" in
   offload)  # issue 15 item 8: every offload policy in the engine on Mixtral- and Qwen3-30B-A3B-size layers, routing
     # replayed from the base model's trace; the accelerate peer runs when its wheel is in .whl (accelerate-1.15.0)
     python3 benchmarks/offload_bench.py --device cuda --out "$OUT" "${@:2}" ;;
+  offload-ab)  # issue 15: the offload bench for a baseline tree ($2: e.g. `git archive <sha> | tar -x -C base` carried
+    # along) and this one, alternately, twice: this host's runs vary more than most changes gain (ARGS: the bench's)
+    for round in 1 2; do
+      for variant in base this; do
+        tree=$PWD; [ "$variant" = this ] || tree=$(cd "${2:?give the baseline tree}" && pwd)
+        echo "# $variant, round $round"
+        (cd "$tree" && PYTHONPATH="/tmp/site:$tree" python3 benchmarks/offload_bench.py --device cuda \
+          --out "$OUT/$variant-$round" "${@:3}") 2>&1 | grep -E " tok/s|lower bound|Error|error"
+      done
+    done ;;
   moeless-live)  # issue 14 item 7: kubemoe's scaling vs static EP, EPLB and the oracle over 8 expert-function
     # processes on this GPU, Mixtral-sized experts, the trained model's routing replayed; re-plans in place (~5 min)
     python3 benchmarks/moeless_live.py --device cuda --size mixtral --layers 2 --processes 8 --decode-iterations 300 \
@@ -113,5 +123,5 @@ case "${1:-all}" in
   chunked-prefill)  # issue 17 item 3: how long a 4000-token prompt stalls 8 decoding requests, chunked (budget
     # 2048, 512) against one-shot prefill; Mixtral sizes cut to 2 layers, in-process experts (~3 min)
     python3 benchmarks/chunked_prefill.py --device cuda --preset mixtral-4l --layers 2 --batch 8 --long 4000 --out "$OUT" "${@:2}" ;;
-  *) echo "usage: $0 expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
+  *) echo "usage: $0 expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|offload-ab|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
 esac
