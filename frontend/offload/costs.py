@@ -125,8 +125,40 @@ class ExpertCosts:
         grouped = self.grouped if self.groups(len(tokens)) else None
         return sum((grouped or self.gpu).each(tokens))
 
+    def shared_each(self, tokens: Iterable[float]) -> list[float]:
+        """Each expert's share of one grouped FFN (its FFN alone where the kernels do not group)."""
+        return (self.grouped or self.gpu).each(tokens)
+
     def t_c(self, tokens: float) -> float:
         return self.cpu(tokens)
+
+
+class GroupSeconds:
+    """`ExpertCosts.t_g_all` of experts that run together, kept up to date as they join one at a time: a layer's
+    on-demand loads (the executor computes them in grouped batches where there are enough of them), or a later
+    layer's resident experts and the prefetches that join them. Priced per expert alone, a Qwen3-30B-A3B-size
+    load cost PreSched ~8x its share of a grouped FFN, and experts the GPU would have run almost for free went
+    to the CPU."""
+
+    __slots__ = ("costs", "experts", "alone", "shared")
+
+    def __init__(self, costs: ExpertCosts, tokens: Sequence[float] = ()):
+        self.costs, self.experts = costs, len(tokens)
+        self.alone = sum(costs.gpu.each(tokens))
+        self.shared = sum(costs.shared_each(tokens))
+
+    @property
+    def seconds(self) -> float:
+        return self.shared if self.costs.groups(self.experts) else self.alone
+
+    def join(self, alone: float, shared: float) -> float:
+        """One more expert, its FFN alone taking `alone` seconds and its share of a grouped one `shared`.
+        -> the seconds the group grows by."""
+        before = self.seconds
+        self.experts += 1
+        self.alone += alone
+        self.shared += shared
+        return self.seconds - before
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Protocol, Sequence
 
-from kubemoe.frontend.offload.costs import ExpertCosts
+from kubemoe.frontend.offload.costs import ExpertCosts, GroupSeconds
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class Policy(Protocol):
 class SideTimes(NamedTuple):  # a tuple, not a dataclass: prefix_spans makes one per missing expert, every layer
     """LayerScope's estimate of one layer's two sides: sums of per-expert costs (transfers included)."""
 
-    gpu: float  # resident experts' t_g (`t_g_all`) + each loaded expert's t_io + t_g
+    gpu: float  # resident experts' t_g (`t_g_all`) + the loads' t_io each and their t_g as a group (`GroupSeconds`)
     cpu: float  # CPU experts' t_c, one after another (each uses every core)
     copies: float  # the loads' share of `gpu`: the copy engine's busy time
 
@@ -121,8 +121,9 @@ def prefix_spans(demand: LayerDemand, costs: ExpertCosts) -> list[SideTimes]:
         cpu_from[k] = cpu_from[k + 1] + t_c[k]
     gpu, t_io = costs.t_g_all([n for _, n in demand.resident_pending()]), costs.t_io
     spans = [SideTimes(gpu, cpu_from[0], 0.0)]
-    for k, t_g in enumerate(costs.gpu.each(missing), 1):
-        gpu += t_g
+    loads = GroupSeconds(costs)  # the loads run as a group of their own, after the resident experts
+    for k, (alone, shared) in enumerate(zip(costs.gpu.each(missing), costs.shared_each(missing)), 1):
+        gpu += loads.join(alone, shared)
         spans.append(SideTimes(gpu + k * t_io, cpu_from[k], k * t_io))
     return spans
 

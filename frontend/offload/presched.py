@@ -9,6 +9,8 @@ predicted next layer to prefetch while the copy engine would otherwise idle. The
 2. GPU queue: everything missing starts on the CPU; walking the sorted list, an expert moves to the GPU
    while T_G_all < T_C_all, the GPU side's total time over the window (t_g of resident experts, t_io + t_g
    of moved ones) against the CPU side's (t_c of those left). For the next layer, "moved" means prefetched.
+   t_g is priced as the executor runs the experts (`GroupSeconds`): a layer's loads as one group, a later
+   layer's prefetches inside its resident experts' group, each a share of a grouped FFN where they group.
 3. On-demand monotonicity: if an expert with n tokens is loaded on demand, every expert of this layer
    with more tokens is on the GPU too (the loads are a prefix of this layer's sorted missing experts).
 4. Re-check of this layer's part: this layer's tokens are known, the next layer's only predicted, so the
@@ -38,7 +40,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from kubemoe.frontend.offload.costs import ExpertCosts
+from kubemoe.frontend.offload.costs import ExpertCosts, GroupSeconds
 from kubemoe.frontend.offload.policy import LayerDemand, Schedule, prefix_spans
 
 
@@ -106,17 +108,19 @@ class PreSched:
     def gpu_queue(demand: LayerDemand, costs: ExpertCosts, depth: int, candidates: list[Candidate]) -> list[Candidate]:
         """Step 2: of step 1's `candidates` for `depth` layers ahead, those moved to the GPU, in their order,
         while T_G_all < T_C_all."""
-        t_g_all = costs.t_g_all([n for _, n in demand.resident_pending()])
-        for predicted, resident in zip(demand.ahead[:depth], demand.resident_ahead):
-            t_g_all += costs.t_g_all([n for e, n in predicted.items() if e in resident and n > 0])
+        # The GPU side as the executor runs it: this layer's resident experts, then its loads as a group of their
+        # own; a later layer's prefetches join its resident experts' group.
+        groups = [GroupSeconds(costs)] + [GroupSeconds(costs, [n for e, n in predicted.items() if e in resident and n > 0])
+                                          for predicted, resident in zip(demand.ahead[:depth], demand.resident_ahead)]
+        t_g_all = costs.t_g_all([n for _, n in demand.resident_pending()]) + sum(g.seconds for g in groups)
         tokens = [c.tokens for c in candidates]
         t_c = costs.cpu.each(tokens)
         t_c_all = sum(t_c)
         chosen = []
-        for c, c_on_cpu, moved in zip(candidates, t_c, costs.gpu.each(tokens)):
+        for c, c_on_cpu, alone, shared in zip(candidates, t_c, costs.gpu.each(tokens), costs.shared_each(tokens)):
             if t_g_all >= t_c_all:
                 break
-            t_g_all += costs.t_io + moved
+            t_g_all += costs.t_io + groups[c.offset].join(alone, shared)
             t_c_all -= c_on_cpu
             chosen.append(c)
         return chosen

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kubemoe.frontend.offload.costs import (
-    GROUPED_MIN_EXPERTS, PROFILE_FILE, CostLine, ExpertCosts, LineFit, OffloadProfile, ProfileRefresher, fit_line,
+    GROUPED_MIN_EXPERTS, PROFILE_FILE, CostLine, ExpertCosts, GroupSeconds, LineFit, OffloadProfile, ProfileRefresher, fit_line,
 )
 
 
@@ -109,3 +109,14 @@ def test_invalid_figures():
         CostLine(-1.0, 0.0)
     with pytest.raises(ValueError, match="one entry per expert size"):
         make_profile(experts=())
+
+
+def test_a_group_joined_one_expert_at_a_time_costs_what_it_costs_whole():
+    costs = ExpertCosts(1000, 2.0, CostLine(0.0, 0.5), CostLine(1.0, 1.0), grouped=CostLine(0.01, 0.02))
+    tokens = [5, 1, 3, 2, 8, 1]
+    group = GroupSeconds(costs)
+    grown = [group.join(a, s) for a, s in zip(costs.gpu.each(tokens), costs.shared_each(tokens))]
+    # One FFN each below four experts; at the fourth the group becomes one grouped FFN and its time falls.
+    assert grown[:3] == [0.5] * 3 and grown[3] == pytest.approx(costs.t_g_all(tokens[:4]) - 1.5) and grown[3] < 0
+    assert group.seconds == pytest.approx(costs.t_g_all(tokens))
+    assert GroupSeconds(costs, tokens).seconds == pytest.approx(costs.t_g_all(tokens))

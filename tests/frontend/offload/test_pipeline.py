@@ -5,6 +5,7 @@ A timeline line reads `what: start -> end`.
 """
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -42,6 +43,14 @@ def test_a_third_load_waits_for_its_buffer(profile, make_costs):
     # copy 6 -> 8 (not 5 -> 7), compute 9 -> 12.
     stats = run(OnDemand(), step(({0: 3, 1: 2, 2: 1}, {})), slow_gpu)
     assert [c[3:] for c in stats.copy_log] == [(1, 3), (3, 5), (6, 8)] and stats.seconds == 12
+
+
+def test_loads_that_group_are_priced_as_their_shares_of_one_grouped_ffn(make_costs):
+    grouped = OffloadProfile("model", (replace(make_costs(t_g=3.0), grouped=CostLine(0.0, 0.25)),), CostLine(0.0, 1.0))
+    # Four loads group: each computes in its 0.25 share. copy e0 1 -> 3, compute 3 -> 3.25; e1 3 -> 5, 5 -> 5.25;
+    # e2 5 -> 7, 7 -> 7.25; e3 7 -> 9, 9 -> 9.25. Three do not: one FFN each, as test_a_third_load_waits_for_its_buffer.
+    assert run(OnDemand(), step(({0: 4, 1: 3, 2: 2, 3: 1}, {})), grouped).seconds == 9.25
+    assert run(OnDemand(), step(({0: 3, 1: 2, 2: 1}, {})), grouped).seconds == 12
 
 
 def test_cpu_experts_run_beside_the_gpu(profile):

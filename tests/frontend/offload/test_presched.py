@@ -61,6 +61,18 @@ def test_experts_on_the_device_priced_grouped_leave_the_gpu_free_for_a_copy(make
     assert schedule.load == (8,) and schedule.cpu == ()
 
 
+def test_loads_priced_as_the_grouped_batches_they_run_in(make_demand, make_costs):
+    # Eight missing one-token experts, t_io = 0.1, one FFN alone 0.5, on the CPU 0.6 each (T_C = 4.8).
+    # Priced alone, a load costs the GPU what it saves the CPU (0.6): T_G reaches T_C at four loads, and
+    # span(4) = max(2.4, 2.4) is the shortest. Loads run as one grouped FFN from four on (0.05 each):
+    # the GPU side is 0.15 k at k >= 4 against the CPU's 0.6 (8 - k): span(7) = max(1.05, 0.6) is the shortest.
+    demand = make_demand({e: 1 for e in range(8)})
+    alone = make_costs(t_io=0.1, beta=0.0, c=0.6)
+    assert len(PreSched().schedule(demand, alone).load) == 4
+    schedule = PreSched().schedule(demand, replace(alone, grouped=CostLine(0.0, 0.05)))
+    assert schedule.load == tuple(range(7)) and schedule.cpu == (7,)
+
+
 @pytest.mark.parametrize(("t_attn", "xi", "expected"), [
     # f = (T_gap 0.5 + t_attn) / 2: 1.4 has fraction 0.4, 1.6 has 0.6; round up when fraction > 1 - xi.
     (2.3, 0.3, 1), (2.3, 0.5, 1), (2.3, 0.7, 2),
