@@ -75,12 +75,15 @@ case "${1:-all}" in
     # replayed from the base model's trace; the accelerate peer runs when its wheel is in .whl (accelerate-1.15.0)
     python3 benchmarks/offload_bench.py --device cuda --out "$OUT" "${@:2}" ;;
   offload-ab)  # issue 15: the offload bench for a baseline tree ($2: e.g. `git archive <sha> | tar -x -C base` carried
-    # along) and this one, alternately, twice: this host's runs vary more than most changes gain (ARGS: the bench's)
+    # along, KUBEMOE_BASE_COMMIT=<sha> so its results name it) and this one, alternately, twice: this host's runs vary
+    # more than most changes gain (ARGS: the bench's)
+    : "${KUBEMOE_BASE_COMMIT:?set KUBEMOE_BASE_COMMIT to the sha the baseline tree was taken from}"
     for round in 1 2; do
       for variant in base this; do
-        tree=$PWD; [ "$variant" = this ] || tree=$(cd "${2:?give the baseline tree}" && pwd)
+        tree=$PWD commit=$KUBEMOE_COMMIT
+        [ "$variant" = this ] || { tree=$(cd "${2:?give the baseline tree}" && pwd); commit=$KUBEMOE_BASE_COMMIT; }
         echo "# $variant, round $round"
-        (cd "$tree" && PYTHONPATH="/tmp/site:$tree" python3 benchmarks/offload_bench.py --device cuda \
+        (cd "$tree" && KUBEMOE_COMMIT=$commit PYTHONPATH="/tmp/site:$tree" python3 benchmarks/offload_bench.py --device cuda \
           --out "$OUT/$variant-$round" "${@:3}") 2>&1 | grep -E " tok/s|lower bound|Error|error"
       done
     done ;;

@@ -15,7 +15,9 @@ kernels, fits the lines offline with `fit_line` and keeps them fresh online thro
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -125,6 +127,15 @@ class ExpertCosts:
         grouped = self.grouped if self.groups(len(tokens)) else None
         return sum((grouped or self.gpu).each(tokens))
 
+    def t_g_prefixes(self, tokens: Sequence[float]) -> list[float]:
+        """[k] -> t_g_all(tokens[:k]) for k = 0 .. len(tokens), in one pass: a layer's first k on-demand loads, which
+        the executor computes as a group of their own (`GroupSeconds` says why)."""
+        alone = list(itertools.accumulate(self.gpu.each(tokens), initial=0.0))
+        if self.grouped is None:
+            return alone
+        shared = itertools.accumulate(self.grouped.each(tokens), initial=0.0)
+        return [s if k >= GROUPED_MIN_EXPERTS else a for k, (a, s) in enumerate(zip(alone, shared))]
+
     def shared_each(self, tokens: Iterable[float]) -> list[float]:
         """Each expert's share of one grouped FFN (its FFN alone where the kernels do not group)."""
         return (self.grouped or self.gpu).each(tokens)
@@ -140,25 +151,27 @@ class GroupSeconds:
     load cost PreSched ~8x its share of a grouped FFN, and experts the GPU would have run almost for free went
     to the CPU."""
 
-    __slots__ = ("costs", "experts", "alone", "shared")
+    __slots__ = ("groups_from", "experts", "alone", "shared")
 
     def __init__(self, costs: ExpertCosts, tokens: Sequence[float] = ()):
-        self.costs, self.experts = costs, len(tokens)
+        self.groups_from = GROUPED_MIN_EXPERTS if costs.grouped is not None else math.inf
+        self.experts = len(tokens)
         self.alone = sum(costs.gpu.each(tokens))
         self.shared = sum(costs.shared_each(tokens))
 
     @property
     def seconds(self) -> float:
-        return self.shared if self.costs.groups(self.experts) else self.alone
+        return self.shared if self.experts >= self.groups_from else self.alone
 
     def join(self, alone: float, shared: float) -> float:
         """One more expert, its FFN alone taking `alone` seconds and its share of a grouped one `shared`.
-        -> the seconds the group grows by."""
-        before = self.seconds
-        self.experts += 1
+        -> the seconds the group grows by (PreSched's GPU queue calls this per candidate: no property calls)."""
+        n = self.experts = self.experts + 1
         self.alone += alone
         self.shared += shared
-        return self.seconds - before
+        if n != self.groups_from:  # grouped before and after, or alone before and after
+            return shared if n > self.groups_from else alone
+        return self.shared - (self.alone - alone)  # the experts become one grouped FFN
 
 
 @dataclass(frozen=True)

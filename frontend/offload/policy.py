@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Protocol, Sequence
 
-from kubemoe.frontend.offload.costs import ExpertCosts, GroupSeconds
+from kubemoe.frontend.offload.costs import ExpertCosts
 
 
 @dataclass(frozen=True)
@@ -120,12 +120,8 @@ def prefix_spans(demand: LayerDemand, costs: ExpertCosts) -> list[SideTimes]:
     for k in range(len(missing) - 1, -1, -1):
         cpu_from[k] = cpu_from[k + 1] + t_c[k]
     gpu, t_io = costs.t_g_all([n for _, n in demand.resident_pending()]), costs.t_io
-    spans = [SideTimes(gpu, cpu_from[0], 0.0)]
-    loads = GroupSeconds(costs)  # the loads run as a group of their own, after the resident experts
-    for k, (alone, shared) in enumerate(zip(costs.gpu.each(missing), costs.shared_each(missing)), 1):
-        gpu += loads.join(alone, shared)
-        spans.append(SideTimes(gpu + k * t_io, cpu_from[k], k * t_io))
-    return spans
+    return [SideTimes(gpu + loads + k * t_io, cpu_from[k], k * t_io)
+            for k, loads in enumerate(costs.t_g_prefixes(missing))]
 
 
 def best_prefix(demand: LayerDemand, costs: ExpertCosts) -> int:
