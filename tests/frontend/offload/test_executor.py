@@ -64,18 +64,25 @@ def forward(executor, hidden, routes, lookahead=None):
     return outs
 
 
+def forward_like_in_process(executor, experts, hidden, routes, device, dtype=torch.float32, tolerance=None,
+                            lookahead=None) -> None:
+    """One forward pass of `routes` through the executor computes what in-process experts compute (tolerance: fp32's
+    unless given)."""
+    tolerance = tolerance or dict(rtol=1e-4, atol=1e-5)
+    outs = forward(executor, hidden.to(device, dtype), [(i.to(device), w.to(device)) for i, w in routes], lookahead)
+    for layer, out, (index, w) in zip(LAYERS, outs, routes):
+        reference = LocalExperts({e: experts[(layer, e)] for e in range(E)}, F.silu, False)
+        torch.testing.assert_close(out.float().cpu(), reference(hidden, index, w), **tolerance)
+
+
 def check_policy(policy, device, async_io=True):
     experts, hidden = weights(), torch.randn(12, H)
     routes = [routing(12, seed=s) for s in range(len(LAYERS))]
     lookahead = Replayed(E)
     executor = make(policy, lookahead=lookahead, experts=experts, device=device, async_io=async_io)
-    on_device = [(index.to(device), w.to(device)) for index, w in routes]
     try:
         for _ in range(2):  # a second pass starts with prefetches of the first forgotten
-            outs = forward(executor, hidden.to(device), on_device, lookahead)
-            for layer, out, (index, w) in zip(LAYERS, outs, routes):
-                reference = LocalExperts({e: experts[(layer, e)] for e in range(E)}, F.silu, False)
-                torch.testing.assert_close(out.cpu(), reference(hidden, index, w), rtol=1e-4, atol=1e-5)
+            forward_like_in_process(executor, experts, hidden, routes, device, lookahead=lookahead)
         s = executor.stats
         assert s.activated == s.hits + s.loaded + s.cpu_experts  # every activated expert ran once, somewhere
         assert s.bytes_copied == (s.loaded + s.prefetched) * EXPERT_BYTES
@@ -97,10 +104,7 @@ def check_grouped(device, dtype, tolerance):
 
     executor._compute = one_by_one
     try:
-        outs = forward(executor, hidden.to(device, dtype), [(i.to(device), w.to(device)) for i, w in routes])
-        for layer, out, (index, w) in zip(LAYERS, outs, routes):
-            reference = LocalExperts({e: experts[(layer, e)] for e in range(E)}, F.silu, False)
-            torch.testing.assert_close(out.float().cpu(), reference(hidden, index, w), **tolerance)
+        forward_like_in_process(executor, experts, hidden, routes, device, dtype, tolerance)
         assert executor.stats.hits == executor.stats.activated == len(LAYERS) * E
     finally:
         close(executor)
@@ -125,10 +129,7 @@ def check_loads_grouped(device, dtype, tolerance):
     executor.store.copy_many = lambda pairs: batches.append(len(pairs)) or copy_many(pairs)
     executor._compute = one_by_one
     try:
-        outs = forward(executor, hidden.to(device, dtype), [(i.to(device), w.to(device)) for i, w in routes])
-        for layer, out, (index, w) in zip(LAYERS, outs, routes):
-            reference = LocalExperts({e: experts[(layer, e)] for e in range(E)}, F.silu, False)
-            torch.testing.assert_close(out.float().cpu(), reference(hidden, index, w), **tolerance)
+        forward_like_in_process(executor, experts, hidden, routes, device, dtype, tolerance)
         assert executor.stats.loaded == len(LAYERS) * E and batches == [4, 4, 0] * len(LAYERS)  # no prefetches
     finally:
         close(executor)
