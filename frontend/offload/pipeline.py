@@ -12,7 +12,8 @@ a policy and the cost figures, it plays every layer as the engine will run it:
   loaded expert computes in a fraction of its copy's time);
 - prefetched experts go to two prefetch groups of `prefetch_slots`, modelled as one pool of twice that:
   a buffer is held from its copy until its layer is done;
-- the GPU computes resident experts first, then the loaded ones in copy order, each after its copy;
+- the GPU computes resident experts first, then the loaded ones in copy order, each after its copy and
+  priced as the engine runs them (each a share of one grouped FFN where they group, `ExpertCosts.groups`);
 - the CPU computes its experts one after another (each uses every core) in parallel with all of it;
 - the layer ends when both sides are done.
 Shapes: L = MoE layers of a step (a trace's layers are consecutive MoE layers).
