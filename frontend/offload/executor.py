@@ -225,7 +225,10 @@ class OffloadExecutor:
     def _load(self, layer: int, groups: list[ExpertGroup], hidden, top_k_weights, out: torch.Tensor) -> None:
         """Copy `groups`' experts on demand and compute them, alternating between two halves of the free slots
         (the on-demand slots first, then the prefetch slots the prefetches take last), so a copy never waits for
-        the kernels of the batch before it."""
+        the kernels of the batch before it. A batch of GROUPED_MIN_EXPERTS or more runs as one grouped FFN, as the
+        cost model prices it (`GroupSeconds`)."""
+        if not groups:
+            return
         free = self.on_demand + self.free_prefetch
         half = len(free) // 2
         if self.stack is None or half < GROUPED_MIN_EXPERTS:
@@ -234,9 +237,12 @@ class OffloadExecutor:
                 self.store.copy((layer, group.expert), slot)
                 self._compute(slot, hidden, top_k_weights, group, out)
             return
-        count = -(-len(groups) // half)  # batches, as even as can be
-        for i in range(count):
-            batch = groups[i * len(groups) // count:(i + 1) * len(groups) // count]
+        count = -(-len(groups) // half)  # the fewest batches the halves take
+        size = -(-len(groups) // count)  # as even as can be, the last one the rest
+        if size < GROUPED_MIN_EXPERTS:  # even batches would not group (6 loads, halves of 5: 3 + 3): fill a half first
+            size = half
+        for i, start in enumerate(range(0, len(groups), size)):
+            batch = groups[start:start + size]
             slots = free[(i % 2) * half:][:len(batch)]
             if len(batch) < GROUPED_MIN_EXPERTS:
                 for slot, group in zip(slots, batch):

@@ -135,6 +135,27 @@ def check_loads_grouped(device, dtype, tolerance):
         close(executor)
 
 
+def test_loads_too_few_for_even_batches_that_group_fill_a_half_first():
+    # Six experts a layer, none resident, halves of five free slots: 3 + 3 would run every expert alone; 5 + 1
+    # runs five as one grouped FFN and one alone.
+    experts, hidden = weights(), torch.randn(32, H)
+    g = torch.Generator().manual_seed(3)
+    routes = [(torch.stack([torch.randperm(6, generator=g)[:K] for _ in range(32)]), torch.rand(32, K, generator=g))
+              for _ in LAYERS]
+    host = HostExperts(LAYERS, E, H, I, torch.float32, lambda l, e: experts[(l, e)])
+    executor = build_executor(OffloadConfig((2 + 2 * 4) * EXPERT_BYTES, policy="on-demand", prefetch_slots=4), host, K,
+                              torch.device("cpu"), F.silu, False, NoLookahead(), profile=profile())
+    batches, alone = [], []
+    copy_many, compute = executor.store.copy_many, executor._compute
+    executor.store.copy_many = lambda pairs: batches.append(len(pairs)) or copy_many(pairs)
+    executor._compute = lambda *args: alone.append(1) or compute(*args)
+    try:
+        forward_like_in_process(executor, experts, hidden, routes, "cpu")
+        assert batches == [5, 1, 0] * len(LAYERS) and len(alone) == len(LAYERS)  # the 1 is a copy of one
+    finally:
+        close(executor)
+
+
 def test_loads_on_demand_run_in_grouped_batches():
     check_loads_grouped("cpu", torch.float32, dict(rtol=1e-4, atol=1e-5))
 
