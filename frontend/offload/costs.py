@@ -124,8 +124,11 @@ class ExpertCosts:
         executor runs them: one grouped FFN (`groups`), else one FFN each. A Qwen3-30B-A3B-size expert's FFN
         alone is launch-bound (0.08 ms on the H200 for 2 us of weight reads); priced so, tens of resident ones
         made a busy GPU side that PreSched balanced with CPU experts."""
-        grouped = self.grouped if self.groups(len(tokens)) else None
-        return sum((grouped or self.gpu).each(tokens))
+        return sum(self.t_g_each(tokens))
+
+    def t_g_each(self, tokens: Sequence[float]) -> list[float]:
+        """Each expert's part of `t_g_all`: its share of the grouped FFN where they group, else its FFN alone."""
+        return self.shared_each(tokens) if self.groups(len(tokens)) else self.gpu.each(tokens)
 
     def t_g_prefixes(self, tokens: Sequence[float]) -> list[float]:
         """[k] -> t_g_all(tokens[:k]) for k = 0 .. len(tokens), in one pass: a layer's first k on-demand loads, which
@@ -134,7 +137,7 @@ class ExpertCosts:
         if self.grouped is None:
             return alone
         shared = itertools.accumulate(self.grouped.each(tokens), initial=0.0)
-        return [s if k >= GROUPED_MIN_EXPERTS else a for k, (a, s) in enumerate(zip(alone, shared))]
+        return [s if self.groups(k) else a for k, (a, s) in enumerate(zip(alone, shared))]
 
     def shared_each(self, tokens: Iterable[float]) -> list[float]:
         """Each expert's share of one grouped FFN (its FFN alone where the kernels do not group)."""

@@ -162,8 +162,7 @@ def simulate_step(step: StepTrace, policy: Policy, profile: OffloadProfile, expe
             for expert in ready:
                 time.gpu = max(time.gpu, time.landed.get((layer, expert), 0.0)) + costs.t_g(demand.pending[expert])
         computed: list[float] = []  # when each loaded expert's compute ends: its buffer is free again
-        loaded = [demand.pending[e] for e in schedule.load]  # priced as they run: grouped where there are enough
-        load_seconds = costs.shared_each(loaded) if costs.groups(len(loaded)) else costs.gpu.each(loaded)
+        load_seconds = costs.t_g_each([demand.pending[e] for e in schedule.load])  # priced as they run together
         for j, expert in enumerate(schedule.load):
             buffer_free = computed[j - 2] if j >= 2 else 0.0
             copied = time.copy(max(attn_end, buffer_free), costs.t_io)

@@ -110,23 +110,30 @@ def check_grouped(device, dtype, tolerance):
         close(executor)
 
 
+def on_demand_in_halves_of_five(experts, device, dtype):
+    """An on-demand executor with nothing resident and ten free slots (two on-demand, two groups of four for
+    prefetches): its loads alternate between halves of five. -> it, and the sizes of its store's copy_many calls."""
+    expert_bytes = EXPERT_BYTES * dtype.itemsize // 4
+    host = HostExperts(LAYERS, E, H, I, dtype, lambda l, e: experts[(l, e)])
+    executor = build_executor(OffloadConfig((2 + 2 * 4) * expert_bytes, policy="on-demand", prefetch_slots=4), host,
+                              K, torch.device(device), F.silu, False, NoLookahead(), profile=profile(expert_bytes=expert_bytes))
+    batches: list[int] = []
+    copy_many = executor.store.copy_many
+    executor.store.copy_many = lambda pairs: batches.append(len(pairs)) or copy_many(pairs)
+    return executor, batches
+
+
 def check_loads_grouped(device, dtype, tolerance):
     """Nothing resident and room for batches (two halves of five free slots): a layer's on-demand loads are
     copied in batches and each batch runs as one grouped FFN, never one expert at a time."""
     experts, hidden = weights(), torch.randn(32, H)
     routes = [routing(32, seed=s) for s in range(len(LAYERS))]  # every expert of every layer
-    expert_bytes = EXPERT_BYTES * dtype.itemsize // 4
-    host = HostExperts(LAYERS, E, H, I, dtype, lambda l, e: experts[(l, e)])
-    executor = build_executor(OffloadConfig((2 + 2 * 4) * expert_bytes, policy="on-demand", prefetch_slots=4), host,
-                              K, torch.device(device), F.silu, False, NoLookahead(), profile=profile(expert_bytes=expert_bytes))
+    executor, batches = on_demand_in_halves_of_five(experts, device, dtype)
     assert executor.stack is not None and not executor.resident_slot
-    batches = []
 
     def one_by_one(*args):
         raise AssertionError("an expert loaded on demand ran alone")
 
-    copy_many = executor.store.copy_many
-    executor.store.copy_many = lambda pairs: batches.append(len(pairs)) or copy_many(pairs)
     executor._compute = one_by_one
     try:
         forward_like_in_process(executor, experts, hidden, routes, device, dtype, tolerance)
@@ -142,12 +149,8 @@ def test_loads_too_few_for_even_batches_that_group_fill_a_half_first():
     g = torch.Generator().manual_seed(3)
     routes = [(torch.stack([torch.randperm(6, generator=g)[:K] for _ in range(32)]), torch.rand(32, K, generator=g))
               for _ in LAYERS]
-    host = HostExperts(LAYERS, E, H, I, torch.float32, lambda l, e: experts[(l, e)])
-    executor = build_executor(OffloadConfig((2 + 2 * 4) * EXPERT_BYTES, policy="on-demand", prefetch_slots=4), host, K,
-                              torch.device("cpu"), F.silu, False, NoLookahead(), profile=profile())
-    batches, alone = [], []
-    copy_many, compute = executor.store.copy_many, executor._compute
-    executor.store.copy_many = lambda pairs: batches.append(len(pairs)) or copy_many(pairs)
+    executor, batches = on_demand_in_halves_of_five(experts, "cpu", torch.float32)
+    alone, compute = [], executor._compute
     executor._compute = lambda *args: alone.append(1) or compute(*args)
     try:
         forward_like_in_process(executor, experts, hidden, routes, "cpu")
