@@ -9,13 +9,21 @@ cost little and the host work shows; the expert layout (128 experts, top-8, 8 la
 share and the replayed routing are those of `offload_bench.py`. Prints, per policy, the median over
 `--repeats` runs of the decode step, the MoE layers' host time and the decisions' share, per step.
 Compare trees by running it in each (figures move with the machine's load: alternate them).
+On a GPU host, `--device cuda` runs the bench's own Qwen3-30B-A3B-size preset instead, where the copies
+and kernels are asynchronous and the step is the host's Python; `--cprofile N` prints the N functions
+with the most own time over the measured runs, per policy, and kubemoe's N with the most time
+including their callees (where that Python goes).
 
   python benchmarks/experiments/offload_host_probe.py --policies kubemoe,gpu-prefetch --batch 64
+  python benchmarks/experiments/offload_host_probe.py --device cuda --batch 16 --repeats 1 --cprofile 30
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import pstats
 import statistics
 import sys
 from pathlib import Path
@@ -39,17 +47,26 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--output", type=int, default=21)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cuda: the bench's Qwen3-30B-A3B-size preset on the GPU")
+    parser.add_argument("--cprofile", type=int, default=0, help="print this many functions by own time per policy")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # the launching thread's; the CPU expert pool gets one of its own
-    tiny = presets.get_preset("qwen3_moe", "tiny")
-    presets.PRESETS[("qwen3_moe", "host-probe")] = presets.Preset("qwen3_moe", "host-probe", {**tiny.config, **LAYOUT})
-    bench = offload_bench.Bench("qwen3_moe", "host-probe", torch.device("cpu"), offload_bench.TRACE, 0.25, cpu_threads=1)
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # the launching thread's; the CPU expert pool gets one of its own
+        tiny = presets.get_preset("qwen3_moe", "tiny")
+        presets.PRESETS[("qwen3_moe", "host-probe")] = presets.Preset("qwen3_moe", "host-probe", {**tiny.config, **LAYOUT})
+        bench = offload_bench.Bench("qwen3_moe", "host-probe", torch.device("cpu"), offload_bench.TRACE, 0.25, cpu_threads=1)
+    else:
+        arch, name = offload_bench.PRESETS["qwen3"]
+        offload_bench.serving_attention(torch.device(args.device))
+        bench = offload_bench.Bench(arch, name, torch.device(args.device), offload_bench.TRACE, 0.25)
     for policy in args.policies.split(","):
         bench.start(policy)
         bench.generate("warm-up", args.batch, args.prompt, 4)
         rows = []
+        profiler = cProfile.Profile() if args.cprofile else None
         for _ in range(args.repeats):
-            run = bench.generate(policy, args.batch, args.prompt, args.output)
+            with profiler or contextlib.nullcontext():
+                run = bench.generate(policy, args.batch, args.prompt, args.output)
             steps = len(run.decode_steps_s)
             rows.append((statistics.median(run.decode_steps_s), run.decode_seconds.layers / steps,
                          run.decode_seconds.decide / steps))
@@ -57,6 +74,10 @@ def main() -> None:
         step, layers, decide = (statistics.median(r[i] for r in rows) * 1e3 for i in range(3))
         print(f"{policy}: decode step {step:.2f} ms, MoE layers {layers:.2f} ms, decisions {decide:.2f} ms "
               f"(medians of {args.repeats} runs, batch {args.batch})", flush=True)
+        if profiler:
+            stats = pstats.Stats(profiler)
+            stats.sort_stats("tottime").print_stats(args.cprofile)
+            stats.sort_stats("cumulative").print_stats(r"offload/|moe\.py|expert\.py", args.cprofile)  # the engine's calls
 
 
 if __name__ == "__main__":
