@@ -101,7 +101,7 @@ class StaticSplit:
 class Oracle:
     """The clairvoyant policy: the best split of every layer with perfect knowledge of the next one.
 
-    `ahead` holds the actual routing. This layer takes the split with the shortest makespan; every
+    `ahead` holds the actual routing. This layer takes the split that lets the next layer start soonest; every
     expert the next layer's own best split will load is prefetched (it would be copied anyway), as many
     as the slots hold. Layer by layer it is best by LayerScope's cost sums, but not a bound on the step:
     pipeline.py overlaps copies with compute, and a policy that prefetches more (into CPU-bound experts)
@@ -116,7 +116,7 @@ class Oracle:
         prefetch = []
         if demand.ahead:
             following = LayerDemand(demand.layer + 1, {e: n for e, n in demand.ahead[0].items() if n > 0},
-                                    demand.resident_ahead[0])
+                                    demand.resident_ahead[0], host_gap=demand.host_gap)
             loads_next = following.missing()[:best_prefix(following, costs)]
             prefetch = [(demand.layer + 1, e) for e, _ in loads_next[:demand.prefetch_slots]]
         return Schedule.from_split(demand, [e for e, _ in demand.missing()[:k]], prefetch)

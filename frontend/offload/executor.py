@@ -162,6 +162,8 @@ class OffloadExecutor:
             ahead=ahead,
             resident_ahead=[self.on_device(p) for p in window[:len(ahead)]],
             t_attn=self.profile.t_attn(tokens) if ahead else 0.0,
+            # t_attn is timed as the host's gap between layers (`observe_attn`): what the CPU side holds back
+            host_gap=self.profile.t_attn(tokens),
             prefetch_slots=max(0, min(self.prefetch_slots, len(self.free_prefetch), PREFETCH_GROUPS * self.prefetch_slots - held)),
         )
 

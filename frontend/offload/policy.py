@@ -24,6 +24,11 @@ class LayerDemand:
     resident_ahead: Sequence[frozenset[int]] = ()  # what is on the GPU for those layers already
     t_attn: float = 0.0  # seconds of the next layer's attention: the copy engine is free meanwhile
     prefetch_slots: int = 0  # experts one prefetch group holds
+    # The host's seconds from this layer's return to the next layer's gate (launching its attention). The GPU
+    # side overlaps them: its copies and kernels are queued. The CPU side does not: the host waits for the
+    # CPU experts' outputs before it launches anything after the layer. 0: a model where the next attention
+    # is device work after both sides (pipeline.py).
+    host_gap: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.ahead) != len(self.resident_ahead):
@@ -105,10 +110,17 @@ class SideTimes(NamedTuple):  # a tuple, not a dataclass: prefix_spans makes one
     gpu: float  # resident experts' t_g (`t_g_all`) + the loads' t_io each and their t_g as a group (`GroupSeconds`)
     cpu: float  # CPU experts' t_c, one after another (each uses every core)
     copies: float  # the loads' share of `gpu`: the copy engine's busy time
+    held: float = 0.0  # the host gap the CPU side holds back (`LayerDemand.host_gap`; 0 without CPU experts)
 
     @property
     def makespan(self) -> float:
+        """The paper's: when both sides are done (the copy engine's window in PreSched's step 5)."""
         return max(self.gpu, self.cpu)
+
+    @property
+    def finish(self) -> float:
+        """When the next layer can pass its gate: the GPU side overlaps the host gap, the CPU side precedes it."""
+        return max(self.gpu, self.cpu + self.held)
 
 
 def prefix_spans(demand: LayerDemand, costs: ExpertCosts) -> list[SideTimes]:
@@ -119,17 +131,18 @@ def prefix_spans(demand: LayerDemand, costs: ExpertCosts) -> list[SideTimes]:
     cpu_from = [0.0] * (len(missing) + 1)  # [k]: t_c of missing[k:]
     for k in range(len(missing) - 1, -1, -1):
         cpu_from[k] = cpu_from[k + 1] + t_c[k]
-    gpu, t_io = costs.t_g_all([n for _, n in demand.resident_pending()]), costs.t_io
-    return [SideTimes(gpu + loads + k * t_io, cpu_from[k], k * t_io)
+    gpu, t_io, gap = costs.t_g_all([n for _, n in demand.resident_pending()]), costs.t_io, demand.host_gap
+    return [SideTimes(gpu + loads + k * t_io, cpu_from[k], k * t_io, gap if k < len(missing) else 0.0)
             for k, loads in enumerate(costs.t_g_prefixes(missing))]
 
 
 def best_prefix(demand: LayerDemand, costs: ExpertCosts) -> int:
-    """The k minimising this layer's makespan; fewest loads on ties (they leave PCIe to prefetching).
+    """The k minimising when this layer lets the next one pass its gate (`SideTimes.finish`); fewest loads on
+    ties (they leave PCIe to prefetching).
 
     Loading the experts with the most tokens is optimal among splits of k loads while the GPU's cost
     per token is below the CPU's (beta): swapping a loaded expert for a CPU one with more tokens
     shortens the CPU side by more than it lengthens the GPU side.
     """
-    spans = [times.makespan for times in prefix_spans(demand, costs)]
+    spans = [times.finish for times in prefix_spans(demand, costs)]
     return min(range(len(spans)), key=lambda k: (spans[k], k))

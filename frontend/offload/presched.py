@@ -9,12 +9,19 @@ predicted next layer to prefetch while the copy engine would otherwise idle. The
 2. GPU queue: everything missing starts on the CPU; walking the sorted list, an expert moves to the GPU
    while T_G_all < T_C_all, the GPU side's total time over the window (t_g of resident experts, t_io + t_g
    of moved ones) against the CPU side's (t_c of those left). For the next layer, "moved" means prefetched.
+   kubemoe adds the host gap (`LayerDemand.host_gap`) to the CPU side while it holds any expert: the host
+   launches nothing after the layer until the CPU experts' outputs are back, while the GPU side's copies and
+   kernels run during that launching. Where the host's launching bounds the step (decode at Qwen3-30B-A3B
+   size on the H100 host, whose copies take 0.25 ms an expert against ~2.2 ms of host time a layer), the
+   paper's sums sent two or three experts a layer to the CPU that the GPU side would have hidden, and each
+   such layer waited for them.
    t_g is priced as the executor runs the experts (`GroupSeconds`): a layer's loads as one group, a later
    layer's prefetches inside its resident experts' group, each a share of a grouped FFN where they group.
 3. On-demand monotonicity: if an expert with n tokens is loaded on demand, every expert of this layer
    with more tokens is on the GPU too (the loads are a prefix of this layer's sorted missing experts).
 4. Re-check of this layer's part: this layer's tokens are known, the next layer's only predicted, so the
-   number of on-demand loads moves by one at a time while that shortens this layer's makespan.
+   number of on-demand loads moves by one at a time while that brings the next layer's gate sooner
+   (`SideTimes.finish`: the makespan with the host gap after the CPU side, as in step 2).
 5. Prefetch count: the copy engine idles for T_gap = makespan - on-demand copy time in this layer, and
    during the next layer's attention, so f = (T_gap + t_attn) / t_io experts fit. The trade-off xi in [0, 1]
    rounds f: up when its fraction exceeds 1 - xi (a prefetch that may overrun its gap, in exchange for a
@@ -85,7 +92,7 @@ class PreSched:
                 break
             depth += 1
         spans = prefix_spans(demand, costs)
-        k = self.recheck([times.makespan for times in spans], self.monotone_loads(demand, chosen))
+        k = self.recheck([times.finish for times in spans], self.monotone_loads(demand, chosen))
         times = spans[k]
         f = prefetch_count(times.makespan - times.copies + demand.t_attn, costs.t_io, self.xi)
         count = int(min(f, demand.prefetch_slots))  # f is infinite where copies are free
@@ -118,7 +125,7 @@ class PreSched:
         t_c_all = sum(t_c)
         chosen = []
         for c, c_on_cpu, alone, shared in zip(candidates, t_c, costs.gpu.each(tokens), costs.shared_each(tokens)):
-            if t_g_all >= t_c_all:
+            if t_g_all >= t_c_all + demand.host_gap:  # while any expert is on the CPU, the host waits for it
                 break
             t_g_all += costs.t_io + groups[c.offset].join(alone, shared)
             t_c_all -= c_on_cpu

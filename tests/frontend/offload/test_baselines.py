@@ -4,6 +4,8 @@ Costs: t_io = 2, t_g(n) = 0.5, t_c(n) = n + 1. The common layer: pending {0: 8, 
 resident; next layer predicted {3: 6, 4: 2, 5: 1} with e4 resident; two prefetch slots.
 """
 
+from dataclasses import replace
+
 import pytest
 
 from kubemoe.frontend.offload.baselines import FiddlerLike, GatePrefetch, HybriMoELike, OnDemand, Oracle, StaticSplit
@@ -59,6 +61,15 @@ def test_oracle_takes_the_best_split_and_prefetches_what_the_next_layer_will_loa
     demand = make_demand({0: 8, 1: 4, 2: 1}, ahead=[{3: 6, 4: 2}])
     assert Oracle.clairvoyant
     assert parts(Oracle().schedule(demand, costs)) == ((0, 1), (0, 1), (2,), ((1, 3),))
+
+
+def test_the_oracle_splits_by_when_the_next_layer_can_start(make_demand, costs):
+    # Two missing one-token experts (t_c = 2): span(1) = max(2.5, 2) = 2.5 is the paper's best split, but with a
+    # host gap of 4 after the CPU side, finish(1) = max(2.5, 2 + 4) = 6 loses to loading both, finish(2) = 5;
+    # the next layer ({2: 1, 3: 1}) is priced with the same gap: both prefetched.
+    demand = replace(make_demand({0: 1, 1: 1}, ahead=[{2: 1, 3: 1}]), host_gap=4.0)
+    assert parts(Oracle().schedule(demand, costs)) == ((0, 1), (0, 1), (), ((1, 2), (1, 3)))
+    assert parts(Oracle().schedule(replace(demand, host_gap=0.0), costs)) == ((0,), (0,), (1,), ((1, 2),))
 
 
 def test_every_policy_gives_a_valid_schedule_with_or_without_a_next_layer(layer, costs, make_demand):

@@ -207,6 +207,29 @@ def test_presched_mixes_resident_prefetched_loaded_and_cpu_experts():
         close(executor)
 
 
+def test_the_policy_is_told_the_host_gap_after_every_layer():
+    # The profile's t_attn (1, timed online as the host's gap between layers) is the host gap of every layer,
+    # the last one's too, which has no next layer to prefetch into (its t_attn, the copy window, is 0).
+    lookahead = Replayed(E)
+    executor = make("kubemoe", lookahead=lookahead)
+    demands, presched = [], executor.policy
+
+    class Recording:
+        name, clairvoyant = "recording", False
+
+        def schedule(self, demand, costs):
+            demands.append(demand)
+            return presched.schedule(demand, costs)
+
+    executor.policy = Recording()
+    try:
+        forward(executor, torch.randn(13, H), [routing(13, seed=s) for s in range(len(LAYERS))], lookahead)
+        assert [d.host_gap for d in demands] == [1.0] * len(LAYERS)
+        assert [d.t_attn for d in demands] == [1.0] * (len(LAYERS) - 1) + [0.0]
+    finally:
+        close(executor)
+
+
 def test_slots_are_allocated_once_resident_plus_two_on_demand_plus_two_prefetch_groups():
     lookahead = Replayed(E)
     executor = make("gpu-prefetch", resident=3, lookahead=lookahead)

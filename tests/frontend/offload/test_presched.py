@@ -161,12 +161,28 @@ def test_no_expert_goes_to_the_cpu_when_the_gpu_would_finish_it_sooner(make_dema
         resident = set(rng.sample(sorted(pending), rng.randint(0, len(pending))))
         cost = make_costs(t_io=rng.uniform(0.2, 20), t_g=rng.uniform(0.01, 1), beta=rng.uniform(0.01, 2),
                           c=rng.uniform(0.1, 10))
-        demand = make_demand(pending, resident, ahead, t_attn=rng.uniform(0, 5))
+        demand = replace(make_demand(pending, resident, ahead, t_attn=rng.uniform(0, 5)),
+                         host_gap=rng.choice([0.0, rng.uniform(0, 5)]))
         schedule = PreSched(xi=rng.random()).schedule(demand, cost)
-        spans = [t.makespan for t in prefix_spans(demand, cost)]
+        spans = [t.finish for t in prefix_spans(demand, cost)]
         k = len(schedule.load)
         if schedule.cpu:
             assert spans[k + 1] >= spans[k] - 1e-12, "loading the next CPU expert as well would finish the layer sooner"
         everything_loaded = prefix_spans(demand, cost)[-1].gpu
         for e in schedule.cpu:
-            assert cost.t_c(pending[e]) <= everything_loaded + 1e-12
+            assert cost.t_c(pending[e]) + demand.host_gap <= everything_loaded + 1e-12
+
+
+def test_the_host_gap_keeps_experts_off_the_cpu_when_the_gpu_side_runs_during_it(make_demand, costs):
+    # Two missing one-token experts (t_c = 2 each), nothing resident, no next layer.
+    # Without a host gap: T_C = 4, T_G = 0: e0 moves (T_G 2.5, T_C 2); 2.5 >= 2: stop. span(1) = max(2.5, 2) = 2.5
+    # beats span(0) = 4 and span(2) = 5: e1 runs on the CPU.
+    demand = make_demand({0: 1, 1: 1})
+    assert PreSched().schedule(demand, costs).cpu == (1,)
+    # The host needs 4 between this layer and the next gate, and waits for CPU experts before it starts:
+    # e0 moves (T_G 2.5 < 4 + 4), then e1 (2.5 < 2 + 4). finish(1) = max(2.5, 2 + 4) = 6 against finish(2) =
+    # max(5, 0) = 5: both are copied, and their copies run while the host launches the next layer.
+    schedule = PreSched().schedule(replace(demand, host_gap=4.0), costs)
+    assert schedule.load == (0, 1) and schedule.cpu == ()
+    # Where copies are slow (t_io = 20), the CPU still takes what the GPU side would make the host wait for.
+    assert PreSched().schedule(replace(demand, host_gap=4.0), replace(costs, t_io=20.0)).cpu == (0, 1)
