@@ -16,6 +16,9 @@ a policy and the cost figures, it plays every layer as the engine will run it:
   priced as the engine runs them (each a share of one grouped FFN where they group, `ExpertCosts.groups`);
 - the CPU computes its experts one after another (each uses every core) in parallel with all of it;
 - the layer ends when both sides are done.
+The model's attention is device work after both sides, so its policies are told no host gap
+(`LayerDemand.host_gap` 0): the engine's decode at Qwen3-30B-A3B size, where the host's launching
+between layers bounds the step and the GPU side runs during it, is not what this models.
 Shapes: L = MoE layers of a step (a trace's layers are consecutive MoE layers).
 """
 
