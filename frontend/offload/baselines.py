@@ -103,7 +103,8 @@ class Oracle:
 
     `ahead` holds the actual routing. This layer takes the split that lets the next layer start soonest; every
     expert the next layer's own best split will load is prefetched (it would be copied anyway), as many
-    as the slots hold. Layer by layer it is best by LayerScope's cost sums, but not a bound on the step:
+    as the slots hold. Layer by layer it is best by LayerScope's cost sums (with the host gap after the CPU
+    side, as PreSched prices it), but not a bound on the step:
     pipeline.py overlaps copies with compute, and a policy that prefetches more (into CPU-bound experts)
     can beat it. pipeline.step_lower_bound is the bound that holds for every policy.
     """

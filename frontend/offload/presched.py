@@ -38,8 +38,8 @@ predicted next layer to prefetch while the copy engine would otherwise idle. The
    prefetches at Qwen3-30B-A3B sizes and small batches, where the queue fills with this layer's
    one-token experts before any of the next layer's.
 
-The sums in step 2 and the makespan in steps 4-5 are the paper's estimate (transfers and compute added,
-not overlapped); pipeline.py times the overlap.
+The sums in step 2 and the spans in steps 4-5 are the paper's estimate (transfers and compute added, not
+overlapped), with the host gap after the CPU side; pipeline.py times the overlap.
 """
 
 from __future__ import annotations
