@@ -155,15 +155,15 @@ class OffloadExecutor:
 
     def _demand(self, position, groups, ahead, window, tokens) -> LayerDemand:
         held = len(self.landed)
+        t_attn = self.profile.t_attn(tokens)  # timed as the host's gap between layers (`observe_attn`)
         return LayerDemand(
             layer=position,
             pending={g.expert: g.count for g in groups},
             resident=self.on_device(position),
             ahead=ahead,
             resident_ahead=[self.on_device(p) for p in window[:len(ahead)]],
-            t_attn=self.profile.t_attn(tokens) if ahead else 0.0,
-            # t_attn is timed as the host's gap between layers (`observe_attn`): what the CPU side holds back
-            host_gap=self.profile.t_attn(tokens),
+            t_attn=t_attn if ahead else 0.0,
+            host_gap=t_attn,  # what the CPU side holds back, the last layer's too
             prefetch_slots=max(0, min(self.prefetch_slots, len(self.free_prefetch), PREFETCH_GROUPS * self.prefetch_slots - held)),
         )
 
