@@ -1,8 +1,18 @@
-"""Sizes on the command line, written as Kubernetes writes quantities (20Gi, 512Mi, 1G) or in bytes."""
+"""Sizes on the command line, written as Kubernetes writes quantities (20Gi, 512Mi, 1G) or in bytes.
+
+People also write units with a B (20GiB, 512MB, 64KB), as most tools print them: those read as the
+quantity without it (64KB as 64k), so a size copied from nvidia-smi or free is not refused.
+"""
 
 from __future__ import annotations
 
+import re
+
 import click
+
+_WITH_B = {f"{unit}iB": f"{unit}i" for unit in "KMGTPE"} | {f"{unit}B": unit.lower() if unit == "K" else unit
+                                                            for unit in "kKMGTPE"}  # the unit -> its quantity suffix
+_UNIT_WITH_B = re.compile(rf"(.*?)({'|'.join(_WITH_B)})")
 
 
 class ByteSize(click.ParamType):
@@ -15,8 +25,10 @@ class ByteSize(click.ParamType):
 
         if isinstance(value, int):
             return value
+        with_b = _UNIT_WITH_B.fullmatch(value.strip())
+        quantity = value if with_b is None else with_b[1] + _WITH_B[with_b[2]]
         try:
-            size = int(parse_quantity(value))
+            size = int(parse_quantity(quantity))
         except (ValueError, TypeError, OverflowError):  # OverflowError: "inf" reads as Decimal('Infinity')
             self.fail(f"{value!r} is not a size: write e.g. 20Gi, 512Mi or a number of bytes", param, ctx)
         if size <= 0:

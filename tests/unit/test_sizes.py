@@ -14,7 +14,13 @@ def test_a_size_reads_as_kubernetes_writes_it(text, size):
     assert ByteSize().convert(text, None, None) == size
 
 
-@pytest.mark.parametrize("text", ["lots", "Gi", "1.2.3", "", "nan", "inf", "-0x10"])
+@pytest.mark.parametrize(("text", "size"), [("20GiB", 20 * 2**30), ("81559MiB", 81559 * 2**20), ("1GB", 10**9),
+                                             ("64KB", 64 * 10**3), ("64kB", 64 * 10**3), (" 2TiB ", 2 * 2**40)])
+def test_a_unit_with_a_b_reads_as_its_quantity(text, size):  # as nvidia-smi, free and most tools print sizes
+    assert ByteSize().convert(text, None, None) == size
+
+
+@pytest.mark.parametrize("text", ["lots", "Gi", "1.2.3", "", "nan", "inf", "-0x10", "GiB", "1.2.3GB", "5B", "5iB"])
 def test_a_non_size_is_refused(text):
     with pytest.raises(click.BadParameter, match="is not a size: write e.g. 20Gi"):
         ByteSize().convert(text, None, None)
