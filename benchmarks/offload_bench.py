@@ -47,8 +47,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
+from kubemoe.frontend.embedded import shared_cores_env
+
+os.environ.update(shared_cores_env())  # as an offload frontend runs (frontend/cli.py), set before torch loads OpenMP
+
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch_trace  # noqa: E402

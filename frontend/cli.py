@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 from pathlib import Path
 
@@ -109,6 +110,19 @@ def _offload_config(offload: bool, gpu_budget: int | None, predictor: str, polic
     return OffloadConfig(gpu_budget, predictor=predictor, policy=policy)
 
 
+def _cpu_experts_sleep_when_idle(offload: bool) -> None:
+    """Offload mode's CPU experts run on an OpenMP team of every core but one, beside the thread that launches
+    the GPU's work. OpenMP's threads spin for milliseconds after each parallel region by default, so with CPU
+    experts in most layers the team spins through the step and takes the launching thread's core whenever
+    anything else runs (benchmarks/experiments/openmp_spin.py on a 2-core CPU, a team of 2 beside the launching
+    thread: that thread 4-5x slower and each expert 3-4x; 1.3-1.8x and 1x with idle threads asleep). Called
+    before anything imports torch: OpenMP reads the policy once, when torch loads."""
+    from kubemoe.frontend.embedded import shared_cores_env
+
+    if offload:
+        os.environ.update(shared_cores_env())
+
+
 def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
     from kubemoe.frontend.app import Frontend
     from kubemoe.frontend.server import serve_frontend
@@ -134,6 +148,7 @@ def _serve(config, host: str, port: int, grpc_port: int, banner) -> None:
 def frontend_command(host, port, grpc_port, **options):
     """Serve a model: attention and routing here, routed experts per the routing table (or, with --offload,
     every expert here from host memory through a GPU cache)."""
+    _cpu_experts_sleep_when_idle(options["offload"])
     from kubemoe.expert_fn.shm import shared_folder
 
     # A pod's folder in the node's /dev/shm is made by whichever pod comes first.
@@ -174,6 +189,7 @@ def serve_command(checkpoint, arch, experts, host, port, grpc_port, **options):
     frontend alone, every expert in its host memory and GPU cache).
 
     With no arguments it generates (or reuses) a tiny checkpoint in ~/.cache/kubemoe."""
+    _cpu_experts_sleep_when_idle(options["offload"])
     from kubemoe.checkpoint import default_model_id
     from kubemoe.frontend.app import FrontendConfig
     from kubemoe.frontend.embedded import default_checkpoint, embedded_bundles, expert_processes

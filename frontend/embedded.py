@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.bundles import Bundle, bundles_by_count
@@ -24,9 +24,14 @@ from kubemoe.errors import KubemoeError
 from kubemoe.net import free_port
 
 DEFAULT_ARCH = "mixtral"
-# For processes that share cores: idle OpenMP threads sleep instead of spinning for the next
-# parallel region, which would take the cores the other processes' event loops need.
-SHARED_CORES_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+
+
+def shared_cores_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """For OpenMP teams that share cores with other busy threads (other processes' event loops, or the
+    thread that launches an offload frontend's GPU work): idle OpenMP threads sleep instead of spinning for
+    the next parallel region (libgomp spins milliseconds), which would take those threads' cores. An
+    OMP_WAIT_POLICY the environment sets wins. OpenMP reads it once, when torch loads."""
+    return {"OMP_WAIT_POLICY": environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
 
 def kubemoe_home() -> Path:
@@ -68,7 +73,7 @@ def expert_processes(checkpoint: Path, bundles: list[Bundle], model: str, replic
     # The processes share this machine's cores with each other and the frontend: without a split,
     # every OpenMP pool spins on all cores and a 1 ms expert call takes 100 ms under contention.
     threads = max(1, (os.cpu_count() or 1) // (len(bundles) * replicas + 1))
-    env = {**os.environ, **SHARED_CORES_ENV, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+    env = {**os.environ, **shared_cores_env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     try:
         for bundle in bundles:
             for _ in range(replicas):

@@ -28,10 +28,9 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import offload_bench  # noqa: E402
+import offload_bench  # noqa: E402 - first: it sets OpenMP's idle policy before torch loads
+import torch  # noqa: E402
 
 from kubemoe import presets  # noqa: E402
 

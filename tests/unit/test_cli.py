@@ -53,3 +53,35 @@ def test_every_frontend_option_reaches_the_config_under_its_own_name(tmp_path):
     defaults = frontend_config(**{k: v for k, v in frontend_command.make_context(
         "frontend", args[:4]).params.items() if k not in ("host", "port", "grpc_port")})
     assert defaults.lookahead and defaults.cuda_graphs and not defaults.compile
+
+
+def test_the_frontend_commands_load_no_torch_before_their_body():
+    """Offload mode sets OpenMP's idle policy in the command's body (OpenMP reads it once, when torch loads):
+    a torch import at the top of the command line's modules would make that setting do nothing."""
+    loaded = subprocess.run([sys.executable, "-c", "import sys, kubemoe.cli, kubemoe.frontend.cli; "
+                             "print('torch' in sys.modules)"], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "False"
+
+
+def test_offload_mode_puts_idle_openmp_threads_to_sleep_unless_the_environment_chose(monkeypatch):
+    import os
+
+    from click.testing import CliRunner
+
+    from kubemoe.frontend.cli import frontend_command, serve_command
+
+    def policy_after(command, args, environ):
+        for name in ("OMP_WAIT_POLICY", "KUBEMOE_MODE"):
+            monkeypatch.setenv(name, "")  # recorded, so the test's end restores what was there (or nothing)
+            monkeypatch.delenv(name)
+        for name, value in environ.items():
+            monkeypatch.setenv(name, value)
+        result = CliRunner().invoke(command, args)  # stops at a usage error after setting it: no model is served
+        assert result.exit_code == 2, result.output
+        return os.environ.get("OMP_WAIT_POLICY")
+
+    assert policy_after(frontend_command, ["--offload"], {}) == "PASSIVE"  # no --checkpoint
+    assert policy_after(serve_command, ["--offload"], {}) == "PASSIVE"  # no --gpu-budget
+    assert policy_after(frontend_command, ["--offload"], {"OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
+    assert policy_after(frontend_command, [], {}) is None  # distributed: no CPU experts beside the launches
+    assert policy_after(frontend_command, [], {"KUBEMOE_MODE": "offload"}) == "PASSIVE"  # as the operator renders it
