@@ -113,10 +113,12 @@ def _offload_config(offload: bool, gpu_budget: int | None, predictor: str, polic
 def _cpu_experts_sleep_when_idle(offload: bool) -> None:
     """Offload mode's CPU experts run on an OpenMP team of every core but one, beside the thread that launches
     the GPU's work. OpenMP's threads spin for milliseconds after each parallel region by default, so with CPU
-    experts in most layers the team spins through the step and takes the launching thread's core whenever
-    anything else runs (benchmarks/experiments/openmp_spin.py on a 2-core CPU, a team of 2 beside the launching
-    thread: that thread 4-5x slower and each expert 3-4x; 1.3-1.8x and 1x with idle threads asleep). Called
-    before anything imports torch: OpenMP reads the policy once, when torch loads."""
+    experts in most layers the team spins through the step, and whenever anything else on the node wants a
+    core (another pod, the CUDA runtime's threads) that thread and the team's stragglers wait for it
+    (benchmarks/experiments/openmp_spin.py on a 2-core CPU, a team of 2 beside the launching thread and two busy
+    processes: that thread 3.1x slower and each expert 8.8 ms with spinning threads, 1.4x and 3.7 ms with idle
+    ones asleep; on free cores spinning was a little faster, 1.25x against 1.45x). Called before anything
+    imports torch: OpenMP reads the policy once, when torch loads."""
     from kubemoe.frontend.embedded import shared_cores_env
 
     if offload:

@@ -9,9 +9,16 @@ take turns on the same cores. Here the main thread runs Python (as a launching t
 Qwen3-30B-A3B-size expert (8 tokens, bf16) is handed to the worker every third slice of it; printed: how
 much slower the main thread's work ran than alone, and the expert's time from hand-over to result, per team
 size and OMP_WAIT_POLICY (each a process of its own: OpenMP reads the policy once, when torch loads).
+`--busy N` runs N other processes that only compute meanwhile, as other pods' work on a node does.
+
+Measured on the 2-core CI machine, a team of 2 beside the main thread, two runs each (main thread's
+slowdown, expert): idle machine, spinning 1.21-1.30x and 3.1-3.2 ms, asleep 1.44-1.49x and 3.5 ms; `--busy 2`,
+spinning 3.1x and 8.8 ms, asleep 1.4x and 3.7 ms (with two stray busy processes, found after those runs:
+spinning 4.0-5.3x and 24-32 ms, asleep 1.3-1.8x and 7-14 ms). Spinning is a little faster on free cores and
+collapses when anything else wants them.
 
   python benchmarks/experiments/openmp_spin.py                  # teams of every core but one, and every core
-  python benchmarks/experiments/openmp_spin.py --teams 1,2 --policies default,PASSIVE
+  python benchmarks/experiments/openmp_spin.py --teams 2 --policies default,PASSIVE --busy 2
 """
 
 from __future__ import annotations
@@ -67,12 +74,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--teams", default=f"{max(1, cores - 1)},{cores}", help="OpenMP team sizes of the worker")
     parser.add_argument("--policies", default="default,PASSIVE", help="OMP_WAIT_POLICY values (default: unset)")
+    parser.add_argument("--busy", type=int, default=0, help="other processes that only compute meanwhile")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: measure this team size
     args = parser.parse_args()
     if args.one is not None:
         print(measure(args.one))
         return
-    print(f"{cores} cores")
+    print(f"{cores} cores, {args.busy} busy processes beside")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        run_all(args)
+    finally:
+        for process in busy:
+            process.kill()
+
+
+def run_all(args: argparse.Namespace) -> None:
     for team in (int(t) for t in args.teams.split(",")):
         for policy in args.policies.split(","):
             env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
