@@ -43,7 +43,9 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from kubemoe.frontend.embedded import shared_cores_env
+
+os.environ.update(shared_cores_env())
 
 HERE = Path(__file__).resolve().parent
 BASELINE = "33d804d"  # main before this work (issue 16 item 1 / issue 17's per-call and per-layer costs)

@@ -39,7 +39,9 @@ from pathlib import Path
 
 # The frontend shares the cores with the functions, as in `kubemoe serve`: idle OpenMP threads sleep
 # rather than spin (read when torch loads; the functions get it from frontend/embedded.py).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from kubemoe.frontend.embedded import shared_cores_env
+
+os.environ.update(shared_cores_env())
 
 import torch  # noqa: E402
 

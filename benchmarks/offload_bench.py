@@ -209,6 +209,15 @@ class Run:
     def decode_step_s(self) -> float:
         return statistics.mean(self.decode_steps_s)
 
+    def summary(self) -> str:
+        """One line: throughput, the mean decode step and its host-side split per step, hit rate, CPU share."""
+        row = self.row()
+        return (f"{self.tokens_per_s:9.1f} tok/s, step {self.decode_step_s * 1e3:8.2f} ms (MoE layers "
+                f"{row['decode_layers_s_per_step'] * 1e3:.2f}, decisions {row['decode_decide_s_per_step'] * 1e3:.2f}, "
+                f"CPU wait {row['decode_cpu_wait_s_per_step'] * 1e3:.2f}, GPU at the end "
+                f"{row['decode_end_wait_s_per_step'] * 1e3:.2f}), hit {self.stats.hit_rate:.2f}, "
+                f"cpu {self.stats.cpu_share:.2f}")
+
     def row(self) -> dict:
         s, steps = self.stats, max(len(self.decode_steps_s), 1)
         return {"preset": self.preset, "policy": self.policy, "batch": self.batch, "prompt": self.prompt,
@@ -564,12 +573,7 @@ def main() -> None:
                     runs.setdefault((label, batch), []).append(run)
                     row = run.row()
                     rounds.append({**row, "round": round_})
-                    print(f"{name} round {round_} {label:>14} b{batch:<3} {run.tokens_per_s:9.1f} tok/s, step "
-                          f"{run.decode_step_s * 1e3:8.2f} ms (MoE layers {row['decode_layers_s_per_step'] * 1e3:.2f}, "
-                          f"decisions {row['decode_decide_s_per_step'] * 1e3:.2f}, CPU wait "
-                          f"{row['decode_cpu_wait_s_per_step'] * 1e3:.2f}, GPU at the end "
-                          f"{row['decode_end_wait_s_per_step'] * 1e3:.2f}), hit {run.stats.hit_rate:.2f}, "
-                          f"cpu {run.stats.cpu_share:.2f}", flush=True)
+                    print(f"{name} round {round_} {label:>14} b{batch:<3} {run.summary()}", flush=True)
         for (label, batch), measured in runs.items():
             (raw if label in policies else ablations).append(median_run(measured).row())
         models += modelled(bench, resident, batches, args.prompt, args.output)

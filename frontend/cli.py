@@ -12,6 +12,7 @@ import click
 from kubemoe import logs, offload_env, pod_args, ports
 from kubemoe.busy_poll import SHARED_CORES_BUSY_POLL_US
 from kubemoe.expert_fn.cli import busy_poll_option, shm_dir_option
+from kubemoe.frontend.embedded import shared_cores_env
 from kubemoe.frontend.offload.config import POLICIES
 from kubemoe.sizes import ByteSize
 
@@ -119,8 +120,6 @@ def _cpu_experts_sleep_when_idle(offload: bool) -> None:
     processes: that thread 3.1x slower and each expert 8.8 ms with spinning threads, 1.4x and 3.7 ms with idle
     ones asleep; on free cores spinning was a little faster, 1.25x against 1.45x). Called before anything
     imports torch: OpenMP reads the policy once, when torch loads."""
-    from kubemoe.frontend.embedded import shared_cores_env
-
     if offload:
         os.environ.update(shared_cores_env())
 

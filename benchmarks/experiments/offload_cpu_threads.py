@@ -4,8 +4,9 @@
 At Qwen3-30B-A3B size the offload step is the host's Python (offload_h100.json: kubemoe's MoE layers took
 21 ms a step at batch 4 where gpu-prefetch's took 11 with as many copies, and its attention 16 ms against
 10), and a traced step showed the same torch calls running 5-60% slower in kubemoe's step. One suspect: the
-CPU experts' OpenMP team of every core but one, whose threads spin after each expert, sharing cores with
-the launching thread. Runs of the same code on that host differ up to 1.7x from one process to the next,
+CPU experts' OpenMP team of every core but one sharing cores with the launching thread (its idle threads
+sleep since 3e6af38, as offload_bench.py runs it; OMP_WAIT_POLICY=ACTIVE in the environment makes them spin
+again). Runs of the same code on that host differ up to 1.7x from one process to the next,
 so the variants (kubemoe at several team sizes, and the policies without CPU experts) take turns in one
 process, round after round, each team size with its own start-up profile. Prints tokens/s per variant
 and round, and their medians.
@@ -58,13 +59,9 @@ def main() -> None:
             bench.generate("warm-up", 4, 32, 4)  # first calls of a shape: kernels load, oneDNN compiles
             for batch in (int(b) for b in args.batches.split(",")):
                 run = bench.generate(label, batch, args.prompt, args.output)
-                steps = len(run.decode_steps_s)
                 results.setdefault((policy, threads, batch), []).append(run.tokens_per_s)
-                print(f"round {round_} {label:>16} b{batch:<3} {run.tokens_per_s:8.1f} tok/s, step "
-                      f"{statistics.median(run.decode_steps_s) * 1e3:6.2f} ms (MoE layers "
-                      f"{run.decode_seconds.layers / steps * 1e3:.2f}, decisions {run.decode_seconds.decide / steps * 1e3:.2f}, "
-                      f"CPU wait {run.decode_seconds.cpu_wait / steps * 1e3:.2f}), CPU experts/step "
-                      f"{run.decode.cpu_experts / steps:.1f}", flush=True)
+                print(f"round {round_} {label:>16} b{batch:<3} {run.summary()}, CPU experts/step "
+                      f"{run.row()['decode_cpu_experts_per_step']:.1f}", flush=True)
             bench.stop()
     for threads, (profile, _) in profiles.items():
         if threads is not None:
