@@ -277,15 +277,9 @@ class Cluster:
                         f"--root-ca-file={self.pki.ca_cert}", "--use-service-account-credentials=false",
                         f"--node-monitor-grace-period={cfg.node_lease_s * 5 // 4}s",
                         *CONTROLLER_MANAGER_TUNING, *cfg.controller_manager_args)
-        crds = []
-        if cfg.kwok:
-            crds.append(self.testbin.kwok_manifests / "kwok.x-k8s.io_stages.yaml")
         if cfg.knative_crds:
-            crds.append(self.testbin.knative_crds)
-        if crds:
-            self.kubectl("apply", "--server-side", *(f"--filename={p}" for p in crds))
+            self.kubectl("apply", "--server-side", f"--filename={self.testbin.knative_crds}")
             self.kubectl("wait", "--for=condition=Established", "crd", "--all", f"--timeout={cfg.timeout_s:.0f}s")
-        if cfg.knative_crds:
             self.kubectl("create", "namespace", KNATIVE_NAMESPACE)
         if cfg.kwok:
             self._start_kwok()
@@ -387,23 +381,30 @@ class Cluster:
                       f"kube-apiserver {self.server}/readyz")
 
     def _start_kwok(self) -> None:
-        stages = [p for p in sorted(self.testbin.kwok_manifests.glob("*.yaml")) if "_stages" not in p.name]
-        ready = self.data_dir / POD_READY_STAGE
-        ready.write_text(frontends_on_loopback((self.testbin.kwok_manifests / POD_READY_STAGE).read_text()))
-        stages = [ready if p.name == POD_READY_STAGE else p for p in stages]
-        self.kubectl("apply", "--server-side", *(f"--filename={p}" for p in stages))
         config = self.data_dir / "kwok.yaml"
         # A configuration file replaces kwok's defaults (none are filled in): the others as kwok's defaults.
         options = {"podPlayStageParallelism": self.config.pod_stage_parallelism, "nodePlayStageParallelism": 4,
                    "nodeLeaseParallelism": 4, "podsOnNodeSyncParallelism": 1, "enablePodsOnNodeSyncListPager": True}
-        config.write_text(json.dumps({"apiVersion": "config.kwok.x-k8s.io/v1alpha1", "kind": "KwokConfiguration",
-                                      "options": options}))
+        kwok_config = json.dumps({"apiVersion": "config.kwok.x-k8s.io/v1alpha1", "kind": "KwokConfiguration",
+                                  "options": options})
+        # The stages go in the same file, not as Stage objects (--enable-crds=Stage). With Stage objects, kwok 0.8
+        # starts its node and pod controllers when its Stage informer signals, and caches the list it reads by the
+        # informer's resource version, which client-go sets only after the first objects are handed out: read in
+        # between, the list is cached empty, and with no later Stage event no controller ever starts (a CI run's
+        # kwok logged no "Start stage controller" and its nodes never turned Ready). From the file they start
+        # before kwok watches anything.
+        config.write_text("\n---\n".join([kwok_config, *self._kwok_stages()]))
         selector = ",".join(f"{k}={v}" for k, v in KWOK_ANNOTATION.items())
         self._spawn("kwok", f"--config={config}", f"--kubeconfig={self.kubeconfig}",
                     "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={selector}",
-                    "--enable-crds=Stage", f"--node-lease-duration-seconds={self.config.node_lease_s}",
+                    f"--node-lease-duration-seconds={self.config.node_lease_s}",
                     f"--cidr={self.config.pod_cidr}", "--node-ip=127.0.0.1",
                     f"--server-address=127.0.0.1:{free_port()}")
+
+    def _kwok_stages(self) -> list[str]:
+        """kwokctl's default stages, the pod-ready one giving frontends loopback addresses."""
+        stages = sorted(self.testbin.kwok_manifests.glob("*.yaml"))
+        return [frontends_on_loopback(p.read_text()) if p.name == POD_READY_STAGE else p.read_text() for p in stages]
 
     # -- access ------------------------------------------------------------------------------
 

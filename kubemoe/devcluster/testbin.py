@@ -4,7 +4,7 @@ Everything lands in ``~/.cache/kubemoe/testbin/<key>/``:
 
     bin/           etcd kube-apiserver kube-scheduler kube-controller-manager kubectl kwok helm
     knative-crds/  Knative Serving's CRDs (serving + the networking/caching files it symlinks)
-    kwok/          kwok's Stage CRD and its default stages (node init + lease heartbeat, pod fast)
+    kwok/          kwok's default stages (node init + lease heartbeat, pod fast)
     src/           the generated wrapper module (go.mod written from hack/testbin/versions.env)
     BUILT          marker with the versions and the build time; present = nothing to do
 
@@ -216,13 +216,12 @@ def _copy_knative_crds(serving_version: str, root: Path, log) -> None:
 
 
 def _copy_kwok_stages(kwok_version: str, root: Path) -> None:
-    """kwok moves fake nodes and pods through Stage objects; it ships none of them in the binary
-    when run with --enable-crds=Stage, so install the CRD and the stages `kwokctl` uses by default."""
+    """kwok moves fake nodes and pods through stages and ships none in its binary: copy the ones `kwokctl`
+    uses by default (the cluster passes them in kwok's configuration file)."""
     out = root / "kwok"
     out.mkdir()
     kwok = Path(_download("sigs.k8s.io/kwok", kwok_version, cwd=root)["Dir"]) / "kustomize"
-    sources = [kwok / "crd" / "bases" / "kwok.x-k8s.io_stages.yaml",
-               kwok / "stage" / "node" / "fast" / "node-initialize.yaml",
+    sources = [kwok / "stage" / "node" / "fast" / "node-initialize.yaml",
                kwok / "stage" / "node" / "heartbeat-with-lease" / "node-heartbeat-with-lease.yaml",
                *sorted((kwok / "stage" / "pod" / "fast").glob("pod-*.yaml"))]
     for path in sources:
