@@ -88,6 +88,25 @@ def tiny_checkpoint(tmp_path_factory):
     return get
 
 
+# A session fixture is made inside the first test that asks for it, under that test's time limit (pytest-timeout's
+# covers setup). Training took 134 s on an idle 2-core machine and over 300 s (the limit) beside busy processes:
+# the first test that asks for it gets this much more.
+SESSION_FIXTURE_SECONDS = {"trained_checkpoint": 300}
+
+
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: the first test that runs, not the first collected
+def pytest_collection_modifyitems(config, items):
+    try:
+        limit = float(config.getini("timeout") or 0)
+    except ValueError:  # pytest-timeout not loaded
+        return
+    for fixture, seconds in SESSION_FIXTURE_SECONDS.items():
+        first = next((item for item in items if fixture in getattr(item, "fixturenames", ())), None)
+        if first is not None and limit:
+            marker = first.get_closest_marker("timeout")
+            first.add_marker(pytest.mark.timeout((marker.args[0] if marker and marker.args else limit) + seconds))
+
+
 @pytest.fixture(scope="session")
 def trained_checkpoint(tmp_path_factory):
     """The `small` recipe of kubemoe's own MoE, trained once per session (seed 0, about a minute on 2 cores):
