@@ -15,7 +15,6 @@ kernels, fits the lines offline with `fit_line` and keeps them fresh online thro
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, replace
@@ -49,6 +48,10 @@ class CostLine:
         layer of every step, on the host thread that launches the GPU's work."""
         slope, intercept = self.slope, self.intercept
         return [slope * n + intercept for n in tokens]
+
+    def total(self, tokens: Sequence[float]) -> float:
+        """sum(self.each(tokens)), from the tokens' sum (builtin, no list made)."""
+        return self.slope * sum(tokens) + self.intercept * len(tokens)
 
 
 class LineFit:
@@ -130,18 +133,13 @@ class ExpertCosts:
         """Each expert's part of `t_g_all`: its share of the grouped FFN where they group, else its FFN alone."""
         return self.shared_each(tokens) if self.groups(len(tokens)) else self.gpu.each(tokens)
 
-    def t_g_prefixes(self, tokens: Sequence[float]) -> list[float]:
-        """[k] -> t_g_all(tokens[:k]) for k = 0 .. len(tokens), in one pass: a layer's first k on-demand loads, which
-        the executor computes as a group of their own (`GroupSeconds` says why)."""
-        alone = list(itertools.accumulate(self.gpu.each(tokens), initial=0.0))
-        if self.grouped is None:
-            return alone
-        shared = itertools.accumulate(self.grouped.each(tokens), initial=0.0)
-        return [s if self.groups(k) else a for k, (a, s) in enumerate(zip(alone, shared))]
+    @property
+    def shared(self) -> CostLine:
+        """An expert's share of one grouped FFN (its FFN alone where the kernels do not group)."""
+        return self.grouped or self.gpu
 
     def shared_each(self, tokens: Iterable[float]) -> list[float]:
-        """Each expert's share of one grouped FFN (its FFN alone where the kernels do not group)."""
-        return (self.grouped or self.gpu).each(tokens)
+        return self.shared.each(tokens)
 
     def t_c(self, tokens: float) -> float:
         return self.cpu(tokens)
@@ -159,8 +157,8 @@ class GroupSeconds:
     def __init__(self, costs: ExpertCosts, tokens: Sequence[float] = ()):
         self.groups_from = GROUPED_MIN_EXPERTS if costs.grouped is not None else math.inf
         self.experts = len(tokens)
-        self.alone = sum(costs.gpu.each(tokens))
-        self.shared = sum(costs.shared_each(tokens))
+        self.alone = costs.gpu.total(tokens)
+        self.shared = costs.shared.total(tokens)
 
     @property
     def seconds(self) -> float:

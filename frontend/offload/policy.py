@@ -9,8 +9,10 @@ demand, and which later-layer experts to prefetch. Pure: executors (and pipeline
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from dataclasses import dataclass, field
-from typing import Mapping, NamedTuple, Protocol, Sequence
+from typing import Iterable, Mapping, NamedTuple, Protocol, Sequence
 
 from kubemoe.frontend.offload.costs import ExpertCosts
 
@@ -54,8 +56,11 @@ class LayerDemand:
         return self._resident_pending
 
 
-def by_tokens(items) -> list[tuple[int, int]]:
-    return sorted(items, key=lambda item: (-item[1], item[0]))
+def by_tokens(items: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(expert, tokens) pairs, most tokens first (ties: lower expert id)."""
+    ranked = sorted(items)  # by expert id
+    ranked.sort(key=operator.itemgetter(1), reverse=True)  # stable, also reversed: ties keep the id order
+    return ranked
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,7 @@ class Policy(Protocol):
     def schedule(self, demand: LayerDemand, costs: ExpertCosts) -> Schedule: ...
 
 
-class SideTimes(NamedTuple):  # a tuple, not a dataclass: prefix_spans makes one per missing expert, every layer
+class SideTimes(NamedTuple):
     """LayerScope's estimate of one layer's two sides: sums of per-expert costs (transfers included)."""
 
     gpu: float  # resident experts' t_g (`t_g_all`) + the loads' t_io each and their t_g as a group (`GroupSeconds`)
@@ -123,17 +128,33 @@ class SideTimes(NamedTuple):  # a tuple, not a dataclass: prefix_spans makes one
         return max(self.gpu, self.cpu + self.held)
 
 
-def prefix_spans(demand: LayerDemand, costs: ExpertCosts) -> list[SideTimes]:
-    """[k] -> the layer's times when its k missing experts with the most tokens are loaded, the rest on
-    the CPU, for k = 0 .. len(missing) (prefix and suffix sums: linear in the experts)."""
-    missing = [n for _, n in demand.missing()]
-    t_c = costs.cpu.each(missing)
-    cpu_from = [0.0] * (len(missing) + 1)  # [k]: t_c of missing[k:]
-    for k in range(len(missing) - 1, -1, -1):
-        cpu_from[k] = cpu_from[k + 1] + t_c[k]
-    gpu, t_io, gap = costs.t_g_all([n for _, n in demand.resident_pending()]), costs.t_io, demand.host_gap
-    return [SideTimes(gpu + loads + k * t_io, cpu_from[k], k * t_io, gap if k < len(missing) else 0.0)
-            for k, loads in enumerate(costs.t_g_prefixes(missing))]
+class PrefixSpans:
+    """k -> the layer's `SideTimes` when its k missing experts with the most tokens are loaded, the rest on the CPU,
+    for k = 0 .. len(missing). Each k in O(1) from the missing experts' token prefix sums: the cost lines are
+    linear, so the loads' t_g (one FFN each, or one grouped FFN from GROUPED_MIN_EXPERTS loads on, as the executor
+    runs them: `GroupSeconds`) and the CPU experts' t_c are a line of their tokens and their count. A decision
+    reads a few k (PreSched's re-check walks from its k) or every k (`best_prefix`); the host pays per k read."""
+
+    __slots__ = ("costs", "tokens", "base", "gap")
+
+    def __init__(self, demand: LayerDemand, costs: ExpertCosts):
+        self.costs, self.gap = costs, demand.host_gap
+        self.tokens = list(itertools.accumulate((n for _, n in demand.missing()), initial=0))  # [k]: the k largest's
+        self.base = costs.t_g_all([n for _, n in demand.resident_pending()])  # resident experts' t_g
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def times(self, k: int) -> SideTimes:
+        costs, missing = self.costs, len(self.tokens) - 1
+        loaded, left = self.tokens[k], self.tokens[-1] - self.tokens[k]
+        loads = costs.shared if costs.groups(k) else costs.gpu
+        return SideTimes(gpu=self.base + loads.slope * loaded + loads.intercept * k + k * costs.t_io,
+                         cpu=costs.cpu.slope * left + costs.cpu.intercept * (missing - k), copies=k * costs.t_io,
+                         held=self.gap if k < missing else 0.0)
+
+    def finish(self, k: int) -> float:
+        return self.times(k).finish
 
 
 def best_prefix(demand: LayerDemand, costs: ExpertCosts) -> int:
@@ -144,5 +165,5 @@ def best_prefix(demand: LayerDemand, costs: ExpertCosts) -> int:
     per token is below the CPU's (beta): swapping a loaded expert for a CPU one with more tokens
     shortens the CPU side by more than it lengthens the GPU side.
     """
-    spans = [times.finish for times in prefix_spans(demand, costs)]
-    return min(range(len(spans)), key=lambda k: (spans[k], k))
+    spans = PrefixSpans(demand, costs)
+    return min(range(len(spans)), key=lambda k: (spans.finish(k), k))

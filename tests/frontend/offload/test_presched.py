@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from kubemoe.frontend.offload.costs import CostLine
-from kubemoe.frontend.offload.presched import Candidate, PreSched, prefetch_count
+from kubemoe.frontend.offload.presched import PreSched, prefetch_count
 
 
 def test_all_resident_nothing_moves(make_demand, costs):
@@ -99,8 +99,9 @@ def test_prefetch_is_capped_by_the_slots(make_demand, costs):
 def test_on_demand_loads_are_monotone_in_tokens(make_demand, make_costs):
     # Step 3 alone: a window that chose the third-largest expert loads the two larger ones too.
     demand = make_demand({0: 10, 1: 1, 2: 6, 3: 3})  # missing by tokens: e0, e2, e3, e1
-    assert PreSched.monotone_loads(demand, [Candidate(0, 3, 3), Candidate(1, 7, 20)]) == 3
-    assert PreSched.monotone_loads(demand, [Candidate(1, 7, 20)]) == 0
+    # Candidates are (-tokens, offset, expert): this layer's e3 (3 tokens) and the next layer's e7 (20).
+    assert PreSched.monotone_loads(demand, [(-3, 0, 3), (-20, 1, 7)]) == 3
+    assert PreSched.monotone_loads(demand, [(-20, 1, 7)]) == 0
     # And end to end on random layers: no CPU expert has more tokens than a loaded one.
     rng = random.Random(0)
     for _ in range(200):
@@ -152,7 +153,7 @@ def test_no_expert_goes_to_the_cpu_when_the_gpu_would_finish_it_sooner(make_dema
     # On random layers: the CPU side holds an expert only where loading it too would not shorten the layer
     # (its t_c is more than the copy it saves waits for), and an expert whose t_c alone exceeds the GPU side
     # with every missing expert loaded (resident t_g + k_all x t_io + their t_g) never runs on the CPU.
-    from kubemoe.frontend.offload.policy import prefix_spans
+    from kubemoe.frontend.offload.policy import PrefixSpans
 
     rng = random.Random(1)
     for _ in range(300):
@@ -164,11 +165,11 @@ def test_no_expert_goes_to_the_cpu_when_the_gpu_would_finish_it_sooner(make_dema
         demand = replace(make_demand(pending, resident, ahead, t_attn=rng.uniform(0, 5)),
                          host_gap=rng.choice([0.0, rng.uniform(0, 5)]))
         schedule = PreSched(xi=rng.random()).schedule(demand, cost)
-        spans = [t.finish for t in prefix_spans(demand, cost)]
+        spans = [PrefixSpans(demand, cost).finish(k) for k in range(len(pending) - len(resident) + 1)]
         k = len(schedule.load)
         if schedule.cpu:
             assert spans[k + 1] >= spans[k] - 1e-12, "loading the next CPU expert as well would finish the layer sooner"
-        everything_loaded = prefix_spans(demand, cost)[-1].gpu
+        everything_loaded = PrefixSpans(demand, cost).times(len(spans) - 1).gpu
         for e in schedule.cpu:
             assert cost.t_c(pending[e]) + demand.host_gap <= everything_loaded + 1e-12
 
@@ -186,3 +187,29 @@ def test_the_host_gap_keeps_experts_off_the_cpu_when_the_gpu_side_runs_during_it
     assert schedule.load == (0, 1) and schedule.cpu == ()
     # Where copies are slow (t_io = 20), the CPU still takes what the GPU side would make the host wait for.
     assert PreSched().schedule(replace(demand, host_gap=4.0), replace(costs, t_io=20.0)).cpu == (0, 1)
+
+
+def test_each_prefix_span_is_the_sum_of_its_experts_costs(make_demand, make_costs):
+    # PrefixSpans prices k loads in O(1) from token prefix sums; by definition the GPU side is the resident experts'
+    # t_g_all, k copies and the loads' t_g_all (one grouped FFN from GROUPED_MIN_EXPERTS on), the CPU side the rest's t_c.
+    from kubemoe.frontend.offload.policy import PrefixSpans
+
+    rng = random.Random(2)
+    for _ in range(300):
+        pending = {e: rng.randint(1, 60) for e in rng.sample(range(32), rng.randint(1, 16))}
+        resident = set(rng.sample(sorted(pending), rng.randint(0, len(pending))))
+        cost = make_costs(t_io=rng.uniform(0.2, 20), t_g=rng.uniform(0.01, 1), beta=rng.uniform(0.01, 2), c=rng.uniform(0.1, 10))
+        cost = replace(cost, gpu=CostLine(rng.uniform(0, 0.1), cost.gpu.intercept),
+                       grouped=rng.choice([None, CostLine(rng.uniform(0, 0.01), rng.uniform(0, 0.2))]))
+        demand = replace(make_demand(pending, resident), host_gap=rng.choice([0.0, rng.uniform(0, 5)]))
+        missing = [n for _, n in demand.missing()]
+        resident_t_g = cost.t_g_all([n for _, n in demand.resident_pending()])
+        spans = PrefixSpans(demand, cost)
+        assert len(spans) == len(missing) + 1
+        for k in range(len(spans)):
+            times = spans.times(k)
+            assert times.gpu == pytest.approx(resident_t_g + k * cost.t_io + cost.t_g_all(missing[:k]))
+            assert times.cpu == pytest.approx(sum(cost.t_c(n) for n in missing[k:]))
+            assert times.copies == pytest.approx(k * cost.t_io)
+            assert times.held == (demand.host_gap if k < len(missing) else 0.0)
+            assert spans.finish(k) == times.finish
