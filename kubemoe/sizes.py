@@ -10,8 +10,8 @@ import re
 
 import click
 
-_WITH_B = {f"{unit}iB": f"{unit}i" for unit in "KMGTPE"} | {f"{unit}B": unit.lower() if unit == "K" else unit
-                                                            for unit in "kKMGTPE"}  # the unit -> its quantity suffix
+# a unit with a B -> the quantity's suffix (Kubernetes writes kilo as k; people write KB and kB)
+_WITH_B = {f"{unit}iB": f"{unit}i" for unit in "KMGTPE"} | {f"{unit}B": unit for unit in "kMGTPE"} | {"KB": "k"}
 _UNIT_WITH_B = re.compile(rf"(.*?)({'|'.join(_WITH_B)})")
 
 

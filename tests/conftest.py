@@ -100,9 +100,11 @@ def pytest_collection_modifyitems(config, items):
         limit = float(config.getini("timeout") or 0)
     except ValueError:  # pytest-timeout not loaded
         return
+    if not limit:  # no time limit to extend
+        return
     for fixture, seconds in SESSION_FIXTURE_SECONDS.items():
         first = next((item for item in items if fixture in getattr(item, "fixturenames", ())), None)
-        if first is not None and limit:
+        if first is not None:
             marker = first.get_closest_marker("timeout")
             first.add_marker(pytest.mark.timeout((marker.args[0] if marker and marker.args else limit) + seconds))
 
