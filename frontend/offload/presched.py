@@ -141,10 +141,10 @@ class PreSched:
     @staticmethod
     def recheck(spans: PrefixSpans, k: int) -> int:
         """Step 4: move k (this layer's loads) by one while this layer's own makespan `spans.finish(k)` shrinks."""
+        here = spans.finish(k)
         while True:
-            here = spans.finish(k)
-            better = [(spans.finish(j), j) for j in (k - 1, k + 1) if 0 <= j < len(spans)]
-            better = [(span, j) for span, j in better if span < here]
-            if not better:
+            # The better neighbour (ties: fewer loads), if it beats k.
+            best = min(((spans.finish(j), j) for j in (k - 1, k + 1) if 0 <= j < len(spans)), default=None)
+            if best is None or best[0] >= here:
                 return k
-            k = min(better)[1]
+            here, k = best
