@@ -626,7 +626,7 @@ def main() -> None:
                   "resident_share": args.resident_share,
                   "cpu_threads": args.cpu_threads or default_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
         pinned_peak_bytes_per_s=peak, streaming_bytes_per_s=stream_bw,
-        hardware_bound="H2D copies bounded by the measured pinned peak (PCIe 5.0 x16 on the H200 host); CPU experts "
+        hardware_bound="H2D copies bounded by the measured pinned peak (PCIe 5.0 x16 on the H100 and H200 hosts); CPU experts "
                        "by the host's cores and memory bandwidth; per decode step see hardware_bounds",
         hardware_bounds=bounds, decode_step_vs_bound=vs_bound,
         ablations=ablations, ablation_note="no PreSched = the gpu-prefetch row (same hot table and prediction)",
