@@ -103,6 +103,7 @@ class HostExperts:
         self.slot_elems = 3 * i * h
         self.expert_bytes = self.slot_elems * dtype.itemsize
         self.rows: dict[int, torch.Tensor] = {}  # layer -> [E, S]
+        self._chunk_views: dict[Key, tuple[torch.Tensor, ...]] = {}
         for layer in self.layers:
             self.rows[layer] = torch.empty((num_experts, self.slot_elems), dtype=dtype)
             for expert in range(num_experts):
@@ -125,6 +126,15 @@ class HostExperts:
     def row(self, key: Key) -> torch.Tensor:  # [S]
         layer, expert = key
         return self.rows[layer][expert]
+
+    def chunk_views(self, key: Key) -> tuple[torch.Tensor, ...]:
+        """`key`'s row cut into `chunks` (gate, up, down), made once: a copy reads them every time the expert is
+        copied, and cutting them again cost six tensor views an expert on the host that issues the copies."""
+        views = self._chunk_views.get(key)
+        if views is None:
+            row = self.row(key)
+            views = self._chunk_views[key] = tuple(row[a:b] for a, b in self.chunks)
+        return views
 
     def weights(self, key: Key) -> ExpertWeights:
         return self.views(self.row(key))
@@ -149,6 +159,7 @@ class ExpertStore:
         self.cuda = self.device.type == "cuda"
         self.slots = torch.empty((slots, host.slot_elems), dtype=host.dtype, device=self.device)  # [N, S]
         self._sync = [_SlotSync() for _ in range(slots)]
+        self._slot_chunks = [tuple(slot[a:b] for a, b in host.chunks) for slot in self.slots]  # as chunk_views
         if self.cuda:
             # AsyncIO: a stream per chunk; without it (the ablation) the copies queue on the compute stream.
             self.streams = ([torch.cuda.Stream(self.device) for _ in CHUNKS] if async_io
@@ -187,23 +198,29 @@ class ExpertStore:
                 self.slots[slot].copy_(self.host.row(key))
             return
         frees = list({id(e): e for e in (self._sync[slot].free for _, slot in pairs) if e is not None}.values())
-        rows = [(self.host.row(key), self.slots[slot]) for key, slot in pairs]
+        chunks = [(self.host.chunk_views(key), self._slot_chunks[slot]) for key, slot in pairs]
         start = torch.cuda.Event(enable_timing=True) if self.timing else None
         ready = []
-        for n, (stream, (a, b)) in enumerate(zip(self.streams, self.host.chunks)):
-            for free in frees:
-                stream.wait_event(free)
-            if start is not None:
-                if n == 0:
-                    start.record(stream)
-                else:
-                    stream.wait_event(start)
-            with torch.cuda.stream(stream):
-                for src, dst in rows:
-                    dst[a:b].copy_(src[a:b], non_blocking=True)
-            event = torch.cuda.Event(enable_timing=self.timing)
-            event.record(stream)
-            ready.append(event)
+        # The copies queue on the chunk streams made current by set_stream: `with torch.cuda.stream(...)` asked
+        # for the current stream and device again on entry and exit, three times a call.
+        compute = torch.cuda.current_stream(self.device)
+        try:
+            for n, stream in enumerate(self.streams):
+                for free in frees:
+                    stream.wait_event(free)
+                if start is not None:
+                    if n == 0:
+                        start.record(stream)
+                    else:
+                        stream.wait_event(start)
+                torch.cuda.set_stream(stream)
+                for src, dst in chunks:
+                    dst[n].copy_(src[n], non_blocking=True)
+                event = torch.cuda.Event(enable_timing=self.timing)
+                event.record(stream)
+                ready.append(event)
+        finally:
+            torch.cuda.set_stream(compute)
         for _, slot in pairs:
             sync = self._sync[slot]
             sync.ready, sync.waited = ready, set()
