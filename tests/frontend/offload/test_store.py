@@ -54,6 +54,32 @@ def test_experts_copied_together_land_in_their_own_slots(device):
         s.host.close()
 
 
+def test_chunk_views_are_an_experts_gate_up_and_down_in_its_row_made_once():
+    w, s = store()
+    gate, up, down = s.host.chunk_views((3, 1))
+    assert torch.equal(torch.cat([gate, up]).view(2 * I, H), w[(3, 1)].gate_up)
+    assert torch.equal(down.view(H, I), w[(3, 1)].down)
+    assert gate.data_ptr() == s.host.row((3, 1)).data_ptr()  # views of the (pinned) row, not copies
+    assert s.host.chunk_views((3, 1))[0] is gate
+
+
+@pytest.mark.gpu
+def test_a_copy_leaves_the_callers_stream_current():
+    w, s = store("cuda", torch.bfloat16, slots=2)
+    try:
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            s.copy_many([((1, 0), 0), ((3, 1), 1)])
+            assert torch.cuda.current_stream() == side
+            s.wait_ready(0, 1)
+            total = s.slot_weights(1).down.float().sum()
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
+        torch.testing.assert_close(total.cpu(), w[(3, 1)].down.float().sum())
+    finally:
+        s.close()
+        s.host.close()
+
+
 def test_pinning_that_fails_is_logged_and_leaves_pageable_memory(caplog):
     tensors = [torch.empty(10), torch.empty(10)]
     pinned, undone = [], []
