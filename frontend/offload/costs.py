@@ -1,7 +1,8 @@
 """Cost figures of the offload path: what LayerScope's Timer measures, as one JSON-serialisable profile.
 
 Per expert size (bytes of one routed expert's gate, up and down projections):
-- t_io: seconds to copy one expert host -> GPU from pinned memory (no token term: the bytes are fixed);
+- t_io: seconds to copy one expert host -> GPU from pinned memory, copies streaming back to back (no token term:
+  the bytes are fixed);
 - t_g(n): GPU seconds for one expert on n tokens, run on its own;
 - the grouped line: GPU seconds per expert when a layer's experts already on the device run as one grouped
   FFN (`t_g_all`; measured where the kernels group, the group's time shared by its experts);

@@ -8,10 +8,11 @@ the executor refreshes it online from the time between one layer's experts and t
 the CPU experts it serves).
 
 Three things keep the figures true to serving:
-- t_g is timed over calls queued back to back, as the executor queues a layer's experts, never waiting for
-  one: a synchronised call measures the round trip to the device instead (0.67 ms for a Qwen3-30B-A3B-size
-  expert on the lent H100's host, 0.10 on the H200's, for a few microseconds of weight reads), and PreSched,
-  pricing every copied expert so, sent experts to the CPU that the GPU would have run sooner;
+- t_g and t_io are timed over calls queued back to back, as the executor queues a layer's experts and copies,
+  never waiting for one: a synchronised call measures the round trip to the device instead (0.67 ms for a
+  Qwen3-30B-A3B-size expert's FFN on the lent H100's host, 0.10 on the H200's, for a few microseconds of weight
+  reads; a lone copy of that expert took 0.29 ms on the H100 where copies streamed at 0.18 ms each), and
+  PreSched, pricing every copied expert so, sent experts to the CPU that the GPU would have run sooner;
 - every token count up to `WARM_TOKENS` (what decode sends one expert) runs once on both sides first:
   the first call of a shape compiles or loads its kernels (oneDNN's JIT on the CPU; CUDA's lazy module
   loading, which also synchronises the device, on the GPU), and serving must not pay that mid-request
@@ -76,7 +77,7 @@ def measure_profile(store: ExpertStore, cpu: CpuExperts, act: Callable, slot: in
         store.copy(key, slot)
         store.wait_ready(slot)
 
-    t_io = median_seconds(copy, device, repeats)
+    t_io = median_seconds(copy, device, repeats, QUEUED_CALLS)
     weights = store.slot_weights(slot)
     hidden = weights.hidden_size
     for n in sorted(set(range(1, warm_tokens + 1)) | set(tokens)):
