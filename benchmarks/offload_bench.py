@@ -552,6 +552,10 @@ def main() -> None:
             bench.generate("warm-up", batch, args.prompt, 3)
         bench.profile = bench.executor.profile
         setups[name]["profile"] = bench.profile.to_dict()
+        costs = bench.profile.costs(bench.expert_bytes)
+        print(f"    profile: t_io {costs.t_io * 1e3:.3f} ms an expert ({bench.expert_bytes / costs.t_io / 1e9:.1f} GB/s), "
+              f"t_g {costs.t_g(1) * 1e3:.3f} ms alone at 1 token, t_c {costs.cpu(1) * 1e3:.3f} ms at 1 token",
+              flush=True)
         bench.stop()
         resident = frozenset()
         runs: dict[tuple[str, int], list[Run]] = {}  # (policy or ablation, batch) -> one run per round
