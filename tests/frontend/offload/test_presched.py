@@ -165,11 +165,12 @@ def test_no_expert_goes_to_the_cpu_when_the_gpu_would_finish_it_sooner(make_dema
         demand = replace(make_demand(pending, resident, ahead, t_attn=rng.uniform(0, 5)),
                          host_gap=rng.choice([0.0, rng.uniform(0, 5)]))
         schedule = PreSched(xi=rng.random()).schedule(demand, cost)
-        spans = [PrefixSpans(demand, cost).finish(k) for k in range(len(pending) - len(resident) + 1)]
+        prefix = PrefixSpans(demand, cost)
+        spans = [prefix.finish(k) for k in range(len(prefix))]
         k = len(schedule.load)
         if schedule.cpu:
             assert spans[k + 1] >= spans[k] - 1e-12, "loading the next CPU expert as well would finish the layer sooner"
-        everything_loaded = PrefixSpans(demand, cost).times(len(spans) - 1).gpu
+        everything_loaded = prefix.times(len(prefix) - 1).gpu
         for e in schedule.cpu:
             assert cost.t_c(pending[e]) + demand.host_gap <= everything_loaded + 1e-12
 
