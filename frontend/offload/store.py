@@ -159,8 +159,8 @@ class ExpertStore:
         self.cuda = self.device.type == "cuda"
         self.slots = torch.empty((slots, host.slot_elems), dtype=host.dtype, device=self.device)  # [N, S]
         self._sync = [_SlotSync() for _ in range(slots)]
-        self._slot_chunks = [tuple(slot[a:b] for a, b in host.chunks) for slot in self.slots]  # as chunk_views
         if self.cuda:
+            self._slot_chunks = [tuple(slot[a:b] for a, b in host.chunks) for slot in self.slots]  # as chunk_views
             # AsyncIO: a stream per chunk; without it (the ablation) the copies queue on the compute stream.
             self.streams = ([torch.cuda.Stream(self.device) for _ in CHUNKS] if async_io
                             else [torch.cuda.default_stream(self.device)] * len(CHUNKS))
