@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -26,12 +27,17 @@ class Goal:
     goal: str  # "<= 1.0", ">= 2.0", "< 0.2" or "> 0"
 
     @property
-    def met(self) -> bool:
+    def met(self) -> bool:  # a value that is no number (NaN: not measured; inf: a division by zero) never meets it
         op, bound = self.goal.split()
+        if not math.isfinite(self.value):
+            return False
         return {"<=": float.__le__, ">=": float.__ge__, "<": float.__lt__, ">": float.__gt__}[op](float(self.value), float(bound))
 
     def as_dict(self) -> dict:
-        return {"value": round(self.value, 4), "goal": self.goal, "met": self.met}
+        # A goal this run could not measure (e.g. its baseline was not run: NaN) stays in the file, unmet, as null:
+        # json.dumps would write NaN or Infinity, which strict JSON readers (jq, JavaScript) refuse.
+        value = round(self.value, 4) if math.isfinite(self.value) else None
+        return {"value": value, "goal": self.goal, "met": self.met}
 
 
 def cpu_name() -> str:
