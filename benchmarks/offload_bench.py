@@ -211,13 +211,13 @@ class Run:
 
     def summary(self) -> str:
         """One line: throughput, the mean decode step and its host-side split per step, hit rate, and the CPU
-        experts per decode step (their share of the tokens is small: a few tokens each)."""
+        experts per decode step with their share of the decode steps' routed tokens (a few tokens each)."""
         row = self.row()
         return (f"{self.tokens_per_s:9.1f} tok/s, step {self.decode_step_s * 1e3:8.2f} ms (MoE layers "
                 f"{row['decode_layers_s_per_step'] * 1e3:.2f}, decisions {row['decode_decide_s_per_step'] * 1e3:.2f}, "
                 f"CPU wait {row['decode_cpu_wait_s_per_step'] * 1e3:.2f}, GPU at the end "
                 f"{row['decode_end_wait_s_per_step'] * 1e3:.2f}), hit {self.stats.hit_rate:.2f}, "
-                f"CPU experts {row['decode_cpu_experts_per_step']:.1f} a step ({self.stats.cpu_share:.3f} of tokens)")
+                f"CPU experts {row['decode_cpu_experts_per_step']:.1f} a step ({self.decode.cpu_share:.3f} of tokens)")
 
     def row(self) -> dict:
         s, steps = self.stats, max(len(self.decode_steps_s), 1)
