@@ -34,10 +34,7 @@ class Goal:
         return {"<=": float.__le__, ">=": float.__ge__, "<": float.__lt__, ">": float.__gt__}[op](float(self.value), float(bound))
 
     def as_dict(self) -> dict:
-        # A goal this run could not measure (e.g. its baseline was not run: NaN) stays in the file, unmet, as null:
-        # json.dumps would write NaN or Infinity, which strict JSON readers (jq, JavaScript) refuse.
-        value = round(self.value, 4) if math.isfinite(self.value) else None
-        return {"value": value, "goal": self.goal, "met": self.met}
+        return {"value": round(self.value, 4), "goal": self.goal, "met": self.met}
 
 
 def cpu_name() -> str:
@@ -106,6 +103,19 @@ def git_commit() -> str:
         return "unknown"
 
 
+def strict_json(value):
+    """`value` with every float that is no number (NaN: a figure a run could not measure, e.g. a goal whose baseline
+    was not run; inf: a division by zero) as None: json.dumps would write NaN or Infinity, which strict JSON readers
+    (jq, JavaScript) refuse. Such a goal stays in the file, as null and unmet."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def write_results(benchmark: str, device: torch.device, raw: list[dict], goals: dict[str, Goal],
                   out: Path = RESULTS, **extra) -> Path:
     """Writes the results file, printing each goal as it goes into it (every run shows its ratios) and where
@@ -124,7 +134,7 @@ def write_results(benchmark: str, device: torch.device, raw: list[dict], goals: 
         "raw": raw,
         "goals": {name: goal.as_dict() for name, goal in goals.items()},
     }
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    path.write_text(json.dumps(strict_json(doc), indent=2, allow_nan=False) + "\n")
     print(f"wrote {path}" + (f" in {extra['seconds']:.0f} s" if "seconds" in extra else ""))
     return path
 
