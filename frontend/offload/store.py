@@ -127,13 +127,15 @@ class HostExperts:
         layer, expert = key
         return self.rows[layer][expert]
 
+    def cut(self, row: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [S] -> views of its `chunks` (gate, up, down)
+        return tuple(row[a:b] for a, b in self.chunks)
+
     def chunk_views(self, key: Key) -> tuple[torch.Tensor, ...]:
-        """`key`'s row cut into `chunks` (gate, up, down), made once: a copy reads them every time the expert is
-        copied, and cutting them again cost six tensor views an expert on the host that issues the copies."""
+        """`key`'s row `cut`, made once: a copy reads them every time the expert is copied, and cutting them again
+        cost six tensor views an expert on the host that issues the copies."""
         views = self._chunk_views.get(key)
         if views is None:
-            row = self.row(key)
-            views = self._chunk_views[key] = tuple(row[a:b] for a, b in self.chunks)
+            views = self._chunk_views[key] = self.cut(self.row(key))
         return views
 
     def weights(self, key: Key) -> ExpertWeights:
@@ -160,7 +162,7 @@ class ExpertStore:
         self.slots = torch.empty((slots, host.slot_elems), dtype=host.dtype, device=self.device)  # [N, S]
         self._sync = [_SlotSync() for _ in range(slots)]
         if self.cuda:
-            self._slot_chunks = [tuple(slot[a:b] for a, b in host.chunks) for slot in self.slots]  # as chunk_views
+            self._slot_chunks = [host.cut(slot) for slot in self.slots]  # made once, as chunk_views
             # AsyncIO: a stream per chunk; without it (the ablation) the copies queue on the compute stream.
             self.streams = ([torch.cuda.Stream(self.device) for _ in CHUNKS] if async_io
                             else [torch.cuda.default_stream(self.device)] * len(CHUNKS))

@@ -1,5 +1,7 @@
 """benchmarks/common.py: what a results file says about the machine it came from."""
 
+import json
+
 import torch
 
 
@@ -16,10 +18,7 @@ def test_the_machine_is_described_with_its_cores_and_their_threads(benchmark_mod
     assert info["cpu_mhz"] is None or info["cpu_mhz"] > 0
 
 
-
 def test_a_figure_that_was_not_measured_is_written_as_null_and_its_goal_unmet(benchmark_module, tmp_path):
-    import json
-
     common = benchmark_module("common")
     nan, inf = float("nan"), float("inf")
     goals = {"measured": common.Goal(1.23456, ">= 1.2"), "no_baseline": common.Goal(nan, "<= 1.15"),
