@@ -123,6 +123,12 @@ class ExpertGraphs:
         if held is not None and held.weights() is weights:
             return held
         self._graphs = {k: v for k, v in self._graphs.items() if v.weights() is not None}  # forget unloaded experts'
+        if not self._graphs:
+            # A pool is held only by the graphs captured into it: once a re-plan has retired them all (every
+            # expert of this function unloaded, others loaded), a capture naming it fails an assertion of
+            # PyTorch's allocator ("use_count > 0"), as moeless_live.py's re-plans did on the H100. Not a
+            # torch.cuda.MemPool: replacing one that graphs still held aborted the process (torch 2.11).
+            self._pool = torch.cuda.graph_pool_handle()
         x, y = self.input[:size], self.output[:size]
         current = torch.cuda.current_stream()
         self._side.wait_stream(current)  # what the device is still doing with input and output comes first

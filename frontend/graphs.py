@@ -261,7 +261,9 @@ class DecodeGraphs:
         key = (state.generation, self.generation())
         if key != self._key:  # the cache, the weights or the links moved: every program reads old addresses
             self._programs.clear()
-            self._key, self._pool = key, torch.cuda.graph_pool_handle()
+            self._key = key
+        if not self._programs:  # a pool no program holds may be gone: capturing into it fails (expert_fn/graphs.py)
+            self._pool = torch.cuda.graph_pool_handle()
 
     def _eager(self, state: BatchState, padded: int, rows: int) -> torch.Tensor:
         stream = self._stream

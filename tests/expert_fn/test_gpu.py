@@ -118,6 +118,25 @@ def test_graphed_rounds_match_eager_ones_from_pinned_regions_too_and_follow_relo
     segment.unpin(), segment.unlink()
 
 
+def test_graphs_are_captured_again_after_every_expert_they_were_captured_for_is_gone():
+    """A re-plan that unloads all of a function's experts and loads others: the new experts' graphs are
+    captured into the same memory pool, which no graph holds any more in between."""
+    cuda, H, I = torch.device("cuda"), 128, 64
+    gen = torch.Generator().manual_seed(0)
+
+    def expert() -> ExpertWeights:
+        return ExpertWeights((torch.randn(2 * I, H, generator=gen) / 8).cuda(), (torch.randn(H, I, generator=gen) / 8).cuda())
+
+    graphs, clock = ExpertGraphs(H, F.silu, cuda, torch.float32, max_tokens=8), batcher.ComputeClock(cuda)
+    x = torch.randn(4, H, generator=gen).cuda()
+    weights = {(0, 0): expert()}
+    assert graphs.run((0, 0), weights[(0, 0)], [x], clock) is not None and len(graphs) == 1
+    weights = {(0, 1): expert()}  # the old expert unloaded, another loaded: no graph of the old one is left
+    got = graphs.run((0, 1), weights[(0, 1)], [x], clock)
+    assert got is not None and len(graphs) == 1
+    assert rel_err(got, expert_ffn(x, weights[(0, 1)], F.silu)) < 1e-5
+
+
 def test_a_call_from_a_pinned_region_is_one_launch_per_expert_that_writes_only_its_own_rows(tmpfs, monkeypatch):
     cuda, H, I = torch.device("cuda"), 128, 64
     gen = torch.Generator().manual_seed(0)
