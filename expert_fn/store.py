@@ -142,7 +142,6 @@ class ExpertStore:
                 loaded = sum(self._weights[key].nbytes for key in self._loading)
             finally:
                 self._loading = frozenset()
-            self._free_dropped()
         return loaded, time.perf_counter() - start
 
     def unload(self, keys: Iterable[ExpertKey]) -> int:
@@ -158,7 +157,6 @@ class ExpertStore:
                     self._restack(layer, self._held_of(layer) - experts)
             else:
                 self._weights = {k: w for k, w in held.items() if k not in gone}
-            self._free_dropped()
         return sum(held[key].nbytes for key in gone)
 
     def _held_of(self, layer: int) -> set[int]:
@@ -187,14 +185,6 @@ class ExpertStore:
             stacks[layer] = LayerStack(stack, {e: i for i, e in enumerate(ids)})
         # Each read alone is consistent: a round takes a layer's experts from its stack, or from the weights
         self._stacks, self._weights = stacks, weights
-
-    def _free_dropped(self) -> None:
-        """Give the device back what dropped weights and old stacks held. Expert functions sharing a GPU
-        (time-slicing, MPS) each keep their own allocator cache: what one keeps cached after a re-plan,
-        another's Load cannot have (eight on the H100 held 8-14 GiB each for plans of 4.3, and a Load
-        ran out of memory). Stacks still read by rounds in flight go at a later change."""
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def _read(self, key: ExpertKey) -> ExpertWeights:
         """One expert from the checkpoint; on a GPU queued on the load stream (_ready_for_serving() them)."""

@@ -128,19 +128,3 @@ def test_pinned_staging_copies_every_byte_whatever_the_chunks(nbytes, chunk):
         assert torch.equal(target.cpu().view(torch.uint8), shaped.view(torch.uint8))  # bytes: random bits make NaNs
     with pytest.raises(ValueError, match="cannot copy"):
         staging.copy(torch.empty(3, device="cuda"), torch.zeros(4))
-
-
-def test_what_an_unload_or_a_restack_drops_goes_back_to_the_device(mixtral_sized):
-    """Expert functions sharing a GPU each have an allocator cache: memory dropped by one must be the
-    device's again, for another's Load, not stay cached in the process that dropped it."""
-    adapter = MoEAdapter(mixtral_sized.config)
-    layer = adapter.moe_layers[0]
-    store = ExpertStore(mixtral_sized, adapter, [], torch.bfloat16, torch.device("cuda"))
-    expert_bytes = 3 * HIDDEN * INTERMEDIATE * 2
-    store.load([(layer, e) for e in range(4)])
-    held = torch.cuda.memory_reserved()
-    store.load([(layer, 0)])  # already held: nothing changes
-    assert torch.cuda.memory_reserved() == held
-    store.unload([(layer, 1), (layer, 2), (layer, 3)])  # a new stack of one expert; the old one of four goes
-    assert held - torch.cuda.memory_reserved() >= 3 * expert_bytes
-    assert torch.equal(store.get(layer, 0).down, adapter.load_expert(mixtral_sized, layer, 0, torch.bfloat16, "cuda").down)
