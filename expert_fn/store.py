@@ -142,6 +142,8 @@ class ExpertStore:
                 loaded = sum(self._weights[key].nbytes for key in self._loading)
             finally:
                 self._loading = frozenset()
+        if loaded and self.stacked:  # a restack dropped the layer's old stack
+            self._release_dropped()
         return loaded, time.perf_counter() - start
 
     def unload(self, keys: Iterable[ExpertKey]) -> int:
@@ -152,12 +154,16 @@ class ExpertStore:
         with self._lock:
             held = self._weights
             gone = keys & held.keys()
+            freed = sum(held[key].nbytes for key in gone)
             if self.stacked:
                 for layer, experts in _by_layer(gone).items():
                     self._restack(layer, self._held_of(layer) - experts)
             else:
                 self._weights = {k: w for k, w in held.items() if k not in gone}
-        return sum(held[key].nbytes for key in gone)
+            del held
+        if gone:
+            self._release_dropped()
+        return freed
 
     def _held_of(self, layer: int) -> set[int]:
         stack = self._stacks.get(layer)
@@ -185,6 +191,23 @@ class ExpertStore:
             stacks[layer] = LayerStack(stack, {e: i for i, e in enumerate(ids)})
         # Each read alone is consistent: a round takes a layer's experts from its stack, or from the weights
         self._stacks, self._weights = stacks, weights
+
+    def _release_dropped(self) -> None:
+        """Give the device back the memory of what a change dropped, once the rounds queued by now are done
+        with it, in the background. Expert functions sharing a GPU (time-slicing, MPS) each keep an allocator
+        cache, and what one keeps cached another's Load cannot have: eight on the H100, re-planned in place,
+        held 8-14 GiB each for plans of 4.3 until a Load ran out of memory (moeless_live.py). Not in the
+        change itself: empty_cache() waits for those rounds, and a Load must not wait for the serving stream."""
+        if self._serving is None:
+            return
+        passed = torch.cuda.Event()
+        passed.record(self._serving)
+
+        def release() -> None:
+            passed.synchronize()
+            torch.cuda.empty_cache()
+
+        threading.Thread(target=release, name="release-dropped", daemon=True).start()
 
     def _read(self, key: ExpertKey) -> ExpertWeights:
         """One expert from the checkpoint; on a GPU queued on the load stream (_ready_for_serving() them)."""

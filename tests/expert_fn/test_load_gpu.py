@@ -128,3 +128,24 @@ def test_pinned_staging_copies_every_byte_whatever_the_chunks(nbytes, chunk):
         assert torch.equal(target.cpu().view(torch.uint8), shaped.view(torch.uint8))  # bytes: random bits make NaNs
     with pytest.raises(ValueError, match="cannot copy"):
         staging.copy(torch.empty(3, device="cuda"), torch.zeros(4))
+
+
+def test_what_an_unload_drops_goes_back_to_the_device_once_rounds_are_done_with_it(mixtral_sized):
+    """Expert functions sharing a GPU each have an allocator cache: memory one drops must become the
+    device's again, for another's Load, not stay cached in the process that dropped it."""
+    adapter, layer, store, rounds = _serving(mixtral_sized)
+    try:
+        store.load([(layer, e) for e in range(4)])
+        rounds.run()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # what the Load dropped (the stack of expert 0 alone): not what is measured
+        held = torch.cuda.memory_reserved()
+        store.unload([(layer, 1), (layer, 2), (layer, 3)])  # a new stack of expert 0; the old one of four goes
+        rounds.run()  # expert 0 from its new stack
+        expert_bytes, deadline = 3 * HIDDEN * INTERMEDIATE * 2, time.monotonic() + 10
+        while held - torch.cuda.memory_reserved() < 3 * expert_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert held - torch.cuda.memory_reserved() >= 3 * expert_bytes, \
+            f"{(held - torch.cuda.memory_reserved()) / 2**20:.0f} MiB of {3 * expert_bytes / 2**20:.0f} given back"
+    finally:
+        rounds.close()
