@@ -142,8 +142,6 @@ class ExpertStore:
                 loaded = sum(self._weights[key].nbytes for key in self._loading)
             finally:
                 self._loading = frozenset()
-        if loaded and self.stacked:  # a restack dropped the layer's old stack
-            self._release_dropped()
         return loaded, time.perf_counter() - start
 
     def unload(self, keys: Iterable[ExpertKey]) -> int:
@@ -193,11 +191,13 @@ class ExpertStore:
         self._stacks, self._weights = stacks, weights
 
     def _release_dropped(self) -> None:
-        """Give the device back the memory of what a change dropped, once the rounds queued by now are done
+        """Give the device back the memory of what an Unload dropped, once the rounds queued by now are done
         with it, in the background. Expert functions sharing a GPU (time-slicing, MPS) each keep an allocator
         cache, and what one keeps cached another's Load cannot have: eight on the H100, re-planned in place,
-        held 8-14 GiB each for plans of 4.3 until a Load ran out of memory (moeless_live.py). Not in the
-        change itself: empty_cache() waits for those rounds, and a Load must not wait for the serving stream."""
+        held 8-14 GiB each for plans of 4.3 until a Load ran out of memory (moeless_live.py).
+        Not after a Load (its restack's old stack stays cached, for the next restack): empty_cache() holds
+        the allocator's lock while cudaFree waits for the whole device, so an allocation meanwhile, a Load's
+        included, waits for the serving stream. A re-plan unloads last, after re-pointing."""
         if self._serving is None:
             return
         passed = torch.cuda.Event()
