@@ -311,24 +311,34 @@ def summarize(name: str, served: Served) -> dict:
     return row
 
 
-def process_memory(processes: int, num_gpus: int, device: torch.device, static: Placement, expert_bytes: int,
-                   reserve: int = 8 << 30) -> list[GPU]:
-    """What each process (a 'GPU' of the plans) may hold: the static plan it holds now plus an even share of
-    what its GPU has free, less `reserve` for the driver's and the processes' working memory. A re-plan holds
-    the old plan and the new one's gains at once, so the placer is given half the free share.
+PROCESS_OVERHEAD = 1 << 30  # a process's CUDA context and other memory outside its allocator (0.75 GiB on the H100)
 
-    The P processes share one or a few real GPUs: a plan sized as if each had a whole GPU runs an 80 GB
-    card out of memory."""
+
+def process_caps(processes: int, num_gpus: int, device: torch.device, reserve: int = 8 << 30) -> list[int]:
+    """What each process's allocator may hold (its --device-memory-mib), measured before they start: an even
+    share of what its GPU has free, less `reserve` for this process (the frontend) and each process's
+    memory outside its allocator. Empty on the CPU (host memory: not what is measured here).
+
+    The P processes share one or a few real GPUs by time-slicing. Uncapped, each keeps what it frees
+    cached: on the H100 eight, re-planned in place, held 8-14 GiB each for plans of 4.6 until a Load ran
+    out of memory."""
     if device.type != "cuda":
-        return [GPU(str(p), str(p), 10**15) for p in range(processes)]  # host memory: not what is measured here
-    held = {str(p): 0 for p in range(processes)}
-    for gpu in static.gpu_of.values():
-        held[str(gpu)] += expert_bytes
+        return []
     physical = [p % num_gpus if num_gpus else device.index or 0 for p in range(processes)]
     sharing = {g: physical.count(g) for g in set(physical)}
     free = {g: torch.cuda.mem_get_info(g)[0] for g in sharing}
-    return [GPU(str(p), str(p), held[str(p)] + max(0, free[g] - reserve) // (2 * sharing[g]))
-            for p, g in enumerate(physical)]
+    return [max(0, free[g] - reserve - sharing[g] * PROCESS_OVERHEAD) // sharing[g] for g in physical]
+
+
+def process_memory(processes: int, caps: list[int], static: Placement, expert_bytes: int) -> list[GPU]:
+    """What each process (a 'GPU' of the plans) may hold: the static plan it holds plus half the rest of its
+    cap, since a re-plan holds the old plan and the new one's gains at once. Unbounded without caps."""
+    if not caps:
+        return [GPU(str(p), str(p), 10**15) for p in range(processes)]
+    held = [0] * len(caps)
+    for gpu in static.gpu_of.values():
+        held[int(gpu)] += expert_bytes
+    return [GPU(str(p), str(p), h + max(0, cap - h) // 2) for p, (h, cap) in enumerate(zip(held, caps))]
 
 
 def main() -> None:
@@ -378,12 +388,14 @@ def main() -> None:
         static = static_ep(np.ones((L, E)).tolist(), gpus, expert_bytes)
         first = {p: tuple(sorted((layer, e) for (layer, e, _), g in static.gpu_of.items() if int(g) == p)) for p in range(P)}
         bundles = [Bundle(f"p{p}", first[p]) for p in range(P)]
+        caps = process_caps(P, args.gpus, device)
         with expert_processes(ckpt, bundles, model, ready_timeout=900, shm_dir=Path(shm),
-                              gpus=list(range(args.gpus))) as procs:
+                              gpus=list(range(args.gpus)), device_memory=caps) as procs:
             addresses = [procs.addresses[b.name][0] for b in bundles]
-            gpus = process_memory(P, args.gpus, device, static, expert_bytes)
-            print("memory a process may hold:", ", ".join(f"{g.memory_bytes / 2**30:.1f}" for g in gpus), "GiB",
-                  flush=True)
+            gpus = process_memory(P, caps, static, expert_bytes)
+            if caps:
+                print("memory a process's plan may hold:", ", ".join(f"{g.memory_bytes / 2**30:.1f}" for g in gpus),
+                      "GiB; its allocator's cap:", ", ".join(f"{c / 2**30:.1f}" for c in caps), "GiB", flush=True)
             dispatcher = Dispatcher(adapter, checkpoint, DispatchConfig(model=model, shm_dir=Path(shm)),
                                     LoadRecorder(model, "live"), dtype, device)
             driver = Driver(dispatcher, adapter, model, expert_bytes, device, dtype)
@@ -450,6 +462,7 @@ def main() -> None:
     write_results("moeless_live", device, rows, goals, out=args.out,
                   settings={k: str(v) for k, v in vars(args).items()},
                   expert_mib=expert_bytes / 2**20, eplb_redundant_per_layer=redundant,
+                  process_cap_mib=[c >> 20 for c in caps], plan_memory_mib=[g.memory_bytes >> 20 for g in gpus],
                   bound="one GPU shared by every expert-function process: balance across processes buys "
                         "little; cost is memory held x time (every plan holds its replicas), not pay-per-use",
                   seconds=round(time.perf_counter() - started, 1))

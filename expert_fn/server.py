@@ -23,6 +23,7 @@ from kubemoe.errors import KubemoeError
 from kubemoe.gc_freeze import settle
 from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
+from kubemoe.devices import cap_device_memory
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.frames import DataPort
 from kubemoe.expert_fn.follow import TableFollower
@@ -77,6 +78,7 @@ async def build_server(
     With `preload` the bundle's weights start loading now, in a thread; health reports NOT_SERVING
     until they are in. Without it nothing loads until a Load call (tests use this).
     """
+    cap_device_memory(config.device, config.device_memory_bytes)  # before anything is allocated there
     checkpoint = Checkpoint(config.checkpoint)
     store = ExpertStore(checkpoint, MoEAdapter(checkpoint.config), config.bundle, config.dtype, config.device)
     servicer = ExpertServicer(config, store, metrics or ExpertFnMetrics(config.bundle_spec),

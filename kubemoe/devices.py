@@ -27,6 +27,25 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def cap_device_memory(device: torch.device, nbytes: int) -> None:
+    """Let this process's CUDA allocator hold at most `nbytes` of `device` (0: no cap; on the CPU, nothing).
+
+    Processes sharing a GPU by time-slicing each keep an allocator cache, and nothing stops one from
+    keeping cached what another's plan counts on: eight expert functions on the H100, re-planned in place,
+    held 8-14 GiB each for plans of 4.6 until a Load ran out of memory (moeless_live.py). Capped, the
+    allocator frees its cache when it reaches the cap, as it does when the device is full. MPS clients
+    are capped by the driver the same way (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)."""
+    import torch
+
+    if nbytes <= 0 or device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    if nbytes > total:
+        raise KubemoeError(f"--device-memory-mib {nbytes >> 20} is more than {device} has ({total >> 20} MiB); "
+                           "give this process its share of the GPU, or 0 for no cap")
+    torch.cuda.set_per_process_memory_fraction(nbytes / total, device)
+
+
 def resolve_dtype(dtype, model_config) -> torch.dtype:
     """The given dtype, else the checkpoint's (`config.dtype`), else float32."""
     import torch

@@ -59,3 +59,17 @@ def test_bad_flags_say_what_to_do(tmp_path, tiny_checkpoint):
     assert "bad --bundle: layer 5" in str(result.exception) and "MoE layers: [0, 1]" in str(result.exception)
     result = CliRunner().invoke(command, ["--checkpoint", str(tmp_path)])
     assert result.exit_code != 0 and "kubemoe checkpoint make" in str(result.exception)
+    result = CliRunner().invoke(command, ["--checkpoint", str(tiny_checkpoint("mixtral")), "--device-memory-mib", "-1"])
+    assert result.exit_code == 2 and "--device-memory-mib" in result.output and "-1 is not in the range x>=0" in result.output
+
+
+def test_a_device_memory_cap_is_nothing_on_the_cpu_and_no_more_than_the_gpu_has(tiny_checkpoint):
+    from kubemoe.devices import cap_device_memory
+    from kubemoe.errors import KubemoeError
+    from kubemoe.expert_fn.config import ExpertFnConfig
+
+    cap_device_memory(torch.device("cpu"), 1 << 30)  # host memory is not what it caps: nothing to do
+    config = ExpertFnConfig.build(tiny_checkpoint("mixtral"), device="cpu", device_memory_bytes=1 << 30)
+    assert config.device_memory_bytes == 1 << 30
+    with pytest.raises(KubemoeError, match="--device-memory-mib must be 0"):
+        ExpertFnConfig.build(tiny_checkpoint("mixtral"), device="cpu", device_memory_bytes=-(1 << 20))

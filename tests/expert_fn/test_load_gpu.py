@@ -14,6 +14,8 @@ import torch
 
 from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
+from kubemoe.devices import cap_device_memory
+from kubemoe.errors import KubemoeError
 from kubemoe.expert_fn.batcher import Job, run_round
 from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.shm import HEADER_BYTES, Segment
@@ -150,3 +152,26 @@ def test_what_an_unload_drops_goes_back_to_the_device_once_rounds_are_done_with_
             f"{(held - torch.cuda.memory_reserved()) / 2**20:.0f} MiB given back, not {want / 2**20:.0f}"
     finally:
         rounds.close()
+
+
+def test_a_capped_allocator_frees_its_cache_at_the_cap_rather_than_run_past_it():
+    """--device-memory-mib: what a function keeps cached counts against its cap, and at the cap the
+    allocator gives its cache back to take what it needs, as it does when the device is full."""
+    cuda, block = torch.device("cuda"), 256 << 20
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    cap = base + 4 * block + (64 << 20)
+    with pytest.raises(KubemoeError, match="more than"):
+        cap_device_memory(cuda, torch.cuda.get_device_properties(cuda).total_memory + 1)
+    cap_device_memory(cuda, cap)
+    try:
+        blocks = [torch.empty(block, dtype=torch.uint8, device=cuda) for _ in range(3)]
+        del blocks
+        assert torch.cuda.memory_reserved() >= base + 3 * block  # cached, not the device's
+        big = torch.empty(2 * block, dtype=torch.uint8, device=cuda)  # no cached block holds it: 5 blocks > cap
+        assert torch.cuda.memory_reserved() <= cap and big.numel() == 2 * block
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(cap, dtype=torch.uint8, device=cuda)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, cuda)
