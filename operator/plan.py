@@ -13,7 +13,8 @@ another bundle, active before and after this plan) has memory to spare is hosted
 function instead of a new service: the routing table names the function for the bundle too, and the
 function Loads it (expert functions follow the table, `kubemoe.expert_fn.follow`), the cheapest warm
 start. A new service (a cold start) is made only where no running function there has room, and for
-a bundle's first replica (a loaded replica must stay in the table beside one being loaded).
+a bundle's first replica (a loaded replica must stay in the table beside one being loaded). Never
+under MPS: the driver caps each function at its planned bytes, and a Load past them fails.
 
 *Warm* means one thing here and in the placer: a (bundle, node) service that is running, either in
 the plan or *retired* (out of the plan, kept until spec keepAlive has passed since it left, pods
@@ -342,6 +343,8 @@ def _host_in_place(spec: MoESpec, bundles: Sequence[Bundle], placed: Mapping[str
     as many replicas: the placer, which sees services only, may have put it on another site, and moving it
     would make a plan of the same loads differ from the last one (new pods for nothing) once the services
     kept warm beside it expire."""
+    if spec.experts.sharing.capped:  # a function holds its planned bytes and no more (the module docstring)
+        return {b: tuple(n) for b, n in placed.items() if n}, {}
     nodes = {n.name: n for n in eligible}
 
     def room(site: str) -> int:  # bytes one function may hold there; 0 where unknown

@@ -350,7 +350,7 @@ def _gpu_share(spec: MoESpec, bundle: Bundle) -> Object:
     else:  # one share of the device plugin's replicated resource (a limit: extended resources take no overcommit)
         resources.setdefault("limits", {})[sharing.resource_name] = "1"
     out: Object = {"resources": resources}
-    if sharing.mode == "mps" or (sharing.mode == "dra" and sharing.strategy == "MPS"):
+    if sharing.capped:
         # The MPS client limits itself to what the plan gave it (device 0: the one GPU the pod sees).
         out["env"] = [{"name": MPS_MEMORY_LIMIT_ENV, "value": f"0={_mib(function_bytes(spec, bundle))}M"}]
     return out

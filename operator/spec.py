@@ -104,6 +104,12 @@ class GpuSharing:
     def shared(self) -> bool:
         return self.mode != "exclusive"
 
+    @property
+    def capped(self) -> bool:
+        """MPS: the driver caps each function's memory at its planned bytes (render.py), so a running
+        function can take no more experts in place."""
+        return self.mode == "mps" or (self.mode == "dra" and self.strategy == "MPS")
+
 
 @dataclass(frozen=True)
 class Experts:

@@ -160,6 +160,21 @@ def test_the_planner_never_fills_a_gpu_beyond_its_memory_or_shares(f, mode, node
     assert p.gpus_held <= sum(n.physical_gpus for n in cluster)
 
 
+@pytest.mark.parametrize("mode", ["timeSlicing", "mps"])
+def test_scale_out_is_hosted_in_place_only_where_the_driver_does_not_cap_a_function(f, mode):
+    """Under MPS each function may hold its planned bytes and no more (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT): a
+    replica hosted in place would be a Load past that. Time-sliced functions take them where memory allows."""
+    spec = MoESpec.parse(f.moed_body(model={"uri": "pvc://m/x", "layout": {
+        "moeLayers": [0, 1], "expertsPerLayer": 8, "expertBytes": "256Mi"}}, experts={
+        "runtime": "pods", "bundleBytes": "256Mi", "scaling": {"maxReplicasPerExpert": 4},
+        "gpuSharing": {"mode": mode, "resourceName": "nvidia.com/gpu.shared"}})["spec"])
+    cluster = nodes(2, 4, MODES[mode])
+    even = plan(spec, Loads({(layer, e): 10.0 for layer in (0, 1) for e in range(8)}, 100.0, 1), cluster, None, NOW)
+    scaled = plan(spec, hot(spec), cluster, even, NOW + 60)
+    assert scaled.replicas_of("l0-e0-0") > 1 and not scaled.unplaced
+    assert bool(scaled.hosted) == (mode == "timeSlicing")
+
+
 # -- rendering -----------------------------------------------------------------------------------------------
 
 def expert_pods(objects):
