@@ -194,7 +194,7 @@ class ExpertStore:
         """Give the device back the memory of what an Unload dropped, once the rounds queued by now are done
         with it, in the background. Expert functions sharing a GPU (time-slicing, MPS) each keep an allocator
         cache, and what one keeps cached another's Load cannot have: eight on the H100, re-planned in place,
-        held 8-14 GiB each for plans of 4.3 until a Load ran out of memory (moeless_live.py).
+        held 8-14 GiB each for plans of 4.6 until a Load ran out of memory (moeless_live.py).
         Not after a Load (its restack's old stack stays cached, for the next restack): empty_cache() holds
         the allocator's lock while cudaFree waits for the whole device, so an allocation meanwhile, a Load's
         included, waits for the serving stream. A re-plan unloads last, after re-pointing."""
