@@ -312,6 +312,9 @@ def summarize(name: str, served: Served) -> dict:
 
 
 PROCESS_OVERHEAD = 1 << 30  # a process's CUDA context and other memory outside its allocator (0.75 GiB on the H100)
+# What a process's allocator holds beside its experts: CUDA graphs (42 MiB on the H100), a prefill round's
+# activations (a 4096-token call to a Mixtral expert: about 350 MB), its inputs and outputs
+WORKING = 1 << 30
 
 
 def process_caps(processes: int, num_gpus: int, device: torch.device, reserve: int = 8 << 30) -> list[int]:
@@ -331,14 +334,15 @@ def process_caps(processes: int, num_gpus: int, device: torch.device, reserve: i
 
 
 def process_memory(processes: int, caps: list[int], static: Placement, expert_bytes: int) -> list[GPU]:
-    """What each process (a 'GPU' of the plans) may hold: the static plan it holds plus half the rest of its
-    cap, since a re-plan holds the old plan and the new one's gains at once. Unbounded without caps."""
+    """What each process (a 'GPU' of the plans) may hold: half of its cap less its working memory, since a
+    re-plan holds a layer's old stack beside its new one (up to the old plan and the new at once), and at
+    least the static plan it starts with. Unbounded without caps."""
     if not caps:
         return [GPU(str(p), str(p), 10**15) for p in range(processes)]
     held = [0] * len(caps)
     for gpu in static.gpu_of.values():
         held[int(gpu)] += expert_bytes
-    return [GPU(str(p), str(p), h + max(0, cap - h) // 2) for p, (h, cap) in enumerate(zip(held, caps))]
+    return [GPU(str(p), str(p), max(h, (cap - WORKING) // 2)) for p, (h, cap) in enumerate(zip(held, caps))]
 
 
 def main() -> None:
