@@ -3,7 +3,7 @@
 Besides its bundle (loaded at start, never dropped: Knative's readiness is about it), a function
 holds whatever the table sends to its own address (`--address`, as the table names it): when a new
 table names it for experts it does not hold, it Loads them through its store, if the device has the
-memory for them (else it logs and leaves them out: the frontends' calls there fail NOT_FOUND and
+memory for them (else, or if the Load runs out of it, it logs and leaves them out: the frontends' calls there fail NOT_FOUND and
 go to the expert's other replicas); when a table stops naming it for an expert it gained, it drops
 it after `drop_after` seconds, because frontends switch tables a moment apart and one still on the
 old table may send a last call. Until the weights are in, a call gets UNAVAILABLE and the frontend
@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from kubemoe.expert_fn.errors import ExpertFnError
 from kubemoe.expert_fn.servicer import ExpertServicer
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.routing_table import ExpertKey, held_by_address
@@ -27,11 +28,15 @@ log = logging.getLogger(__name__)
 MEMORY_HEADROOM = 1 << 30  # left free on the GPU for activations and CUDA graphs
 
 
-def cuda_free_bytes(device: torch.device) -> int | None:
-    """Free memory on a CUDA device; None (no limit known) elsewhere."""
+def cuda_free_bytes(device: torch.device, cap: int = 0) -> int | None:
+    """Free memory on a CUDA device, within this process's allocator cap where it has one (--device-memory-mib:
+    what it holds cached counts as free, the allocator frees it at the cap); None (no limit known) elsewhere."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
+    if cap:
+        allocated = torch.cuda.memory_allocated(device)
+        return min(free + torch.cuda.memory_reserved(device) - allocated, cap - allocated)
     return free
 
 
@@ -40,7 +45,8 @@ class TableFollower:
                  free_bytes: Callable[[], int | None] | None = None):
         self.servicer, self.address, self.drop_after = servicer, address, drop_after
         store = servicer.store
-        self.free_bytes = free_bytes or (lambda: cuda_free_bytes(store.device))
+        cap = servicer.config.device_memory_bytes
+        self.free_bytes = free_bytes or (lambda: cuda_free_bytes(store.device, cap))
         self._drops: dict[ExpertKey, asyncio.TimerHandle] = {}
 
     @property
@@ -67,7 +73,12 @@ class TableFollower:
                         "not loading them; frontends send their tokens to the other replicas", self.address,
                         len(keys), need / 2**20, free / 2**20)
             return
-        response = await self.servicer.load(keys)
+        try:
+            response = await self.servicer.load(keys)
+        except ExpertFnError as e:  # refused (out of memory): the same as no room, the table's next change may fit
+            log.warning("routing table names %s for %d more experts, not loaded: %s; frontends send their tokens to "
+                        "the other replicas", self.address, len(keys), e)
+            return
         log.info("loaded %d experts in place (%.0f MiB in %.2fs) for the routing table", len(keys),
                  response.bytes_loaded / 2**20, response.seconds)
 

@@ -140,6 +140,12 @@ class ExpertStore:
                     self._ready_for_serving(*(t for w in new.values() for t in (w.gate_up, w.down)))
                     self._weights = {**self._weights, **new}
                 loaded = sum(self._weights[key].nbytes for key in self._loading)
+            except torch.OutOfMemoryError as e:  # nothing was swapped in: what was held still serves
+                raise ExpertFnError(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                    f"loading {format_bundle_spec(self._loading)} ran out of device memory beside the "
+                    f"{self.nbytes >> 20} MiB of experts held (a Load holds each layer it changes twice meanwhile): "
+                    "unload experts first, or give this function more memory (--device-memory-mib, fewer "
+                    f"functions on its GPU); {str(e).splitlines()[0]}")) from None
             finally:
                 self._loading = frozenset()
         return loaded, time.perf_counter() - start

@@ -13,6 +13,7 @@ import torch
 from kubemoe.bundles import Bundle
 from kubemoe.errors import KubemoeError
 from kubemoe.expert_fn.config import ExpertFnConfig
+from kubemoe.expert_fn import store as store_module
 from kubemoe.expert_fn.follow import TableFollower
 from kubemoe.expert_fn.server import follow_routing_table
 from kubemoe.routing_table import table_for_bundles, to_json
@@ -77,6 +78,22 @@ async def test_an_expert_wanted_again_before_its_drop_stays_and_no_memory_means_
         full = TableFollower(server.servicer, server.address, free_bytes=lambda: 0)
         await full.on_table(table(server.address, ((1, 2), (1, 3)), 4))
         assert (1, 3) not in store.held()
+
+
+async def test_a_load_the_device_refuses_leaves_the_follower_following(tiny_checkpoint, serve, monkeypatch, caplog):
+    async with serve(tiny_checkpoint(ARCH), "0:0", model="m") as server:
+        store = server.servicer.store
+        follower = TableFollower(server.servicer, server.address, drop_after=0.2)
+
+        def full(*_args, **_kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.31 GiB.")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(store_module.StackedExperts, "empty", full)
+            await follower.on_table(table(server.address, ((1, 2),), 1))  # no exception: logged
+        assert (1, 2) not in store.held() and "not loaded: loading 1:2 ran out of device memory" in caplog.text
+        await follower.on_table(table(server.address, ((1, 2), (1, 3)), 2))  # room again: both come
+        assert {(1, 2), (1, 3)} <= set(store.held())
 
 
 def test_following_the_table_needs_the_address_it_names_the_function_by(tiny_checkpoint):

@@ -79,3 +79,25 @@ def test_where_a_layer_cannot_be_grouped_each_expert_is_held_alone(tiny_checkpoi
     assert _storage(store.get(layer, 4).gate_up) != _storage(store.get(layer, 6).gate_up)
     assert store.unload([(layer, 6)]) == adapter.expert_bytes(torch.float32)
     _assert_holds(store, checkpoint, [(layer, 4)])
+
+
+def test_a_load_that_runs_out_of_device_memory_is_resource_exhausted_and_what_was_held_still_serves(
+        tiny_checkpoint, monkeypatch):
+    checkpoint, adapter, store = _store(tiny_checkpoint)
+    layer = adapter.moe_layers[0]
+    store.load([(layer, 1)])
+
+    def full(*_args, **_kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.31 GiB.\nmore detail")
+
+    monkeypatch.setattr(store_module.StackedExperts, "empty", full)
+    with pytest.raises(ExpertFnError) as refused:
+        store.load([(layer, 2)])
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    message = str(refused.value)
+    assert f"loading {layer}:2 ran out of device memory" in message and "--device-memory-mib" in message
+    assert message.endswith("Tried to allocate 1.31 GiB.")
+    monkeypatch.undo()
+    _assert_holds(store, checkpoint, [(layer, 1)])
+    store.load([(layer, 2)])  # and it loads once there is room
+    _assert_holds(store, checkpoint, [(layer, 1), (layer, 2)])
