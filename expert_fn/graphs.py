@@ -63,6 +63,7 @@ class ExpertGraphs:
         # Where round graphs' copies point until their first call: they must start on pinned host memory.
         self._host = torch.empty(self.input.shape, dtype=dtype, pin_memory=True) if round_graph.runtime() else None
         self._graphs: dict[tuple[ExpertKey, int], _Graphs] = {}  # by (key, bucket)
+        self._uncaptured: dict[tuple[ExpertKey, int], weakref.ref] = {}  # captures out of memory: of these weights
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -76,7 +77,10 @@ class ExpertGraphs:
         tokens = sum(r.shape[0] for r in rows)
         if not 0 < tokens <= self.max_tokens:
             return None
-        graph = self._entry(key, weights, bucket(tokens)).ffn
+        entry = self._entry(key, weights, bucket(tokens))
+        if entry is None:
+            return None
+        graph = entry.ffn
         start = 0
         for r in rows:
             self.input[start:start + r.shape[0]].copy_(r, non_blocking=True)
@@ -95,7 +99,8 @@ class ExpertGraphs:
         tokens = rows.shape[0]
         if self._host is None or not 0 < tokens <= self.max_tokens or rows.dtype != self.input.dtype:
             return False
-        whole = self._entry(key, weights, bucket(tokens)).whole
+        entry = self._entry(key, weights, bucket(tokens))
+        whole = entry.whole if entry is not None else None
         if whole is None:
             return False
         try:
@@ -118,11 +123,28 @@ class ExpertGraphs:
     def sizes(self) -> list[int]:
         return sorted({bucket(n) for n in range(1, self.max_tokens + 1)})
 
-    def _entry(self, key: ExpertKey, weights: ExpertWeights, size: int) -> _Graphs:
+    def _entry(self, key: ExpertKey, weights: ExpertWeights, size: int) -> _Graphs | None:
+        """The graphs of `key` at `size`, captured now if they are not held; None (run it eagerly) when the
+        capture ran out of device memory: a function at its cap (--device-memory-mib) cannot free its cache
+        during a capture, and a graph is an optimisation no call should fail for. Not tried again for the
+        same weights (a Load that restacks the layer gives new ones)."""
+        failed = self._uncaptured.get((key, size))
+        if failed is not None and failed() is weights:
+            return None
+        try:
+            return self._held_or_captured(key, weights, size)
+        except torch.OutOfMemoryError as e:
+            self._uncaptured[(key, size)] = weakref.ref(weights)
+            log.warning("no device memory to capture the graph of %s at %d tokens; its calls run eagerly: %s",
+                        key, size, str(e).splitlines()[0])
+            return None
+
+    def _held_or_captured(self, key: ExpertKey, weights: ExpertWeights, size: int) -> _Graphs:
         held = self._graphs.get((key, size))
         if held is not None and held.weights() is weights:
             return held
         self._graphs = {k: v for k, v in self._graphs.items() if v.weights() is not None}  # forget unloaded experts'
+        self._uncaptured = {k: w for k, w in self._uncaptured.items() if w() is not None}
         if not self._graphs:
             # A pool is held only by the graphs captured into it: once a re-plan has retired them all (every
             # expert of this function unloaded, others loaded), a capture naming it fails an assertion of
@@ -132,20 +154,22 @@ class ExpertGraphs:
         x, y = self.input[:size], self.output[:size]
         current = torch.cuda.current_stream()
         self._side.wait_stream(current)  # what the device is still doing with input and output comes first
-        with torch.cuda.stream(self._side):
-            if size not in self._warm:  # once per shape outside a capture: cuBLAS settles its kernels and workspace
-                expert_ffn(x, weights, self._act, out=y)
-                self._warm.add(size)
-            # Not torch.cuda.graph(): it also synchronises, collects garbage and empties the allocator's
-            # cache, each time: tens of milliseconds. thread_local: a Load copying weights on another
-            # thread meanwhile is not part of the capture.
-            graph = torch.cuda.CUDAGraph(keep_graph=True)  # its nodes go into the RoundGraph too
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            try:
-                expert_ffn(x, weights, self._act, out=y)
-            finally:
-                graph.capture_end()
-        current.wait_stream(self._side)
+        try:
+            with torch.cuda.stream(self._side):
+                if size not in self._warm:  # once per shape outside a capture: cuBLAS settles its kernels and workspace
+                    expert_ffn(x, weights, self._act, out=y)
+                    self._warm.add(size)
+                # Not torch.cuda.graph(): it also synchronises, collects garbage and empties the allocator's
+                # cache, each time: tens of milliseconds. thread_local: a Load copying weights on another
+                # thread meanwhile is not part of the capture.
+                graph = torch.cuda.CUDAGraph(keep_graph=True)  # its nodes go into the RoundGraph too
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    expert_ffn(x, weights, self._act, out=y)
+                finally:
+                    graph.capture_end()
+        finally:  # a failed capture too: the warm-up's writes to the output come before the next round's
+            current.wait_stream(self._side)
         graph.instantiate()
         entry = self._graphs[(key, size)] = _Graphs(weakref.ref(weights), graph, self._whole(graph, x, y))
         return entry

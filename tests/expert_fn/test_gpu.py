@@ -15,6 +15,7 @@ from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
 from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.expert_fn import batcher
+from kubemoe.expert_fn import graphs as graphs_module
 from kubemoe.expert_fn.batcher import Job, run_round
 from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.round_graph import RoundGraph
@@ -135,6 +136,36 @@ def test_graphs_are_captured_again_after_every_expert_they_were_captured_for_is_
     got = graphs.run((0, 1), weights[(0, 1)], [x], clock)
     assert got is not None and len(graphs) == 1
     assert rel_err(got, expert_ffn(x, weights[(0, 1)], F.silu)) < 1e-5
+
+
+def test_a_graph_without_the_device_memory_to_capture_it_leaves_its_calls_eager(monkeypatch, caplog):
+    """At its cap a function cannot free its cache during a capture: the call runs eagerly, and the capture
+    is not tried again for the same weights (each call would pay for a failed one)."""
+    cuda, H, I = torch.device("cuda"), 128, 64
+    gen = torch.Generator().manual_seed(0)
+
+    def expert() -> ExpertWeights:
+        return ExpertWeights((torch.randn(2 * I, H, generator=gen) / 8).cuda(), (torch.randn(H, I, generator=gen) / 8).cuda())
+
+    real = graphs_module.expert_ffn
+
+    def short_of_memory(x, weights, act, out=None):
+        if torch.cuda.is_current_stream_capturing():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+        return real(x, weights, act, out=out)
+
+    graphs, clock = ExpertGraphs(H, F.silu, cuda, torch.float32, max_tokens=8), batcher.ComputeClock(cuda)
+    x, weights = torch.randn(4, H, generator=gen).cuda(), expert()
+    with monkeypatch.context() as patched:
+        patched.setattr(graphs_module, "expert_ffn", short_of_memory)
+        assert graphs.run((0, 0), weights, [x], clock) is None and len(graphs) == 0  # the caller runs it eagerly
+        assert "no device memory to capture the graph of (0, 0) at 4 tokens" in caplog.text
+        caplog.clear()
+        assert graphs.run((0, 0), weights, [x], clock) is None and not caplog.text  # not tried again
+    assert graphs.run((0, 0), weights, [x], clock) is None  # the same weights: still eager
+    reloaded = expert()
+    got = graphs.run((0, 0), reloaded, [x], clock)  # new weights: captured
+    assert got is not None and len(graphs) == 1 and rel_err(got, expert_ffn(x, reloaded, F.silu)) < 1e-5
 
 
 def test_a_call_from_a_pinned_region_is_one_launch_per_expert_that_writes_only_its_own_rows(tmpfs, monkeypatch):
