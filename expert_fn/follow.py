@@ -3,10 +3,10 @@
 Besides its bundle (loaded at start, never dropped: Knative's readiness is about it), a function
 holds whatever the table sends to its own address (`--address`, as the table names it): when a new
 table names it for experts it does not hold, it Loads them through its store, if the device has the
-memory for them (else, or if the Load runs out of it, it logs and leaves them out: the frontends' calls there fail NOT_FOUND and
-go to the expert's other replicas); when a table stops naming it for an expert it gained, it drops
-it after `drop_after` seconds, because frontends switch tables a moment apart and one still on the
-old table may send a last call. Until the weights are in, a call gets UNAVAILABLE and the frontend
+memory for them (else, or if the Load runs out of it, it logs and leaves them out: the frontends' calls
+there fail NOT_FOUND and go to the expert's other replicas); when a table stops naming it for an
+expert it gained, it drops it after `drop_after` seconds, because frontends switch tables a moment
+apart and one still on the old table may send a last call. Until the weights are in, a call gets UNAVAILABLE and the frontend
 retries it on another replica: nothing is lost as long as the table keeps a loaded replica beside
 one being loaded, which is how the in-place path adds replicas.
 """

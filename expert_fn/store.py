@@ -140,7 +140,7 @@ class ExpertStore:
                     self._ready_for_serving(*(t for w in new.values() for t in (w.gate_up, w.down)))
                     self._weights = {**self._weights, **new}
                 loaded = sum(self._weights[key].nbytes for key in self._loading)
-            except torch.OutOfMemoryError as e:  # nothing was swapped in: what was held still serves
+            except torch.OutOfMemoryError as e:  # what was held still serves; layers restacked before it keep theirs
                 raise ExpertFnError(grpc.StatusCode.RESOURCE_EXHAUSTED, (
                     f"loading {format_bundle_spec(self._loading)} ran out of device memory beside the "
                     f"{self.nbytes >> 20} MiB of experts held (a Load holds each layer it changes twice meanwhile): "
