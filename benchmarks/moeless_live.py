@@ -322,9 +322,8 @@ def process_caps(processes: int, num_gpus: int, device: torch.device, reserve: i
     share of what its GPU has free, less `reserve` for this process (the frontend) and each process's
     memory outside its allocator. Empty on the CPU (host memory: not what is measured here).
 
-    The P processes share one or a few real GPUs by time-slicing. Uncapped, each keeps what it frees
-    cached: on the H100 eight, re-planned in place, held 8-14 GiB each for plans of 4.6 until a Load ran
-    out of memory."""
+    The P processes share one or a few real GPUs by time-slicing: uncapped, each keeps what it frees
+    cached (kubemoe.devices.cap_device_memory says what that did on the H100)."""
     if device.type != "cuda":
         return []
     physical = [p % num_gpus if num_gpus else device.index or 0 for p in range(processes)]

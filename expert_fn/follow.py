@@ -6,9 +6,9 @@ table names it for experts it does not hold, it Loads them through its store, if
 memory for them (else, or if the Load runs out of it, it logs and leaves them out: the frontends' calls
 there fail NOT_FOUND and go to the expert's other replicas); when a table stops naming it for an
 expert it gained, it drops it after `drop_after` seconds, because frontends switch tables a moment
-apart and one still on the old table may send a last call. Until the weights are in, a call gets UNAVAILABLE and the frontend
-retries it on another replica: nothing is lost as long as the table keeps a loaded replica beside
-one being loaded, which is how the in-place path adds replicas.
+apart and one still on the old table may send a last call. Until the weights are in, a call gets
+UNAVAILABLE and the frontend retries it on another replica: nothing is lost as long as the table
+keeps a loaded replica beside one being loaded, which is how the in-place path adds replicas.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class TableFollower:
             return
         try:
             response = await self.servicer.load(keys)
-        except ExpertFnError as e:  # refused (out of memory): the same as no room, the table's next change may fit
+        except ExpertFnError as e:  # refused (out of memory, say): as no room; the table's next change may fit
             log.warning("routing table names %s for %d more experts, not loaded: %s; frontends send their tokens to "
                         "the other replicas", self.address, len(keys), e)
             return
