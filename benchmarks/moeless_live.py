@@ -317,13 +317,14 @@ PROCESS_OVERHEAD = 1 << 30  # a process's CUDA context and other memory outside 
 WORKING = 1 << 30
 
 
-def process_caps(processes: int, num_gpus: int, device: torch.device, reserve: int = 8 << 30) -> list[int]:
-    """What each process's allocator may hold (its --device-memory-mib), measured before they start: an even
-    share of what its GPU has free, less `reserve` for this process (the frontend) and each process's
-    memory outside its allocator. Empty on the CPU (host memory: not what is measured here).
+def process_shares(processes: int, num_gpus: int, device: torch.device, reserve: int = 8 << 30) -> list[int]:
+    """What each process's allocator may hold at most, measured before they start: an even share of what
+    its GPU has free, less `reserve` for this process (the frontend) and each process's memory outside
+    its allocator. Empty on the CPU (host memory: not what is measured here).
 
-    The P processes share one or a few real GPUs by time-slicing: uncapped, each keeps what it frees
-    cached (kubemoe.devices.cap_device_memory says what that did on the H100)."""
+    The P processes share one or a few real GPUs by time-slicing, and each caps its allocator at the
+    experts it holds plus WORKING (--working-memory-mib, as the operator renders it): uncapped, each
+    kept what it freed cached (kubemoe.devices.cap_device_memory says what that did on the H100)."""
     if device.type != "cuda":
         return []
     physical = [p % num_gpus if num_gpus else device.index or 0 for p in range(processes)]
@@ -332,16 +333,16 @@ def process_caps(processes: int, num_gpus: int, device: torch.device, reserve: i
     return [max(0, free[g] - reserve - sharing[g] * PROCESS_OVERHEAD) // sharing[g] for g in physical]
 
 
-def process_memory(processes: int, caps: list[int], static: Placement, expert_bytes: int) -> list[GPU]:
-    """What each process (a 'GPU' of the plans) may hold: half of its cap less its working memory, since a
+def process_memory(processes: int, shares: list[int], static: Placement, expert_bytes: int) -> list[GPU]:
+    """What each process (a 'GPU' of the plans) may hold: half of its share less its working memory, since a
     re-plan holds a layer's old stack beside its new one (up to the old plan and the new at once), and at
-    least the static plan it starts with. Unbounded without caps."""
-    if not caps:
+    least the static plan it starts with. Unbounded without shares."""
+    if not shares:
         return [GPU(str(p), str(p), 10**15) for p in range(processes)]
-    held = [0] * len(caps)
+    held = [0] * len(shares)
     for gpu in static.gpu_of.values():
         held[int(gpu)] += expert_bytes
-    return [GPU(str(p), str(p), max(h, (cap - WORKING) // 2)) for p, (h, cap) in enumerate(zip(held, caps))]
+    return [GPU(str(p), str(p), max(h, (share - WORKING) // 2)) for p, (h, share) in enumerate(zip(held, shares))]
 
 
 def main() -> None:
@@ -391,14 +392,14 @@ def main() -> None:
         static = static_ep(np.ones((L, E)).tolist(), gpus, expert_bytes)
         first = {p: tuple(sorted((layer, e) for (layer, e, _), g in static.gpu_of.items() if int(g) == p)) for p in range(P)}
         bundles = [Bundle(f"p{p}", first[p]) for p in range(P)]
-        caps = process_caps(P, args.gpus, device)
+        shares = process_shares(P, args.gpus, device)
         with expert_processes(ckpt, bundles, model, ready_timeout=900, shm_dir=Path(shm),
-                              gpus=list(range(args.gpus)), device_memory=caps) as procs:
+                              gpus=list(range(args.gpus)), working_memory=WORKING) as procs:
             addresses = [procs.addresses[b.name][0] for b in bundles]
-            gpus = process_memory(P, caps, static, expert_bytes)
-            if caps:
+            gpus = process_memory(P, shares, static, expert_bytes)
+            if shares:
                 print("memory a process's plan may hold:", ", ".join(f"{g.memory_bytes / 2**30:.1f}" for g in gpus),
-                      "GiB; its allocator's cap:", ", ".join(f"{c / 2**30:.1f}" for c in caps), "GiB", flush=True)
+                      f"GiB; its allocator's cap: what it holds + {WORKING / 2**30:.1f} GiB", flush=True)
             dispatcher = Dispatcher(adapter, checkpoint, DispatchConfig(model=model, shm_dir=Path(shm)),
                                     LoadRecorder(model, "live"), dtype, device)
             driver = Driver(dispatcher, adapter, model, expert_bytes, device, dtype)
@@ -465,7 +466,8 @@ def main() -> None:
     write_results("moeless_live", device, rows, goals, out=args.out,
                   settings={k: str(v) for k, v in vars(args).items()},
                   expert_mib=expert_bytes / 2**20, eplb_redundant_per_layer=redundant,
-                  process_cap_mib=[c >> 20 for c in caps], plan_memory_mib=[g.memory_bytes >> 20 for g in gpus],
+                  process_share_mib=[s >> 20 for s in shares], working_memory_mib=WORKING >> 20,
+                  plan_memory_mib=[g.memory_bytes >> 20 for g in gpus],
                   bound="one GPU shared by every expert-function process: balance across processes buys "
                         "little; cost is memory held x time (every plan holds its replicas), not pay-per-use",
                   seconds=round(time.perf_counter() - started, 1))

@@ -58,17 +58,18 @@ def busy_poll_option(waits_for: str, default: float = busy_poll.DEFAULT_BUSY_POL
 @click.option("--drop-after", type=float, default=30.0, show_default=True,
               help="Seconds an expert the table no longer sends here stays loaded (frontends switch tables a "
                    "moment apart).")
-@click.option("--device-memory-mib", type=click.IntRange(min=0), default=0, show_default=True,
-              help="On a GPU, the most memory this function's allocator may hold (MiB; 0: no cap). Where functions "
-                   "time-slice a GPU, give each its share: at the cap it frees its cache rather than grow into "
-                   "memory another function's plan counts on (MPS caps its clients likewise).")
+@click.option("--working-memory-mib", type=click.IntRange(min=0), default=0, show_default=True,
+              help="On a GPU, cap this function's allocator at the experts it holds plus this many MiB (activations, "
+                   "CUDA graphs; a Load or Unload adds the stacks it makes while it runs); 0: no cap. Where "
+                   "functions time-slice a GPU: at the cap it frees its cache rather than keep memory another "
+                   "function's plan counts on (the operator renders it; MPS caps its clients itself).")
 @shm_dir_option("frontends")
 @busy_poll_option("the next request")
 def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | None, device: str, dtype: str | None,
             metrics_port: int, batch_wait_ms: float, max_message_bytes: int, grace_seconds: float,
             cuda_graph_tokens: int | None, data_port: int, data_host: str | None,
             routing_table: str | None, routing_configmap: str | None, address: str | None,
-            drop_after: float, device_memory_mib: int, shm_dir: Path | None, busy_poll_us: float) -> None:
+            drop_after: float, working_memory_mib: int, shm_dir: Path | None, busy_poll_us: float) -> None:
     """Serve a bundle of experts over gRPC until SIGTERM."""
     from kubemoe.expert_fn.config import ExpertFnConfig
     from kubemoe.expert_fn.server import serve
@@ -82,7 +83,7 @@ def command(checkpoint: Path, bundle: str, port: int, host: str, model: str | No
         max_message_bytes=max_message_bytes, grace_seconds=grace_seconds, shm_dir=shm_dir,
         data_port=None if data_port < 0 else data_port, data_host=data_host or None,
         routing_table=routing_table, routing_configmap=routing_configmap, address=address, drop_after=drop_after,
-        device_memory_bytes=device_memory_mib << 20,
+        working_memory_bytes=working_memory_mib << 20,
         **({} if cuda_graph_tokens is None else {"cuda_graph_tokens": cuda_graph_tokens}),
     )
     busy_poll.run(serve(config), busy_poll_us)

@@ -51,15 +51,16 @@ class ExpertFnConfig:
     routing_configmap: str | None = None
     address: str | None = None
     drop_after: float = 30.0  # seconds an expert the table no longer sends here stays loaded
-    device_memory_bytes: int = 0  # on a GPU, the most its allocator may hold (devices.cap_device_memory); 0: no cap
+    # On a GPU, the allocator is capped at the experts held plus this (store.py); 0: no cap.
+    working_memory_bytes: int = 0
     arch: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if (self.routing_table or self.routing_configmap) and not self.address:
             raise KubemoeError("following the routing table needs --address: how the table names this expert "
                                "function (host:port), so it knows which experts are its own")
-        if self.device_memory_bytes < 0:
-            raise KubemoeError(f"--device-memory-mib must be 0 (no cap) or more, got {self.device_memory_bytes >> 20}")
+        if self.working_memory_bytes < 0:
+            raise KubemoeError(f"--working-memory-mib must be 0 (no cap) or more, got {self.working_memory_bytes >> 20}")
         if self.routing_configmap and self.routing_configmap.count("/") != 1:
             raise KubemoeError(f"--routing-configmap must be NAMESPACE/NAME, got {self.routing_configmap!r}")
 

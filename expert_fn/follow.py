@@ -28,16 +28,13 @@ log = logging.getLogger(__name__)
 MEMORY_HEADROOM = 1 << 30  # left free on the GPU for activations and CUDA graphs
 
 
-def cuda_free_bytes(device: torch.device, cap: int = 0) -> int | None:
-    """Free memory on a CUDA device, within this process's allocator cap where it has one (--device-memory-mib:
-    what it holds cached counts as free, the allocator frees it at the cap); None (no limit known) elsewhere."""
+def cuda_free_bytes(device: torch.device) -> int | None:
+    """Memory a Load can have on a CUDA device: what is free, and what this process's allocator holds cached
+    (it frees that before it fails an allocation); None (no limit known) elsewhere."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    if cap:
-        allocated = torch.cuda.memory_allocated(device)
-        return min(free + torch.cuda.memory_reserved(device) - allocated, cap - allocated)
-    return free
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 class TableFollower:
@@ -45,8 +42,7 @@ class TableFollower:
                  free_bytes: Callable[[], int | None] | None = None):
         self.servicer, self.address, self.drop_after = servicer, address, drop_after
         store = servicer.store
-        cap = servicer.config.device_memory_bytes
-        self.free_bytes = free_bytes or (lambda: cuda_free_bytes(store.device, cap))
+        self.free_bytes = free_bytes or (lambda: cuda_free_bytes(store.device))
         self._drops: dict[ExpertKey, asyncio.TimerHandle] = {}
 
     @property
@@ -66,11 +62,11 @@ class TableFollower:
             self._drops[key] = loop.call_later(self.drop_after, self._start_drop, key)
 
     async def _gain(self, keys: list[ExpertKey]) -> None:
-        need = len(keys) * self.store.adapter.expert_bytes(self.store.dtype)
+        need = self.store.load_bytes(keys)  # a new stack of each layer it changes, beside the old one
         free = self.free_bytes()
         if free is not None and need + MEMORY_HEADROOM > free:
-            log.warning("routing table names %s for %d more experts (%.0f MiB) but the device has %.0f MiB free: "
-                        "not loading them; frontends send their tokens to the other replicas", self.address,
+            log.warning("routing table names %s for %d more experts (a Load of %.0f MiB) but the device has %.0f MiB "
+                        "free: not loading them; frontends send their tokens to the other replicas", self.address,
                         len(keys), need / 2**20, free / 2**20)
             return
         try:

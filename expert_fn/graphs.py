@@ -125,7 +125,7 @@ class ExpertGraphs:
 
     def _entry(self, key: ExpertKey, weights: ExpertWeights, size: int) -> _Graphs | None:
         """The graphs of `key` at `size`, captured now if they are not held; None (run it eagerly) when the
-        capture ran out of device memory: a function at its cap (--device-memory-mib) cannot free its cache
+        capture ran out of device memory: a function at its cap (--working-memory-mib) cannot free its cache
         during a capture, and a graph is an optimisation no call should fail for. Not tried again for the
         same weights (a Load that restacks the layer gives new ones)."""
         failed = self._uncaptured.get((key, size))

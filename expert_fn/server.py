@@ -23,7 +23,6 @@ from kubemoe.errors import KubemoeError
 from kubemoe.gc_freeze import settle
 from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
-from kubemoe.devices import cap_device_memory
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.frames import DataPort
 from kubemoe.expert_fn.follow import TableFollower
@@ -66,6 +65,21 @@ class ExpertFunction:
         await self.servicer.batcher.close()
 
 
+def working_memory(config: ExpertFnConfig, adapter: MoEAdapter) -> int:
+    """--working-memory-mib, raised where it is less than a round of max_batch_tokens needs (its rows in and
+    out, the gate and up projections, the activation): under a cap too small for them, rounds would fail."""
+    asked = config.working_memory_bytes
+    need = config.max_batch_tokens * (2 * adapter.hidden_size + 3 * adapter.expert_intermediate_size) * \
+        config.dtype.itemsize
+    if 0 < asked < need:
+        log.warning("--working-memory-mib %d is less than a round of %d tokens needs: capping at %d MiB beside the "
+                    "experts instead (where the operator renders it, raise spec.experts.gpuSharing.functionOverhead "
+                    "by the difference, so that the plan counts it)", asked >> 20, config.max_batch_tokens,
+                    -(-need >> 20))
+        return need
+    return asked
+
+
 async def build_server(
     address: str,
     config: ExpertFnConfig,
@@ -78,9 +92,9 @@ async def build_server(
     With `preload` the bundle's weights start loading now, in a thread; health reports NOT_SERVING
     until they are in. Without it nothing loads until a Load call (tests use this).
     """
-    cap_device_memory(config.device, config.device_memory_bytes)  # before anything is allocated there
     checkpoint = Checkpoint(config.checkpoint)
-    store = ExpertStore(checkpoint, MoEAdapter(checkpoint.config), config.bundle, config.dtype, config.device)
+    adapter = MoEAdapter(checkpoint.config)
+    store = ExpertStore(checkpoint, adapter, config.bundle, config.dtype, config.device, working_memory(config, adapter))
     servicer = ExpertServicer(config, store, metrics or ExpertFnMetrics(config.bundle_spec),
                               health_aio.HealthServicer())
     server = grpc.aio.server(options=[*grpc_options(config.max_message_bytes), EXCLUSIVE_PORT])

@@ -16,6 +16,12 @@ runs a layer's experts at once from the stack (batcher.py), anything else (graph
 from the views. A Load or Unload makes each layer it changes a new stack, the experts kept copied
 from the old one: while it does, that layer is held twice, and the old stack serves the rounds
 meanwhile. Reads take no lock: the store replaces its dicts, never mutates them.
+
+With `working_bytes` (--working-memory-mib) the allocator is capped at the experts held plus that much,
+and a change raises the cap by the new stacks it makes for as long as it takes: functions that
+time-slice a GPU each keep an allocator cache, and what one keeps cached another's plan cannot have
+(kubemoe.devices.cap_device_memory). The cap comes down to what is held once the rounds queued by the
+end of a change are done with what it replaced.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 from kubemoe.adapters import MoEAdapter
 from kubemoe.bundles import ExpertKey, format_bundle_spec
 from kubemoe.checkpoint import Checkpoint
+from kubemoe.devices import cap_device_memory
 from kubemoe.expert import ExpertWeights
 from kubemoe.expert_fn.errors import ExpertFnError, invalid, not_found
 from kubemoe.expert_fn.staging import PinnedStaging
@@ -48,11 +55,13 @@ class LayerStack:
 
 class ExpertStore:
     def __init__(self, checkpoint: Checkpoint, adapter: MoEAdapter, bundle: Iterable[ExpertKey],
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, working_bytes: int = 0):
         self.checkpoint, self.adapter = checkpoint, adapter
         self.bundle = frozenset(bundle)
         self.bundle_spec = format_bundle_spec(self.bundle)
         self.dtype, self.device = dtype, device
+        self.working_bytes = working_bytes  # the allocator's cap beside the experts held (the module docstring); 0: none
+        self.expert_bytes = adapter.expert_bytes(dtype)
         self._weights: dict[ExpertKey, ExpertWeights] = {}  # replaced, never mutated: readers need no lock
         self._stacks: dict[int, LayerStack] = {}  # by layer, where `stacked`; replaced, never mutated
         self.stacked = can_group(dtype, device, adapter.hidden_size, adapter.expert_intermediate_size)
@@ -62,6 +71,7 @@ class ExpertStore:
         self._load_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._staging = PinnedStaging(self._load_stream) if self._load_stream is not None else None
         self._copy = self._staging.copy if self._staging is not None else None  # how a read reaches the device
+        self._cap()
 
     # -- reads (hot path) ---------------------------------------------------------------------
 
@@ -130,6 +140,7 @@ class ExpertStore:
         start = time.perf_counter()
         with self._lock:
             self._loading = frozenset(keys) - self._weights.keys()
+            self._cap(self.load_bytes(self._loading))
             try:
                 if self.stacked:
                     for layer, experts in _by_layer(self._loading).items():
@@ -144,10 +155,11 @@ class ExpertStore:
                 raise ExpertFnError(grpc.StatusCode.RESOURCE_EXHAUSTED, (
                     f"loading {format_bundle_spec(self._loading)} ran out of device memory beside the "
                     f"{self.nbytes >> 20} MiB of experts held (a Load holds each layer it changes twice meanwhile): "
-                    "unload experts first, or give this function more memory (--device-memory-mib, fewer "
-                    f"functions on its GPU); {str(e).splitlines()[0]}")) from None
+                    "unload experts first, or put fewer functions on its GPU; "
+                    f"{str(e).splitlines()[0]}")) from None
             finally:
                 self._loading = frozenset()
+                self._settle(give_back=False)
         return loaded, time.perf_counter() - start
 
     def unload(self, keys: Iterable[ExpertKey]) -> int:
@@ -160,18 +172,31 @@ class ExpertStore:
             gone = keys & held.keys()
             freed = sum(held[key].nbytes for key in gone)
             if self.stacked:
-                for layer, experts in _by_layer(gone).items():
-                    self._restack(layer, self._held_of(layer) - experts)
+                left = {layer: self._held_of(layer) - experts for layer, experts in _by_layer(gone).items()}
+                self._cap(self._new_bytes(left))
+                for layer, experts in left.items():
+                    self._restack(layer, experts)
             else:
                 self._weights = {k: w for k, w in held.items() if k not in gone}
             del held
         if gone:
-            self._release_dropped()
+            self._settle(give_back=True)
         return freed
 
+    def load_bytes(self, keys: Iterable[ExpertKey]) -> int:
+        """What Loading `keys` allocates beside what is held."""
+        layers = _by_layer(set(keys) - self._weights.keys())
+        return self._new_bytes({layer: self._held_of(layer) | experts for layer, experts in layers.items()})
+
+    def _new_bytes(self, layers: dict[int, set[int]]) -> int:
+        """What a change allocates to hold `layers` (layer -> every expert it will hold of it) beside what is
+        held: a new stack per layer where stacked, else the experts not held."""
+        if self.stacked:
+            return sum(len(experts) for experts in layers.values()) * self.expert_bytes
+        return sum(len(experts - self._held_of(layer)) for layer, experts in layers.items()) * self.expert_bytes
+
     def _held_of(self, layer: int) -> set[int]:
-        stack = self._stacks.get(layer)
-        return set() if stack is None else set(stack.local)
+        return {e for l, e in self._weights if l == layer}
 
     def _restack(self, layer: int, experts: set[int]) -> None:
         """Hold exactly `experts` of `layer`, as a new stack: those held are copied from the old one, the
@@ -196,24 +221,33 @@ class ExpertStore:
         # Each read alone is consistent: a round takes a layer's experts from its stack, or from the weights
         self._stacks, self._weights = stacks, weights
 
-    def _release_dropped(self) -> None:
-        """Give the device back the memory of what an Unload dropped, once the rounds queued by now are done
-        with it, in the background. Expert functions sharing a GPU (time-slicing, MPS) each keep an allocator
-        cache, and what one keeps cached another's Load cannot have: eight on the H100, re-planned in place,
-        held 8-14 GiB each for plans of 4.6 until a Load ran out of memory (moeless_live.py).
-        Not after a Load (its restack's old stack stays cached, for the next restack): empty_cache() holds
-        the allocator's lock while cudaFree waits for the whole device, so an allocation meanwhile, a Load's
-        included, waits for the serving stream. A re-plan unloads last, after re-pointing."""
-        if self._serving is None:
+    def _cap(self, changing: int = 0) -> None:
+        """Cap the allocator at the experts held, plus `changing` bytes a change is about to allocate beside
+        them, plus the working memory (nothing without `working_bytes`)."""
+        if self.working_bytes and self._serving is not None:
+            cap_device_memory(self.device, self.nbytes + changing + self.working_bytes)
+
+    def _settle(self, give_back: bool) -> None:
+        """Once the rounds queued by now are done with what a change replaced, in the background: the cap
+        comes down to what is held, and after an Unload (`give_back`) the device gets back what it dropped,
+        for the other functions sharing the GPU (kubemoe.devices.cap_device_memory tells why).
+        Not after a Load (its restack's old stack stays cached, for the next restack; under a cap it is
+        freed as soon as an allocation needs the room): empty_cache() holds the allocator's lock while
+        cudaFree waits for the whole device, so an allocation meanwhile, a Load's included, waits for the
+        serving stream. A re-plan unloads last, after re-pointing."""
+        if self._serving is None or not (give_back or self.working_bytes):
             return
         passed = torch.cuda.Event()
         passed.record(self._serving)
 
-        def release() -> None:
+        def settle() -> None:
             passed.synchronize()
-            torch.cuda.empty_cache()
+            with self._lock:  # not while the next change runs: its cap counts the stacks it makes
+                self._cap()
+            if give_back:
+                torch.cuda.empty_cache()
 
-        threading.Thread(target=release, name="release-dropped", daemon=True).start()
+        threading.Thread(target=settle, name="settle", daemon=True).start()
 
     def _read(self, key: ExpertKey) -> ExpertWeights:
         """One expert from the checkpoint; on a GPU queued on the load stream (_ready_for_serving() them)."""

@@ -27,6 +27,11 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+# What a CUDA process holds outside its allocator: the context, cuBLAS workspaces (0.75 GiB on the H100,
+# moeless_live.py). A function's memory in the plan (spec functionOverhead) covers it beside the allocator's.
+CUDA_CONTEXT_BYTES = 768 << 20
+
+
 def cap_device_memory(device: torch.device, nbytes: int) -> None:
     """Let this process's CUDA allocator hold at most `nbytes` of `device` (0: no cap; on the CPU, nothing).
 
@@ -34,16 +39,14 @@ def cap_device_memory(device: torch.device, nbytes: int) -> None:
     keeping cached what another's plan counts on: eight expert functions on the H100, re-planned in place,
     held 8-14 GiB each for plans of 4.6 until a Load ran out of memory (moeless_live.py). Capped, the
     allocator frees its cache when it reaches the cap, as it does when the device is full. MPS clients
-    are capped by the driver the same way (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)."""
+    are capped by the driver the same way (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT). May be called again: an
+    expert function's cap follows what it holds (expert_fn/store.py)."""
     import torch
 
-    if nbytes <= 0 or device.type != "cuda":
+    if device.type != "cuda":
         return
     total = torch.cuda.get_device_properties(device).total_memory
-    if nbytes > total:
-        raise KubemoeError(f"--device-memory-mib {nbytes >> 20} is more than {device} has ({total >> 20} MiB); "
-                           "give this process its share of the GPU, or 0 for no cap")
-    torch.cuda.set_per_process_memory_fraction(nbytes / total, device)
+    torch.cuda.set_per_process_memory_fraction(min(nbytes, total) / total if nbytes > 0 else 1.0, device)
 
 
 def resolve_dtype(dtype, model_config) -> torch.dtype:

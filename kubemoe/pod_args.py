@@ -63,6 +63,8 @@ class ExpertFnArgs(_Command):
     routing_configmap: str       # NAMESPACE/NAME of the routing table, watched through the API server
     address: str                 # how the routing table names this function
     drop_after: int
+    # Its allocator's cap beside the experts it holds (GpuSharing.working_memory); 0: none.
+    working_memory_mib: int
     # The folder same-node frontends share with it (spec.dataPath.sameNode hostShm: node_shm_dir); "": none,
     # every frontend takes the TCP lane (a pod's own /dev/shm is shared with no other pod).
     shm_dir: str

@@ -287,7 +287,9 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
     args = ExpertFnArgs(checkpoint=checkpoint_path(spec), bundle=bundle.spec(), model=deployment.name,
                         dtype=spec.dtype, routing_configmap=f"{deployment.namespace}/{routing_configmap_name(deployment)}",
                         address=expert_address(deployment, bundle_name, site),
-                        drop_after=int(spec.experts.scaling.keep_alive_s), shm_dir=shm_dir(deployment, "distributed"))
+                        drop_after=int(spec.experts.scaling.keep_alive_s),
+                        working_memory_mib=spec.experts.sharing.working_memory >> 20,
+                        shm_dir=shm_dir(deployment, "distributed"))
     container = {
         "name": "expert-fn", "image": spec.experts.image or config.expert_image, "args": args.args(),
         "env": args.env(), "ports": [{"name": "h2c", "containerPort": args.port}],

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kubemoe.bundles import Bundle, bundles_by_bytes
+from kubemoe.devices import CUDA_CONTEXT_BYTES
 from kubemoe.operator.fields import OFFLOAD, SPEC
 from kubemoe.operator.schema import SpecError, parse_bytes, parse_duration
 
@@ -109,6 +110,18 @@ class GpuSharing:
         """MPS: the driver caps each function's memory at its planned bytes (render.py), so a running
         function can take no more experts in place."""
         return self.mode == "mps" or (self.mode == "dra" and self.strategy == "MPS")
+
+    @property
+    def working_memory(self) -> int:
+        """What a function's allocator may hold beside its experts (`kubemoe expert-fn --working-memory-mib`),
+        where nothing else caps it: functions time-slicing a GPU each keep an allocator cache, and what
+        one keeps cached another's plan cannot have. functionOverhead less the CUDA context, which the
+        allocator does not hold (at least 1 MiB, still a cap: a function raises one too small for its rounds
+        to what they need, and says so). 0 (no cap) under MPS, which the driver caps, and with GPUs of
+        their own."""
+        if not self.shared or self.capped:
+            return 0
+        return max(self.function_overhead - CUDA_CONTEXT_BYTES, 1 << 20)
 
 
 @dataclass(frozen=True)

@@ -59,17 +59,33 @@ def test_bad_flags_say_what_to_do(tmp_path, tiny_checkpoint):
     assert "bad --bundle: layer 5" in str(result.exception) and "MoE layers: [0, 1]" in str(result.exception)
     result = CliRunner().invoke(command, ["--checkpoint", str(tmp_path)])
     assert result.exit_code != 0 and "kubemoe checkpoint make" in str(result.exception)
-    result = CliRunner().invoke(command, ["--checkpoint", str(tiny_checkpoint("mixtral")), "--device-memory-mib", "-1"])
-    assert result.exit_code == 2 and "--device-memory-mib" in result.output and "-1 is not in the range x>=0" in result.output
+    result = CliRunner().invoke(command, ["--checkpoint", str(tiny_checkpoint("mixtral")), "--working-memory-mib", "-1"])
+    assert result.exit_code == 2 and "--working-memory-mib" in result.output and "-1 is not in the range x>=0" in result.output
 
 
-def test_a_device_memory_cap_is_nothing_on_the_cpu_and_no_more_than_the_gpu_has(tiny_checkpoint):
+def test_a_memory_cap_is_nothing_on_the_cpu(tiny_checkpoint):
     from kubemoe.devices import cap_device_memory
     from kubemoe.errors import KubemoeError
     from kubemoe.expert_fn.config import ExpertFnConfig
 
     cap_device_memory(torch.device("cpu"), 1 << 30)  # host memory is not what it caps: nothing to do
-    config = ExpertFnConfig.build(tiny_checkpoint("mixtral"), device="cpu", device_memory_bytes=1 << 30)
-    assert config.device_memory_bytes == 1 << 30
-    with pytest.raises(KubemoeError, match="--device-memory-mib must be 0"):
-        ExpertFnConfig.build(tiny_checkpoint("mixtral"), device="cpu", device_memory_bytes=-(1 << 20))
+    config = ExpertFnConfig.build(tiny_checkpoint("mixtral"), device="cpu", working_memory_bytes=1 << 30)
+    assert config.working_memory_bytes == 1 << 30
+    with pytest.raises(KubemoeError, match="--working-memory-mib must be 0"):
+        ExpertFnConfig.build(tiny_checkpoint("mixtral"), device="cpu", working_memory_bytes=-(1 << 20))
+
+
+def test_working_memory_too_small_for_a_round_is_raised_to_what_one_needs_and_said(tiny_checkpoint, caplog):
+    from kubemoe.adapters import MoEAdapter
+    from kubemoe.checkpoint import Checkpoint
+    from kubemoe.expert_fn.config import ExpertFnConfig
+    from kubemoe.expert_fn.server import working_memory
+
+    adapter = MoEAdapter(Checkpoint(tiny_checkpoint("mixtral")).config)
+    build = lambda working: ExpertFnConfig.build(tiny_checkpoint("mixtral"), device="cpu", dtype="float32",  # noqa: E731
+                                                 max_batch_tokens=1024, working_memory_bytes=working)
+    need = 1024 * (2 * adapter.hidden_size + 3 * adapter.expert_intermediate_size) * 4
+    assert working_memory(build(0), adapter) == 0 and not caplog.text  # no cap: nothing to raise
+    assert working_memory(build(need + 1), adapter) == need + 1
+    assert working_memory(build(1), adapter) == need
+    assert "less than a round of 1024 tokens needs" in caplog.text and "functionOverhead" in caplog.text

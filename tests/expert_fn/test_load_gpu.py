@@ -15,7 +15,6 @@ import torch
 from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
 from kubemoe.devices import cap_device_memory
-from kubemoe.errors import KubemoeError
 from kubemoe.expert_fn.batcher import Job, run_round
 from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.shm import HEADER_BYTES, Segment
@@ -155,15 +154,13 @@ def test_what_an_unload_drops_goes_back_to_the_device_once_rounds_are_done_with_
 
 
 def test_a_capped_allocator_frees_its_cache_at_the_cap_rather_than_run_past_it():
-    """--device-memory-mib: what a function keeps cached counts against its cap, and at the cap the
-    allocator gives its cache back to take what it needs, as it does when the device is full."""
+    """What a function keeps cached counts against its cap, and at the cap the allocator gives its cache
+    back to take what it needs, as it does when the device is full."""
     cuda, block = torch.device("cuda"), 256 << 20
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved()
     cap = base + 4 * block + (64 << 20)
-    with pytest.raises(KubemoeError, match="more than"):
-        cap_device_memory(cuda, torch.cuda.get_device_properties(cuda).total_memory + 1)
     cap_device_memory(cuda, cap)
     try:
         blocks = [torch.empty(block, dtype=torch.uint8, device=cuda) for _ in range(3)]
@@ -174,4 +171,43 @@ def test_a_capped_allocator_frees_its_cache_at_the_cap_rather_than_run_past_it()
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(cap, dtype=torch.uint8, device=cuda)
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, cuda)
+        cap_device_memory(cuda, 0)
+    torch.empty(cap, dtype=torch.uint8, device=cuda)  # uncapped again
+
+
+def test_a_working_memory_cap_follows_what_the_store_holds(mixtral_sized):
+    """--working-memory-mib: the cap is the experts held plus the working memory; a Load raises it by the
+    stack it makes while it runs, and once rounds are done with the old stacks it comes down again."""
+    adapter = MoEAdapter(mixtral_sized.config)
+    layer, cuda, working = adapter.moe_layers[0], torch.device("cuda"), 256 << 20
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    store = ExpertStore(mixtral_sized, adapter, [(layer, 0)], torch.bfloat16, cuda, working_bytes=working)
+    expert = store.expert_bytes
+    assert expert > working  # so that what follows could not fit under a cap that did not move
+    try:
+        store.load([(layer, 0)])
+        store.load([(layer, e) for e in range(1, 4)])  # a stack of four beside the old one of one: 5 experts at once
+        assert store.nbytes == 4 * expert
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the cap comes down once the serving stream passes the Load
+            try:
+                spare = torch.empty(2 * working, dtype=torch.uint8, device=cuda)
+            except torch.OutOfMemoryError:
+                break
+            del spare
+            time.sleep(0.05)
+        else:
+            pytest.fail("the cap stayed above the experts held plus the working memory after the Load")
+        spare = torch.empty(working // 2, dtype=torch.uint8, device=cuda)  # within the working memory: fine
+        assert torch.cuda.memory_reserved() <= 4 * expert + working
+        del spare
+        store.unload([(layer, e) for e in range(1, 4)])
+        deadline = time.monotonic() + 10
+        while torch.cuda.memory_reserved() > expert + working and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert torch.cuda.memory_reserved() <= expert + working, "what the Unload dropped stayed cached"
+    finally:
+        store.working_bytes = 0  # a change still settling caps nothing now
+        cap_device_memory(cuda, 0)
+        store.unload(store.held())

@@ -95,9 +95,23 @@ def test_a_load_that_runs_out_of_device_memory_is_resource_exhausted_and_what_wa
         store.load([(layer, 2)])
     assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     message = str(refused.value)
-    assert f"loading {layer}:2 ran out of device memory" in message and "--device-memory-mib" in message
+    assert f"loading {layer}:2 ran out of device memory" in message and "fewer functions on its GPU" in message
     assert message.endswith("Tried to allocate 1.31 GiB.")
     monkeypatch.undo()
     _assert_holds(store, checkpoint, [(layer, 1)])
     store.load([(layer, 2)])  # and it loads once there is room
     _assert_holds(store, checkpoint, [(layer, 1), (layer, 2)])
+
+
+def test_a_load_needs_a_new_stack_of_each_layer_it_changes_or_its_new_experts(tiny_checkpoint):
+    """What a Load allocates beside what is held: where a layer's experts are one stack, the layer's new
+    stack, its old experts included; where they cannot be grouped, only the experts it adds."""
+    checkpoint, adapter, store = _store(tiny_checkpoint)
+    layer = adapter.moe_layers[0]
+    store.load([(layer, 0), (layer, 1)])
+    expert = adapter.expert_bytes(torch.float32)
+    assert store.expert_bytes == expert and store.stacked
+    assert store.load_bytes([(layer, 1), (layer, 2), (layer, 3)]) == 4 * expert
+    assert store.load_bytes([(layer, 1)]) == 0
+    store.stacked = False  # the count of a store whose layers cannot be grouped
+    assert store.load_bytes([(layer, 1), (layer, 2), (layer, 3)]) == 2 * expert

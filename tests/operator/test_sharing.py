@@ -182,6 +182,11 @@ def expert_pods(objects):
     return [pod_spec_of(o) for o in objects if service_of(o) is not None]
 
 
+def working_memory_mib(container) -> int:
+    args = container["args"]
+    return int(args[args.index("--working-memory-mib") + 1])
+
+
 def test_each_mode_renders_what_its_mechanism_schedules_by(f):
     exclusive = MoEDeployment.from_body(f.moed_body())
     for mode, cluster in [("exclusive", nodes(2, sharing=GpuSharing())), ("timeSlicing", nodes(2)),
@@ -197,6 +202,8 @@ def test_each_mode_renders_what_its_mechanism_schedules_by(f):
             env = {e["name"]: e.get("value") for e in container["env"]}
             # An MPS client limits itself to its function's bytes: 2 experts of 128 MiB + 1Gi overhead.
             assert env.get(MPS_MEMORY_LIMIT_ENV) == ("0=1280M" if mode == "mps" else None)
+            # A time-sliced function caps its own allocator: functionOverhead (1Gi) less the CUDA context.
+            assert working_memory_mib(container) == (256 if mode == "timeSlicing" else 0)
             assert "resourceClaims" not in pod
 
 
@@ -218,6 +225,7 @@ def test_dra_renders_one_shared_claim_per_planned_gpu(f, strategy):
         assert claim["metadata"]["annotations"][NODE_ANNOTATION] == "gpu-0"
     used = Counter()
     for pod in expert_pods(objects):
+        assert working_memory_mib(pod["containers"][0]) == (256 if strategy == "TimeSlicing" else 0)
         [ref] = pod["resourceClaims"]
         assert ref["resourceClaimName"] in claims and pod["containers"][0]["resources"]["claims"] == [{"name": CLAIM}]
         assert "limits" not in pod["containers"][0]["resources"]

@@ -19,7 +19,7 @@ def parsed(command, args: list[str]) -> dict:
 @pytest.mark.parametrize("make, command", [
     (lambda ckpt: ExpertFnArgs(checkpoint=ckpt, bundle="0:0-1;1:3", model="m", dtype="float32", data_host="10.1.2.3",
                                routing_configmap="ns/m-routing", address="m-l0.ns.svc.cluster.local:80",
-                               drop_after=600, shm_dir=""), expert_fn_command),
+                               drop_after=600, working_memory_mib=768, shm_dir=""), expert_fn_command),
     (lambda ckpt: FrontendArgs(checkpoint=ckpt, routing_configmap="ns/m-routing", model="m", dtype="bfloat16",
                                prediction_distance=2, shm_dir="/var/run/kubemoe/node-shm/kubemoe-uid-1"),
      frontend_command),
@@ -36,7 +36,7 @@ def test_every_rendered_argument_reaches_the_commands_parameter_of_that_name(tmp
 
 def test_the_rendered_ports_are_the_commands_defaults_and_none_is_knatives():
     expert = ExpertFnArgs(checkpoint="/m", bundle="*", model="m", dtype="float32", routing_configmap="a/b",
-                          address="a:80", drop_after=1, shm_dir="")
+                          address="a:80", drop_after=1, working_memory_mib=0, shm_dir="")
     frontend = FrontendArgs(checkpoint="/m", routing_configmap="a/b", model="m", dtype="float32", prediction_distance=1,
                             shm_dir="")
     expert_defaults = {p.name: p.default for p in expert_fn_command.params}
