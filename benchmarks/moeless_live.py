@@ -311,7 +311,7 @@ def summarize(name: str, served: Served) -> dict:
     return row
 
 
-PROCESS_OVERHEAD = 1 << 30  # a process's CUDA context and other memory outside its allocator (0.75 GiB on the H100)
+PROCESS_OVERHEAD = 1 << 30  # a process's memory outside its allocator: kubemoe.devices.CUDA_CONTEXT_BYTES, and some
 # What a process's allocator holds beside its experts: CUDA graphs (42 MiB on the H100), a prefill round's
 # activations (a 4096-token call to a Mixtral expert: about 350 MB), its inputs and outputs
 WORKING = 1 << 30
