@@ -45,8 +45,9 @@ def cap_device_memory(device: torch.device, nbytes: int) -> None:
 
     if device.type != "cuda":
         return
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(nbytes, total) / total if nbytes > 0 else 1.0, device)
+    index = torch.cuda.current_device() if device.index is None else device.index  # it takes no bare "cuda"
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(nbytes, total) / total if nbytes > 0 else 1.0, index)
 
 
 def resolve_dtype(dtype, model_config) -> torch.dtype:
