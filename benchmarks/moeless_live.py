@@ -314,7 +314,7 @@ def summarize(name: str, served: Served) -> dict:
 PROCESS_OVERHEAD = 1 << 30  # a process's memory outside its allocator: kubemoe.devices.CUDA_CONTEXT_BYTES, and some
 # What a process's allocator holds beside its experts: CUDA graphs (42 MiB on the H100), a prefill round's
 # activations (a 4096-token call to a Mixtral expert: about 350 MB), its inputs and outputs
-WORKING = 1 << 30
+WORKING = 2 << 30  # 1 GiB ran out: 0.9 GiB was in use beside the experts when a Load needed 224 MiB more (H100)
 
 
 def process_shares(processes: int, num_gpus: int, device: torch.device, reserve: int = 8 << 30) -> list[int]:

@@ -125,14 +125,23 @@ class ExpertGraphs:
 
     def _entry(self, key: ExpertKey, weights: ExpertWeights, size: int) -> _Graphs | None:
         """The graphs of `key` at `size`, captured now if they are not held; None (run it eagerly) when the
-        capture ran out of device memory: a function at its cap (--working-memory-mib) cannot free its cache
-        during a capture, and a graph is an optimisation no call should fail for. Not tried again for the
-        same weights (a Load that restacks the layer gives new ones)."""
+        capture ran out of device memory, and a graph is an optimisation no call should fail for. Not tried
+        again for the same weights (a Load that restacks the layer gives new ones).
+        A function at its cap (--working-memory-mib) cannot free its cache during a capture: after a Load
+        the cache holds the stacks it replaced (900 MiB of a 2.3 GiB cap on the H100, moeless_live.py), so
+        a capture that runs out of memory is tried once more with the cache given back (empty_cache waits
+        for the work queued on the device: once after a Load, not per call)."""
         failed = self._uncaptured.get((key, size))
         if failed is not None and failed() is weights:
             return None
         try:
-            return self._held_or_captured(key, weights, size)
+            try:
+                return self._held_or_captured(key, weights, size)
+            except torch.OutOfMemoryError:
+                if torch.cuda.memory_reserved(self.input.device) == torch.cuda.memory_allocated(self.input.device):
+                    raise  # nothing cached to give back
+                torch.cuda.empty_cache()
+                return self._held_or_captured(key, weights, size)
         except torch.OutOfMemoryError as e:
             self._uncaptured[(key, size)] = weakref.ref(weights)
             log.warning("no device memory to capture the graph of %s at %d tokens; its calls run eagerly: %s",

@@ -79,12 +79,12 @@ def test_working_memory_too_small_for_a_round_is_raised_to_what_one_needs_and_sa
     from kubemoe.adapters import MoEAdapter
     from kubemoe.checkpoint import Checkpoint
     from kubemoe.expert_fn.config import ExpertFnConfig
-    from kubemoe.expert_fn.server import working_memory
+    from kubemoe.expert_fn.server import ROUND_SLACK, working_memory
 
     adapter = MoEAdapter(Checkpoint(tiny_checkpoint("mixtral")).config)
     build = lambda working: ExpertFnConfig.build(tiny_checkpoint("mixtral"), device="cpu", dtype="float32",  # noqa: E731
                                                  max_batch_tokens=1024, working_memory_bytes=working)
-    need = 1024 * (2 * adapter.hidden_size + 3 * adapter.expert_intermediate_size) * 4
+    need = 1024 * (4 * adapter.hidden_size + 3 * adapter.expert_intermediate_size) * 4 + ROUND_SLACK
     assert working_memory(build(0), adapter) == 0 and not caplog.text  # no cap: nothing to raise
     assert working_memory(build(need + 1), adapter) == need + 1
     assert working_memory(build(1), adapter) == need
