@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -43,6 +44,9 @@ from kubemoe.expert import ExpertWeights
 from kubemoe.expert_fn.errors import ExpertFnError, invalid, not_found
 from kubemoe.expert_fn.staging import PinnedStaging
 from kubemoe.moe import StackedExperts, can_group
+
+
+SETTLE_WAIT_S = 10.0  # the longest a change's settling waits for rounds still holding what it replaced
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class ExpertStore:
         self._load_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._staging = PinnedStaging(self._load_stream) if self._load_stream is not None else None
         self._copy = self._staging.copy if self._staging is not None else None  # how a read reaches the device
+        self._replaced: list[weakref.ref] = []  # the tensors of stacks and experts a change replaced, until freed
         self._cap()
 
     # -- reads (hot path) ---------------------------------------------------------------------
@@ -177,6 +182,7 @@ class ExpertStore:
                 for layer, experts in left.items():
                     self._restack(layer, experts)
             else:
+                self._replaced += [weakref.ref(t) for key in gone for t in (held[key].gate_up, held[key].down)]
                 self._weights = {k: w for k, w in held.items() if k not in gone}
             del held
         if gone:
@@ -215,6 +221,9 @@ class ExpertStore:
             self._ready_for_serving(stack.gate_up, stack.down)
         weights = {k: w for k, w in held.items() if k[0] != layer}
         stacks = {k: s for k, s in self._stacks.items() if k != layer}
+        old = self._stacks.get(layer)
+        if old is not None:  # its views' bases: gone once no round holds one
+            self._replaced += [weakref.ref(old.experts.gate_up), weakref.ref(old.experts.down)]
         if stack is not None:
             weights.update({(layer, e): stack.expert(i) for i, e in enumerate(ids)})
             stacks[layer] = LayerStack(stack, {e: i for i, e in enumerate(ids)})
@@ -222,10 +231,13 @@ class ExpertStore:
         self._stacks, self._weights = stacks, weights
 
     def _cap(self, changing: int = 0) -> None:
-        """Cap the allocator at the experts held, plus `changing` bytes a change is about to allocate beside
-        them, plus the working memory (nothing without `working_bytes`)."""
+        """Cap the allocator at the experts held, or what it has allocated if that is more (a round still
+        running on a stack a change replaced, its activations), plus `changing` bytes a change is about to
+        allocate, plus the working memory (nothing without `working_bytes`). Never below what is allocated:
+        every allocation of a round would fail until that came down (the H100's did, moeless_live.py)."""
         if self.working_bytes and self._serving is not None:
-            cap_device_memory(self.device, self.nbytes + changing + self.working_bytes)
+            held = max(self.nbytes, torch.cuda.memory_allocated(self.device))
+            cap_device_memory(self.device, held + changing + self.working_bytes)
 
     def _settle(self, give_back: bool) -> None:
         """Once the rounds queued by now are done with what a change replaced, in the background: the cap
@@ -242,7 +254,12 @@ class ExpertStore:
 
         def settle() -> None:
             passed.synchronize()
+            deadline = time.monotonic() + SETTLE_WAIT_S  # rounds the host began on a replaced stack end soon
+            while any(ref() is not None for ref in self._replaced) and time.monotonic() < deadline:
+                time.sleep(0.01)
             with self._lock:  # not while the next change runs: its cap counts the stacks it makes
+                self._replaced = [ref for ref in self._replaced if ref() is not None]
+                self._cap()
                 self._cap()
             if give_back:
                 torch.cuda.empty_cache()
