@@ -115,3 +115,28 @@ def test_a_load_needs_a_new_stack_of_each_layer_it_changes_or_its_new_experts(ti
     assert store.load_bytes([(layer, 1)]) == 0
     store.stacked = False  # the count of a store whose layers cannot be grouped
     assert store.load_bytes([(layer, 1), (layer, 2), (layer, 3)]) == 2 * expert
+
+
+def test_the_cap_is_what_is_held_or_allocated_plus_a_changes_new_stacks_plus_the_working_memory(tiny_checkpoint,
+                                                                                                monkeypatch):
+    """--working-memory-mib's arithmetic (the GPU test in test_load_gpu.py runs it on a device): never below
+    what the allocator has allocated, which a round on a replaced stack still holds."""
+    checkpoint, adapter, store = _store(tiny_checkpoint)
+    caps, allocated = [], [0]
+    monkeypatch.setattr(store_module, "cap_device_memory", lambda device, nbytes: caps.append(nbytes))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
+    monkeypatch.setattr(store, "_settle", lambda give_back: None)  # a CUDA event and a thread: the GPU test's
+    store.working_bytes, store._serving = 100, object()  # as on a GPU
+    layer, expert = adapter.moe_layers[0], store.expert_bytes
+    store.load([(layer, 0), (layer, 1)])
+    assert caps == [2 * expert + 100]  # nothing held: the new stack of two
+    store.load([(layer, 2)])
+    assert caps[-1] == 2 * expert + 3 * expert + 100  # the two held, beside a new stack of three
+    allocated[0] = 5 * expert  # the old stack of two still held by a round
+    store._cap()
+    assert caps[-1] == 5 * expert + 100
+    allocated[0] = 0
+    store._cap()
+    assert caps[-1] == 3 * expert + 100
+    store.unload([(layer, 0)])
+    assert caps[-1] == 3 * expert + 2 * expert + 100  # the three held, beside a new stack of two
