@@ -161,6 +161,8 @@ class ExpertStore:
         self.cuda = self.device.type == "cuda"
         self.slots = torch.empty((slots, host.slot_elems), dtype=host.dtype, device=self.device)  # [N, S]
         self._sync = [_SlotSync() for _ in range(slots)]
+        # Each slot's weights as the FFN reads them, made once: five tensor views a computed expert otherwise
+        self._slot_weights = [host.views(slot) for slot in self.slots]
         if self.cuda:
             self._slot_chunks = [host.cut(slot) for slot in self.slots]  # made once, as chunk_views
             # AsyncIO: a stream per chunk; without it (the ablation) the copies queue on the compute stream.
@@ -182,7 +184,7 @@ class ExpertStore:
         return self.host.weights(key)
 
     def slot_weights(self, slot: int) -> ExpertWeights:
-        return self.host.views(self.slots[slot])
+        return self._slot_weights[slot]
 
     # -- copies and their events ----------------------------------------------------------------
 
