@@ -240,9 +240,10 @@ class ExpertStore:
             cap_device_memory(self.device, held + changing + self.working_bytes)
 
     def _settle(self, give_back: bool) -> None:
-        """Once the rounds queued by now are done with what a change replaced, in the background: the cap
-        comes down to what is held, and after an Unload (`give_back`) the device gets back what it dropped,
-        for the other functions sharing the GPU (kubemoe.devices.cap_device_memory tells why).
+        """Once the rounds queued by now, and any the host began before the change, are done with what it
+        replaced (freed, or SETTLE_WAIT_S at most), in the background: the cap comes down to what is held,
+        and after an Unload (`give_back`) the device gets back what it dropped, for the other functions
+        sharing the GPU (kubemoe.devices.cap_device_memory tells why).
         Not after a Load (its restack's old stack stays cached, for the next restack; under a cap it is
         freed as soon as an allocation needs the room): empty_cache() holds the allocator's lock while
         cudaFree waits for the whole device, so an allocation meanwhile, a Load's included, waits for the
@@ -259,7 +260,6 @@ class ExpertStore:
                 time.sleep(0.01)
             with self._lock:  # not while the next change runs: its cap counts the stacks it makes
                 self._replaced = [ref for ref in self._replaced if ref() is not None]
-                self._cap()
                 self._cap()
             if give_back:
                 torch.cuda.empty_cache()
