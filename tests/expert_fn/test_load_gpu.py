@@ -176,16 +176,17 @@ def test_a_capped_allocator_frees_its_cache_at_the_cap_rather_than_run_past_it()
 
 
 def test_a_working_memory_cap_follows_what_the_store_holds(mixtral_sized):
-    """--working-memory-mib: the cap is the experts held plus the working memory; a Load raises it by the
-    stack it makes while it runs, and once rounds are done with the old stacks it comes down again."""
+    """--working-memory-mib: the cap is what is allocated (the experts held, and what this process held
+    before: earlier tests') plus the working memory; a Load raises it by the stack it makes while it runs,
+    and once rounds are done with the old stacks it comes down again."""
     adapter = MoEAdapter(mixtral_sized.config)
-    layer, cuda, spare = adapter.moe_layers[0], torch.device("cuda"), 256 << 20
+    layer, cuda, working = adapter.moe_layers[0], torch.device("cuda"), 256 << 20
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    working = torch.cuda.memory_allocated() + spare  # what this process holds already (earlier tests') counts too
+    base = torch.cuda.memory_allocated()
     store = ExpertStore(mixtral_sized, adapter, [(layer, 0)], torch.bfloat16, cuda, working_bytes=working)
     expert = store.expert_bytes
-    assert expert > spare  # so that what follows could not fit under a cap that did not move
+    assert expert > working  # so that what follows could not fit under a cap that did not move
     try:
         store.load([(layer, 0)])
         store.load([(layer, e) for e in range(1, 4)])  # a stack of four beside the old one of one: 5 experts at once
@@ -193,21 +194,21 @@ def test_a_working_memory_cap_follows_what_the_store_holds(mixtral_sized):
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # the cap comes down once the serving stream passes the Load
             try:
-                more = torch.empty(2 * spare, dtype=torch.uint8, device=cuda)
+                more = torch.empty(2 * working, dtype=torch.uint8, device=cuda)
             except torch.OutOfMemoryError:
                 break
             del more
             time.sleep(0.05)
         else:
             pytest.fail("the cap stayed above the experts held plus the working memory after the Load")
-        more = torch.empty(spare // 2, dtype=torch.uint8, device=cuda)  # within the working memory: fine
-        assert torch.cuda.memory_reserved() <= 4 * expert + working
+        more = torch.empty(working // 2, dtype=torch.uint8, device=cuda)  # within the working memory: fine
+        assert torch.cuda.memory_reserved() <= base + 4 * expert + working
         del more
         store.unload([(layer, e) for e in range(1, 4)])
         deadline = time.monotonic() + 10
-        while torch.cuda.memory_reserved() > expert + working and time.monotonic() < deadline:
+        while torch.cuda.memory_reserved() > base + expert + working and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert torch.cuda.memory_reserved() <= expert + working, "what the Unload dropped stayed cached"
+        assert torch.cuda.memory_reserved() <= base + expert + working, "what the Unload dropped stayed cached"
     finally:
         store.working_bytes = 0  # a change still settling caps nothing now
         cap_device_memory(cuda, 0)
