@@ -7,6 +7,8 @@ prefix; labels follow DESIGN.md (`bundle`, `layer`, `expert`).
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kubemoe.bundles import ExpertKey
@@ -34,6 +36,11 @@ class ExpertFnMetrics:
         self.queue_depth = make(Gauge, "queue_depth", "Requests waiting for a round").labels(bundle)
         self.bytes_loaded = make(Gauge, "bytes_loaded", "Bytes of expert weights held").labels(bundle)
         self.experts_held = make(Gauge, "experts_held", "Experts held").labels(bundle)
+        # Where functions time-slice a GPU, what each keeps cached is what another's Load cannot have
+        self.device_reserved = make(Gauge, "device_memory_reserved_bytes",
+                                    "GPU memory this function's allocator holds, its cache included").labels(bundle)
+        self.device_cap = make(Gauge, "device_memory_cap_bytes", "The most GPU memory its allocator may hold "
+                               "(the experts held plus --working-memory-mib); 0: no cap").labels(bundle)
         self._load = make(Histogram, "load_seconds", "Time to load experts from the checkpoint",
                           buckets=(0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
         self._shm = make(Counter, "shared_memory_streams",
@@ -67,6 +74,11 @@ class ExpertFnMetrics:
 
     def tcp_lane(self, opened: bool) -> None:
         self._tcp.labels(self.bundle, "opened" if opened else "refused").inc()
+
+    def watch_device(self, reserved: Callable[[], float], cap: Callable[[], float]) -> None:
+        """The device memory gauges read these at each scrape (a GPU's allocator: devices.py)."""
+        self.device_reserved.set_function(reserved)
+        self.device_cap.set_function(cap)
 
     def loaded(self, seconds: float, held_bytes: int, held_experts: int) -> None:
         self._load.observe(seconds)

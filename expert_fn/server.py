@@ -23,6 +23,7 @@ from kubemoe.errors import KubemoeError
 from kubemoe.gc_freeze import settle
 from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
+from kubemoe.devices import allocator_memory
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.frames import DataPort
 from kubemoe.expert_fn.follow import TableFollower
@@ -103,6 +104,9 @@ async def build_server(
     store = ExpertStore(checkpoint, adapter, config.bundle, config.dtype, config.device, working_memory(config, adapter))
     servicer = ExpertServicer(config, store, metrics or ExpertFnMetrics(config.bundle_spec),
                               health_aio.HealthServicer())
+    if config.device.type == "cuda":
+        servicer.metrics.watch_device(lambda: allocator_memory(config.device)[0],
+                                      lambda: allocator_memory(config.device)[1])
     server = grpc.aio.server(options=[*grpc_options(config.max_message_bytes), EXCLUSIVE_PORT])
     pb_grpc.add_ExpertServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)

@@ -45,9 +45,26 @@ def cap_device_memory(device: torch.device, nbytes: int) -> None:
 
     if device.type != "cuda":
         return
-    index = torch.cuda.current_device() if device.index is None else device.index  # it takes no bare "cuda"
+    index = _cuda_index(device)
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(nbytes, total) / total if nbytes > 0 else 1.0, index)
+
+
+def allocator_memory(device: torch.device) -> tuple[int, int]:
+    """(what this process's CUDA allocator holds on `device`, its cache included; its cap, 0: none)."""
+    import torch
+
+    index = _cuda_index(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(index)
+    cap = int(fraction * torch.cuda.get_device_properties(index).total_memory) if fraction < 1 else 0
+    return torch.cuda.memory_reserved(index), cap
+
+
+def _cuda_index(device: torch.device) -> int:
+    """The memory fraction's setter and getter take no bare `cuda` (the H100 refused it): its index."""
+    import torch
+
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 def resolve_dtype(dtype, model_config) -> torch.dtype:

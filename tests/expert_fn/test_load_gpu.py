@@ -14,7 +14,7 @@ import torch
 
 from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
-from kubemoe.devices import cap_device_memory
+from kubemoe.devices import allocator_memory, cap_device_memory
 from kubemoe.expert_fn.batcher import Job, run_round
 from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.shm import HEADER_BYTES, Segment
@@ -187,14 +187,12 @@ def test_a_working_memory_cap_follows_what_the_store_holds(mixtral_sized):
     store = ExpertStore(mixtral_sized, adapter, [(layer, 0)], torch.bfloat16, cuda, working_bytes=working)
     expert = store.expert_bytes
     assert expert > working  # so that what follows could not fit under a cap that did not move
-    total = torch.cuda.get_device_properties(cuda).total_memory
 
-    def settled_at(nbytes: int) -> float:  # -> the cap once it is at most nbytes (or 10 s have passed)
+    def settled_at(nbytes: int) -> int:  # -> the cap (as the metrics read it) once it is at most nbytes, or in 10 s
         deadline = time.monotonic() + 10
-        while torch.cuda.get_per_process_memory_fraction(cuda) * total > nbytes + (1 << 20) \
-                and time.monotonic() < deadline:
+        while allocator_memory(cuda)[1] > nbytes + (1 << 20) and time.monotonic() < deadline:
             time.sleep(0.02)
-        return torch.cuda.get_per_process_memory_fraction(cuda) * total
+        return allocator_memory(cuda)[1]
 
     try:
         store.load([(layer, 0)])

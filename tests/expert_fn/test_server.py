@@ -145,6 +145,11 @@ async def test_metrics_are_served_over_http(tiny_checkpoint, serve):
     assert f'kubemoe_expert_fn_tokens_total{{{bundle},expert="3",layer="0"}} 2.0' in text
     for name in ("compute_seconds_count", "queue_seconds_count", "queue_depth", "bytes_loaded", "load_seconds_count"):
         assert f"kubemoe_expert_fn_{name}{{{bundle}}}" in text, name
+    # On the CPU no allocator is watched: 0. On a GPU they are read at each scrape, as here.
+    assert f"kubemoe_expert_fn_device_memory_cap_bytes{{{bundle}}} 0.0" in text
+    server.metrics.watch_device(lambda: 3 << 30, lambda: 5 << 30)
+    assert server.metrics.value("device_memory_reserved_bytes") == 3 << 30
+    assert server.metrics.value("device_memory_cap_bytes") == 5 << 30
 
 
 async def test_a_stopping_server_answers_the_request_in_flight_then_ends_the_streams(tiny_checkpoint, serve):
