@@ -318,9 +318,9 @@ WORKING = 2 << 30  # 1 GiB ran out: 0.9 GiB was in use beside the experts when a
 
 
 def process_shares(processes: int, num_gpus: int, device: torch.device, reserve: int = 8 << 30) -> list[int]:
-    """What each process's allocator may hold at most, measured before they start: an even share of what
-    its GPU has free, less `reserve` for this process (the frontend) and each process's memory outside
-    its allocator. Empty on the CPU (host memory: not what is measured here).
+    """Each process's share of its GPU, measured before they start: an even share of what the GPU has free,
+    less `reserve` for this process (the frontend) and each process's memory outside its allocator; its
+    plans are sized from it (process_memory). Empty on the CPU (host memory: not what is measured here).
 
     The P processes share one or a few real GPUs by time-slicing, and each caps its allocator at the
     experts it holds plus WORKING (--working-memory-mib, as the operator renders it): uncapped, each
