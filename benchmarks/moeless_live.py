@@ -362,6 +362,9 @@ def main() -> None:
     parser.add_argument("--cv", type=float, default=0.2)
     parser.add_argument("--trace", type=Path, default=Path(__file__).resolve().parent / "results" /
                         "routing_trace_base_h200.safetensors")
+    parser.add_argument("--working-memory-mib", type=int, default=WORKING >> 20,
+                        help="each process's allocator cap beside the experts it holds (kubemoe expert-fn's flag); 0: "
+                             "uncapped, to see what the cap costs (plans are sized as with it either way)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
@@ -393,13 +396,15 @@ def main() -> None:
         first = {p: tuple(sorted((layer, e) for (layer, e, _), g in static.gpu_of.items() if int(g) == p)) for p in range(P)}
         bundles = [Bundle(f"p{p}", first[p]) for p in range(P)]
         shares = process_shares(P, args.gpus, device)
+        working = args.working_memory_mib << 20
         with expert_processes(ckpt, bundles, model, ready_timeout=900, shm_dir=Path(shm),
-                              gpus=list(range(args.gpus)), working_memory=WORKING) as procs:
+                              gpus=list(range(args.gpus)), working_memory=working) as procs:
             addresses = [procs.addresses[b.name][0] for b in bundles]
             gpus = process_memory(P, shares, static, expert_bytes)
             if shares:
                 print("memory a process's plan may hold:", ", ".join(f"{g.memory_bytes / 2**30:.1f}" for g in gpus),
-                      f"GiB; its allocator's cap: what it holds + {WORKING / 2**30:.1f} GiB", flush=True)
+                      "GiB; its allocator's cap:", f"what it holds + {working / 2**30:.1f} GiB" if working else "none",
+                      flush=True)
             dispatcher = Dispatcher(adapter, checkpoint, DispatchConfig(model=model, shm_dir=Path(shm)),
                                     LoadRecorder(model, "live"), dtype, device)
             driver = Driver(dispatcher, adapter, model, expert_bytes, device, dtype)
@@ -466,7 +471,7 @@ def main() -> None:
     write_results("moeless_live", device, rows, goals, out=args.out,
                   settings={k: str(v) for k, v in vars(args).items()},
                   expert_mib=expert_bytes / 2**20, eplb_redundant_per_layer=redundant,
-                  process_share_mib=[s >> 20 for s in shares], working_memory_mib=WORKING >> 20,
+                  process_share_mib=[s >> 20 for s in shares], working_memory_mib=args.working_memory_mib,
                   plan_memory_mib=[g.memory_bytes >> 20 for g in gpus],
                   bound="one GPU shared by every expert-function process: balance across processes buys "
                         "little; cost is memory held x time (every plan holds its replicas), not pay-per-use",

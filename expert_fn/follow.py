@@ -62,7 +62,7 @@ class TableFollower:
             self._drops[key] = loop.call_later(self.drop_after, self._start_drop, key)
 
     async def _gain(self, keys: list[ExpertKey]) -> None:
-        need = self.store.load_bytes(keys)  # a new stack of each layer it changes, beside the old one
+        need = self.store.load_bytes(keys)  # a new stack of each layer it changes beside the old one, and reads
         free = self.free_bytes()
         if free is not None and need + MEMORY_HEADROOM > free:
             log.warning("routing table names %s for %d more experts (a Load of %.0f MiB) but the device has %.0f MiB "

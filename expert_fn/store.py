@@ -47,6 +47,10 @@ from kubemoe.moe import StackedExperts, can_group
 
 
 SETTLE_WAIT_S = 10.0  # the longest a change's settling waits for rounds still holding what it replaced
+# A read assembles an expert on the device from its tensors as stored (MoEAdapter.load_expert: gate and up
+# apart, or transposed) before it goes into a stack: up to 5/3 of an expert at once (the GPU test on the
+# H100 ran out of memory beside a cap that counted the stack alone)
+READ_EXPERTS = 2
 
 
 @dataclass(frozen=True)
@@ -196,10 +200,13 @@ class ExpertStore:
 
     def _new_bytes(self, layers: dict[int, set[int]]) -> int:
         """What a change allocates to hold `layers` (layer -> every expert it will hold of it) beside what is
-        held: a new stack per layer where stacked, else the experts not held."""
+        held: a new stack per layer where stacked, else the experts not held; and while it reads experts from
+        the checkpoint, READ_EXPERTS more."""
+        read = sum(len(experts - self._held_of(layer)) for layer, experts in layers.items())
+        reading = READ_EXPERTS * self.expert_bytes if read else 0
         if self.stacked:
-            return sum(len(experts) for experts in layers.values()) * self.expert_bytes
-        return sum(len(experts - self._held_of(layer)) for layer, experts in layers.items()) * self.expert_bytes
+            return sum(len(experts) for experts in layers.values()) * self.expert_bytes + reading
+        return read * self.expert_bytes + reading
 
     def _held_of(self, layer: int) -> set[int]:
         return {e for l, e in self._weights if l == layer}

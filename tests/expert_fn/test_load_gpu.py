@@ -177,8 +177,8 @@ def test_a_capped_allocator_frees_its_cache_at_the_cap_rather_than_run_past_it()
 
 def test_a_working_memory_cap_follows_what_the_store_holds(mixtral_sized):
     """--working-memory-mib: the cap is what is allocated (the experts held, and what this process held
-    before: earlier tests') plus the working memory; a Load raises it by the stack it makes while it runs,
-    and once rounds are done with the old stacks it comes down again."""
+    before: earlier tests') plus the working memory; a Load raises it by the stack it makes and its reads
+    while it runs, and once rounds are done with the old stacks it comes down again."""
     adapter = MoEAdapter(mixtral_sized.config)
     layer, cuda, working = adapter.moe_layers[0], torch.device("cuda"), 256 << 20
     torch.cuda.synchronize()

@@ -105,16 +105,18 @@ def test_a_load_that_runs_out_of_device_memory_is_resource_exhausted_and_what_wa
 
 def test_a_load_needs_a_new_stack_of_each_layer_it_changes_or_its_new_experts(tiny_checkpoint):
     """What a Load allocates beside what is held: where a layer's experts are one stack, the layer's new
-    stack, its old experts included; where they cannot be grouped, only the experts it adds."""
+    stack, its old experts included; where they cannot be grouped, only the experts it adds; and room for
+    assembling the experts it reads (READ_EXPERTS)."""
     checkpoint, adapter, store = _store(tiny_checkpoint)
     layer = adapter.moe_layers[0]
     store.load([(layer, 0), (layer, 1)])
     expert = adapter.expert_bytes(torch.float32)
     assert store.expert_bytes == expert and store.stacked
-    assert store.load_bytes([(layer, 1), (layer, 2), (layer, 3)]) == 4 * expert
+    reading = store_module.READ_EXPERTS * expert
+    assert store.load_bytes([(layer, 1), (layer, 2), (layer, 3)]) == 4 * expert + reading
     assert store.load_bytes([(layer, 1)]) == 0
     store.stacked = False  # the count of a store whose layers cannot be grouped
-    assert store.load_bytes([(layer, 1), (layer, 2), (layer, 3)]) == 2 * expert
+    assert store.load_bytes([(layer, 1), (layer, 2), (layer, 3)]) == 2 * expert + reading
 
 
 def test_the_cap_is_what_is_held_or_allocated_plus_a_changes_new_stacks_plus_the_working_memory(tiny_checkpoint,
@@ -128,10 +130,11 @@ def test_the_cap_is_what_is_held_or_allocated_plus_a_changes_new_stacks_plus_the
     monkeypatch.setattr(store, "_settle", lambda give_back: None)  # a CUDA event and a thread: the GPU test's
     store.working_bytes, store._serving = 100, object()  # as on a GPU
     layer, expert = adapter.moe_layers[0], store.expert_bytes
+    reading = store_module.READ_EXPERTS * expert
     store.load([(layer, 0), (layer, 1)])
-    assert caps == [2 * expert + 100]  # nothing held: the new stack of two
+    assert caps == [2 * expert + reading + 100]  # nothing held: the new stack of two, and the reads
     store.load([(layer, 2)])
-    assert caps[-1] == 2 * expert + 3 * expert + 100  # the two held, beside a new stack of three
+    assert caps[-1] == 2 * expert + 3 * expert + reading + 100  # the two held, beside a new stack of three
     allocated[0] = 5 * expert  # the old stack of two still held by a round
     store._cap()
     assert caps[-1] == 5 * expert + 100
@@ -139,4 +142,4 @@ def test_the_cap_is_what_is_held_or_allocated_plus_a_changes_new_stacks_plus_the
     store._cap()
     assert caps[-1] == 3 * expert + 100
     store.unload([(layer, 0)])
-    assert caps[-1] == 3 * expert + 2 * expert + 100  # the three held, beside a new stack of two
+    assert caps[-1] == 3 * expert + 2 * expert + 100  # the three held, beside a new stack of two; nothing read
