@@ -146,7 +146,8 @@ class Served:
     """What serving one plan over the stream measured."""
 
     layer_s: dict[str, list[float]] = field(default_factory=lambda: {"decode": [], "prefill": []})
-    step_s: dict[str, list[tuple[float, bool]]] = field(default_factory=lambda: {"decode": [], "prefill": []})
+    # (seconds, during a re-plan, began at: seconds into the stream) of each step
+    step_s: dict[str, list[tuple[float, bool, float]]] = field(default_factory=lambda: {"decode": [], "prefill": []})
     tokens: int = 0
     seconds: float = 0.0
     byte_seconds: float = 0.0
@@ -251,14 +252,15 @@ class Driver:
                     torch.cuda.synchronize(self.device)
                 served.layer_s[regime].append(time.perf_counter() - begin)
             step_s = time.perf_counter() - step
-            served.step_s[regime].append((step_s, in_replan))
+            served.step_s[regime].append((step_s, in_replan, step - started))
             served.tokens += tokens
             held = sum(len(keys) for keys in held_by_address(self.table).values())
             served.byte_seconds += held * self.expert_bytes * step_s
             served.replicas.append(held)
             if moving is not None and moving[0].done():
                 done = moving[0].result()  # raises what the re-plan raised: a failed move fails the benchmark
-                served.replans.append({"iteration": t, "seconds": time.perf_counter() - moving[2],
+                served.replans.append({"iteration": t, "at_s": moving[2] - started,
+                                       "seconds": time.perf_counter() - moving[2],
                                        "loaded": sum(map(len, done.moves.load.values())),
                                        "unloaded": sum(map(len, done.moves.unload.values())),
                                        "load_s": done.load_s, "switch_s": done.switch_s, "unload_s": done.unload_s,
@@ -287,6 +289,20 @@ class Driver:
         self.mover.stop()
 
 
+def replan_phase(replans: list[dict], at: float) -> str:
+    """Which part of a re-plan a step that began `at` ran beside: its Loads, the switch or its Unloads; 'after'
+    (it ended before the step did), or 'unlogged' (the stream's last, which ends outside the measurement)."""
+    for r in replans:
+        offset = at - r["at_s"]
+        if 0 <= offset <= r["seconds"]:
+            for phase, ends in (("load", r["load_s"]), ("switch", r["load_s"] + r["switch_s"]),
+                                ("unload", r["load_s"] + r["switch_s"] + r["unload_s"])):
+                if offset < ends:
+                    return phase
+            return "after"
+    return "unlogged"
+
+
 def summarize(name: str, served: Served) -> dict:
     row = {"plan": name, "tokens_per_s": served.tokens / served.seconds,
            "gb_s_per_1k_tokens": served.byte_seconds / 1e9 / (served.tokens / 1000),
@@ -300,11 +316,18 @@ def summarize(name: str, served: Served) -> dict:
         row[f"{regime}_p99_ms"] = float(np.percentile(ms, 99))
         row[f"{regime}_cdf_ms"] = {str(q): float(np.percentile(ms, q)) for q in PERCENTILES}
         steps = served.step_s[regime]
-        steady = [s for s, replan in steps if not replan]
-        during = [s for s, replan in steps if replan]
+        steady = [s for s, replan, _ in steps if not replan]
+        during = [s for s, replan, _ in steps if replan]
         row[f"{regime}_steps_steady"], row[f"{regime}_steps_replan"] = len(steady), len(during)
         if steady and during:
             row[f"{regime}_replan_step_p99_vs_steady"] = float(np.percentile(during, 99) / np.percentile(steady, 99))
+            by_phase: dict[str, list[float]] = {}
+            for s, replan, at in steps:
+                if replan:
+                    by_phase.setdefault(replan_phase(served.replans, at), []).append(s)
+            row[f"{regime}_replan_steps_by_phase"] = {
+                phase: {"steps": len(times), "p99_ms": 1e3 * float(np.percentile(times, 99))}
+                for phase, times in sorted(by_phase.items())}
     row["mean_ms"] = float(np.concatenate(every).mean())
     row["full_gc"], row["full_gc_max_ms"] = len(served.full_gc_s), 1e3 * max(served.full_gc_s, default=0.0)
     row["replan_log"] = served.replans
