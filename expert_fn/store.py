@@ -79,7 +79,7 @@ class ExpertStore:
         self._load_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._staging = PinnedStaging(self._load_stream) if self._load_stream is not None else None
         self._copy = self._staging.copy if self._staging is not None else None  # how a read reaches the device
-        self._replaced: list[weakref.ref] = []  # the tensors of stacks and experts a change replaced, until freed
+        self._replaced: list[weakref.ref] = []  # the tensors of stacks and experts the latest change replaced
         self._cap()
 
     # -- reads (hot path) ---------------------------------------------------------------------
@@ -149,6 +149,7 @@ class ExpertStore:
         start = time.perf_counter()
         with self._lock:
             self._loading = frozenset(keys) - self._weights.keys()
+            self._replaced = []
             self._cap(self.load_bytes(self._loading))
             try:
                 if self.stacked:
@@ -168,7 +169,7 @@ class ExpertStore:
                     f"{str(e).splitlines()[0]}")) from None
             finally:
                 self._loading = frozenset()
-                self._settle(give_back=False)
+                self._settle(give_back=False, replaced=self._replaced)
         return loaded, time.perf_counter() - start
 
     def unload(self, keys: Iterable[ExpertKey]) -> int:
@@ -177,7 +178,7 @@ class ExpertStore:
         for layer, expert in keys:
             self.check_in_model(layer, expert)
         with self._lock:
-            held = self._weights
+            held, self._replaced = self._weights, []
             gone = keys & held.keys()
             freed = sum(held[key].nbytes for key in gone)
             if self.stacked:
@@ -189,8 +190,9 @@ class ExpertStore:
                 self._replaced += [weakref.ref(t) for key in gone for t in (held[key].gate_up, held[key].down)]
                 self._weights = {k: w for k, w in held.items() if k not in gone}
             del held
+            replaced = self._replaced
         if gone:
-            self._settle(give_back=True)
+            self._settle(give_back=True, replaced=replaced)
         return freed
 
     def load_bytes(self, keys: Iterable[ExpertKey]) -> int:
@@ -246,9 +248,10 @@ class ExpertStore:
             held = max(self.nbytes, torch.cuda.memory_allocated(self.device))
             cap_device_memory(self.device, held + changing + self.working_bytes)
 
-    def _settle(self, give_back: bool) -> None:
+    def _settle(self, give_back: bool, replaced: list[weakref.ref]) -> None:
         """Once the rounds queued by now, and any the host began before the change, are done with what it
-        replaced (freed, or SETTLE_WAIT_S at most), in the background: the cap comes down to what is held,
+        `replaced` (freed, or SETTLE_WAIT_S at most; not what an earlier change replaced, which something may
+        still hold: a GPU test's finished event loop did, until a garbage collection), in the background: the cap comes down to what is held,
         and after an Unload (`give_back`) the device gets back what it dropped, for the other functions
         sharing the GPU (kubemoe.devices.cap_device_memory tells why).
         Not after a Load (its restack's old stack stays cached, for the next restack; under a cap it is
@@ -263,10 +266,9 @@ class ExpertStore:
         def settle() -> None:
             passed.synchronize()
             deadline = time.monotonic() + SETTLE_WAIT_S  # rounds the host began on a replaced stack end soon
-            while any(ref() is not None for ref in self._replaced) and time.monotonic() < deadline:
+            while any(ref() is not None for ref in replaced) and time.monotonic() < deadline:
                 time.sleep(0.01)
             with self._lock:  # not while the next change runs: its cap counts the stacks it makes
-                self._replaced = [ref for ref in self._replaced if ref() is not None]
                 self._cap()
             if give_back:
                 torch.cuda.empty_cache()

@@ -127,7 +127,7 @@ def test_the_cap_is_what_is_held_or_allocated_plus_a_changes_new_stacks_plus_the
     caps, allocated = [], [0]
     monkeypatch.setattr(store_module, "cap_device_memory", lambda device, nbytes: caps.append(nbytes))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
-    monkeypatch.setattr(store, "_settle", lambda give_back: None)  # a CUDA event and a thread: the GPU test's
+    monkeypatch.setattr(store, "_settle", lambda give_back, replaced: None)  # a CUDA event and a thread: the GPU test's
     store.working_bytes, store._serving = 100, object()  # as on a GPU
     layer, expert = adapter.moe_layers[0], store.expert_bytes
     reading = store_module.READ_EXPERTS * expert
