@@ -320,6 +320,7 @@ def summarize(name: str, served: Served) -> dict:
         during = [s for s, replan, _ in steps if replan]
         row[f"{regime}_steps_steady"], row[f"{regime}_steps_replan"] = len(steady), len(during)
         if steady and during:
+            row[f"{regime}_steady_step_p99_ms"] = 1e3 * float(np.percentile(steady, 99))
             row[f"{regime}_replan_step_p99_vs_steady"] = float(np.percentile(during, 99) / np.percentile(steady, 99))
             by_phase: dict[str, list[float]] = {}
             for s, replan, at in steps:
