@@ -88,9 +88,10 @@ case "${1:-all}" in
       done
     done ;;
   moeless-live)  # issue 14 item 7: kubemoe's scaling vs static EP, EPLB and the oracle over 8 expert-function
-    # processes on this GPU, Mixtral-sized experts, the trained model's routing replayed; re-plans in place (~5 min)
+    # processes on this GPU, Mixtral-sized experts, the trained model's routing replayed; re-plans in place; every
+    # plan three times in turn (one run's plans varied by a third between runs; ~5 min on the H100)
     python3 benchmarks/moeless_live.py --device cuda --size mixtral --layers 2 --processes 8 --decode-iterations 300 \
-      --prefill-iterations 60 --decode-tokens 256 --prefill-tokens 4096 --window 30 --out "$OUT" "${@:2}" ;;
+      --prefill-iterations 60 --decode-tokens 256 --prefill-tokens 4096 --window 30 --repeats 3 --out "$OUT" "${@:2}" ;;
   dispatch-calls)  # issues 14/17: one call per expert function and layer against one per bundle; Mixtral-size experts
     # (8 experts, top-2) and Qwen3-30B-A3B-size (128, top-8) over 4 expert-function processes on this GPU (~3 min)
     python3 benchmarks/dispatch_calls.py --device cuda --layouts 8:2:mixtral,128:8:qwen3-30b-a3b --functions 4 \
