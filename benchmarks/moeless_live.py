@@ -379,7 +379,8 @@ def goal_ratios(by: dict[str, dict]) -> dict[str, float]:
     """The goals' ratios of one repeat (`by`: its summary rows by plan); NaN where a re-plan step was never
     served."""
     kubemoe = by["kubemoe"]
-    replan = [r for regime in ("decode", "prefill") if (r := kubemoe.get(f"{regime}_replan_step_p99_vs_steady"))]
+    replan = [r for regime in ("decode", "prefill")
+              if (r := kubemoe.get(f"{regime}_replan_step_p99_vs_steady")) is not None]
     return {"latency_vs_static": kubemoe["mean_ms"] / by["static"]["mean_ms"],
             "latency_vs_eplb": kubemoe["mean_ms"] / by["eplb"]["mean_ms"],
             "latency_vs_oracle": kubemoe["mean_ms"] / by["oracle"]["mean_ms"],
