@@ -510,6 +510,12 @@ def main() -> None:
                        ("prefill_p99_ms", "p99", ".3f"), ("tokens_per_s", "tokens/s", ".0f"),
                        ("gb_s_per_1k_tokens", "GB.s/1k tok", ".3f"), ("replicas_mean", "replicas", ".1f"),
                        ("replans", "replans", "d"), ("full_gc_max_ms", "full GC ms", ".1f")])
+    for row in rows:  # what the re-plan steps ran beside: steps and p99 of each part, against the steady steps' p99
+        for regime in ("decode", "prefill"):
+            phases = row.get(f"{regime}_replan_steps_by_phase")
+            if phases:
+                print(f"{row['repeat']} {row['plan']} {regime} steps' p99: steady {row[f'{regime}_steady_step_p99_ms']:.1f} "
+                      "ms; beside " + ", ".join(f"{phase} {p['p99_ms']:.1f} ms ({p['steps']})" for phase, p in phases.items()))
     # Each goal's value: the median over the repeats of that repeat's ratio (runs of one plan varied by a third)
     ratios = [goal_ratios({row["plan"]: row for row in rows if row["repeat"] == repeat}) for repeat in range(args.repeats)]
     goals = {name: Goal(float(np.median([r[name] for r in ratios])), bound) for name, bound in GOALS.items()}
