@@ -251,9 +251,9 @@ class ExpertStore:
     def _settle(self, give_back: bool, replaced: list[weakref.ref]) -> None:
         """Once the rounds queued by now, and any the host began before the change, are done with what it
         `replaced` (freed, or SETTLE_WAIT_S at most; not what an earlier change replaced, which something may
-        still hold: a GPU test's finished event loop did, until a garbage collection), in the background: the cap comes down to what is held,
-        and after an Unload (`give_back`) the device gets back what it dropped, for the other functions
-        sharing the GPU (kubemoe.devices.cap_device_memory tells why).
+        still hold: a GPU test's finished event loop did, until a garbage collection), in the background:
+        the cap comes down to what is held, and after an Unload (`give_back`) the device gets back what it
+        dropped, for the other functions sharing the GPU (kubemoe.devices.cap_device_memory tells why).
         Not after a Load (its restack's old stack stays cached, for the next restack; under a cap it is
         freed as soon as an allocation needs the room): empty_cache() holds the allocator's lock while
         cudaFree waits for the whole device, so an allocation meanwhile, a Load's included, waits for the
