@@ -2,7 +2,7 @@
 # Run kubemoe's GPU benchmarks and tests on the lent H200 (the device tool), carrying .whl (the runtime wheels at
 # kubemoe's versions: the machine's image has older ones) and, for the tests, .whl-test; both are built here by
 # `bash benchmarks/device_wheels.sh`. Results go into $OUT.
-# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|offload-ab|grouped-slots|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab [ARGS]
+# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|replan-probe|dispatch-calls|call-cpu|offload-ab|grouped-slots|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab [ARGS]
 # (gpu-tests [PATHS]: the GPU tests under PATHS, default all of tests/)
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
 set -euo pipefail
@@ -120,6 +120,11 @@ case "${1:-all}" in
     python3 benchmarks/experiments/prefill_probe.py --device cuda --preset mixtral-4l --layers 2 --out "$OUT" "${@:2}" ;;
   disagg-step)  # issue 17: where a disaggregated decode step's time goes (experiments/disagg_step_probe.py)
     python3 benchmarks/experiments/disagg_step_probe.py --device cuda --preset mixtral-4l --layers 2 --out "$OUT" "${@:2}" ;;
+  replan-probe)  # issue 14: where a step stalls while the table is re-planned in place, per phase and call, over 8
+    # Mixtral-sized expert-function processes on this GPU (experiments/replan_probe.py; ~1 min; ARGS: e.g.
+    # --working-memory-mib 2048 for moeless_live's cap)
+    python3 benchmarks/experiments/replan_probe.py --device cuda --hidden 4096 --intermediate 14336 --processes 8 \
+      --experts 16 --moves 2 --tokens 256 --json "$OUT/replan_probe.json" "${@:2}" ;;
   grouped-slots)  # issue 15: one grouped FFN over the offload store's slot stack vs one FFN each (experiments/grouped_slots_probe.py)
     python3 benchmarks/experiments/grouped_slots_probe.py --device cuda --out "$OUT" "${@:2}" ;;
   step-flags)  # issue 17: a layer handed between processes by flags in device memory (experiments/step_flags_probe.py)
@@ -127,5 +132,5 @@ case "${1:-all}" in
   chunked-prefill)  # issue 17 item 3: how long a 4000-token prompt stalls 8 decoding requests, chunked (budget
     # 2048, 512) against one-shot prefill; Mixtral sizes cut to 2 layers, in-process experts (~3 min)
     python3 benchmarks/chunked_prefill.py --device cuda --preset mixtral-4l --layers 2 --batch 8 --long 4000 --out "$OUT" "${@:2}" ;;
-  *) echo "usage: $0 expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|dispatch-calls|call-cpu|offload-ab|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
+  *) echo "usage: $0 expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|replan-probe|dispatch-calls|call-cpu|offload-ab|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
 esac
