@@ -18,10 +18,10 @@ from the old one: while it does, that layer is held twice, and the old stack ser
 meanwhile. Reads take no lock: the store replaces its dicts, never mutates them.
 
 With `working_bytes` (--working-memory-mib) the allocator is capped at the experts held plus that much,
-and a change raises the cap by the new stacks it makes for as long as it takes: functions that
-time-slice a GPU each keep an allocator cache, and what one keeps cached another's plan cannot have
-(kubemoe.devices.cap_device_memory). The cap comes down to what is held once the rounds queued by the
-end of a change are done with what it replaced.
+and a change raises the cap by what it allocates (new stacks, the experts it reads) for as long as it
+takes: functions that time-slice a GPU each keep an allocator cache, and what one keeps cached another's
+plan cannot have (kubemoe.devices.cap_device_memory). The cap comes down to what is held once the rounds
+queued by the end of a change are done with what it replaced.
 """
 
 from __future__ import annotations
@@ -79,7 +79,6 @@ class ExpertStore:
         self._load_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._staging = PinnedStaging(self._load_stream) if self._load_stream is not None else None
         self._copy = self._staging.copy if self._staging is not None else None  # how a read reaches the device
-        self._replaced: list[weakref.ref] = []  # the tensors of stacks and experts the latest change replaced
         self._cap()
 
     # -- reads (hot path) ---------------------------------------------------------------------
@@ -149,12 +148,12 @@ class ExpertStore:
         start = time.perf_counter()
         with self._lock:
             self._loading = frozenset(keys) - self._weights.keys()
-            self._replaced = []
+            replaced: list[weakref.ref] = []  # the tensors of the stacks this Load replaces
             self._cap(self.load_bytes(self._loading))
             try:
                 if self.stacked:
                     for layer, experts in _by_layer(self._loading).items():
-                        self._restack(layer, self._held_of(layer) | experts)
+                        self._restack(layer, self._held_of(layer) | experts, replaced)
                 else:
                     with self._on_load_stream():
                         new = {key: self._read(key) for key in self._loading}
@@ -169,7 +168,7 @@ class ExpertStore:
                     f"{str(e).splitlines()[0]}")) from None
             finally:
                 self._loading = frozenset()
-                self._settle(give_back=False, replaced=self._replaced)
+                self._settle(give_back=False, replaced=replaced)
         return loaded, time.perf_counter() - start
 
     def unload(self, keys: Iterable[ExpertKey]) -> int:
@@ -178,19 +177,19 @@ class ExpertStore:
         for layer, expert in keys:
             self.check_in_model(layer, expert)
         with self._lock:
-            held, self._replaced = self._weights, []
+            held = self._weights
+            replaced: list[weakref.ref] = []  # the tensors of the stacks or experts this Unload drops
             gone = keys & held.keys()
             freed = sum(held[key].nbytes for key in gone)
             if self.stacked:
                 left = {layer: self._held_of(layer) - experts for layer, experts in _by_layer(gone).items()}
                 self._cap(self._new_bytes(left))
                 for layer, experts in left.items():
-                    self._restack(layer, experts)
+                    self._restack(layer, experts, replaced)
             else:
-                self._replaced += [weakref.ref(t) for key in gone for t in (held[key].gate_up, held[key].down)]
+                replaced.extend(weakref.ref(t) for key in gone for t in (held[key].gate_up, held[key].down))
                 self._weights = {k: w for k, w in held.items() if k not in gone}
             del held
-            replaced = self._replaced
         if gone:
             self._settle(give_back=True, replaced=replaced)
         return freed
@@ -213,9 +212,10 @@ class ExpertStore:
     def _held_of(self, layer: int) -> set[int]:
         return {e for l, e in self._weights if l == layer}
 
-    def _restack(self, layer: int, experts: set[int]) -> None:
+    def _restack(self, layer: int, experts: set[int], replaced: list[weakref.ref]) -> None:
         """Hold exactly `experts` of `layer`, as a new stack: those held are copied from the old one, the
-        others read from the checkpoint. Rounds meanwhile use the old stack; it goes once they are done."""
+        others read from the checkpoint. Rounds meanwhile use the old stack; it goes once they are done
+        (its tensors' weak references go into `replaced`, for the change's settling)."""
         ids = sorted(experts)
         held = self._weights
         stack = None
@@ -232,7 +232,7 @@ class ExpertStore:
         stacks = {k: s for k, s in self._stacks.items() if k != layer}
         old = self._stacks.get(layer)
         if old is not None:  # its views' bases: gone once no round holds one
-            self._replaced += [weakref.ref(old.experts.gate_up), weakref.ref(old.experts.down)]
+            replaced.extend([weakref.ref(old.experts.gate_up), weakref.ref(old.experts.down)])
         if stack is not None:
             weights.update({(layer, e): stack.expert(i) for i, e in enumerate(ids)})
             stacks[layer] = LayerStack(stack, {e: i for i, e in enumerate(ids)})
