@@ -20,7 +20,8 @@ The expert function captures every bucket's graph of the experts it loads before
 (prepare: a millisecond or so per graph); one missing, say after a reload raced a call, is captured
 when first called. A graph is replayed only with the weights it was captured with: it reads their
 memory by address, so an Unload (or a reload) retires it, and so does a new stack of its layer
-(store.py), which gives every expert of the layer new weights.
+(store.py), which gives every expert of the layer new weights; a Load into a stack's empty slots
+leaves the other experts' graphs as they are.
 """
 
 from __future__ import annotations

@@ -296,8 +296,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         return pb.LoadResponse(bytes_loaded=bytes_loaded, seconds=seconds, held=self._held())
 
     async def _prepare_graphs(self, changed: list[tuple[int, int]]) -> None:
-        """Capture the graphs of the held experts of the layers `changed` touches: a layer the store
-        stacks is a new stack after a Load or Unload, which gives each of its experts new weights."""
+        """Capture the graphs of the held experts of the layers `changed` touches that lack them: a layer
+        the store made a new stack gives each of its experts new weights; in the stack's own slots, only the
+        experts a Load added are new."""
         if self._graphs is None:
             return
         layers = {layer for layer, _ in changed}

@@ -11,11 +11,18 @@ this function until its copies were done. And they go through pinned memory (sta
 from the mapped file's pageable memory held up the function's rounds until it was done, stream or not.
 
 Where a layer's experts can run as one grouped computation (moe.can_group), the experts held of
-each layer are one stack (`LayerStack`) and each ExpertWeights handed out is a view of it: a round
-runs a layer's experts at once from the stack (batcher.py), anything else (graphs, a lone expert)
-from the views. A Load or Unload makes each layer it changes a new stack, the experts kept copied
-from the old one: while it does, that layer is held twice, and the old stack serves the rounds
-meanwhile. Reads take no lock: the store replaces its dicts, never mutates them.
+each layer are one stack (`LayerStack`) and each ExpertWeights handed out is a view of one of its
+slots: a round runs a layer's experts at once from the stack (batcher.py), anything else (graphs, a
+lone expert) from the views. A re-plan moves a few experts per layer in and out of each function, so
+a stack keeps the slots an Unload empties, and a later Load of that layer reads its experts into them:
+neither copies the experts kept, allocates or frees device memory, or gives the experts kept new
+weights (their CUDA graphs, captured by address, stay valid). A slot is reused once nothing can
+still read it (the stack map that named it and the expert's views are gone), after the rounds queued
+by then. A Load with too few such slots makes the layer a new stack of exactly what it will hold (the
+experts kept copied from the old one: meanwhile that layer is held twice and the old stack serves the
+rounds), and so does an Unload that would leave more slots empty than held (empty slots are memory
+the function keeps: at most as much as it serves). Reads take no lock: the store replaces its dicts
+and stacks' maps, never mutates them.
 
 With `working_bytes` (--working-memory-mib) the allocator is capped at the experts held plus that much,
 and a change raises the cap by what it allocates (new stacks, the experts it reads) for as long as it
@@ -30,7 +37,7 @@ import contextlib
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import grpc
@@ -55,10 +62,21 @@ READ_EXPERTS = 2
 
 @dataclass(frozen=True)
 class LayerStack:
-    """The experts held of one layer, in one StackedExperts: ascending expert ids at local indices 0, 1, ..."""
+    """The experts held of one layer, in the slots of one StackedExperts; a slot in neither map is unused."""
 
     experts: StackedExperts
-    local: dict[int, int]  # expert id -> local index; replaced with the stack, never mutated
+    local: dict[int, int]  # expert id -> slot; replaced, never mutated
+    # Empty slots -> what could still read the expert that left it (weak references: the map that named
+    # it, the expert's views); reused for a Load once all are gone
+    emptied: dict[int, tuple[weakref.ref, ...]] = field(default_factory=dict)
+
+    def reusable(self) -> list[int]:
+        """Empty slots nothing can read any more, ascending."""
+        return sorted(slot for slot, readers in self.emptied.items() if all(r() is None for r in readers))
+
+    @property
+    def nbytes(self) -> int:  # what the stack holds on the device, empty slots included
+        return self.experts.gate_up.nbytes + self.experts.down.nbytes
 
 
 class ExpertStore:
@@ -153,7 +171,7 @@ class ExpertStore:
             try:
                 if self.stacked:
                     for layer, experts in _by_layer(self._loading).items():
-                        self._restack(layer, self._held_of(layer) | experts, replaced)
+                        self._hold(layer, self._held_of(layer) | experts, replaced)
                 else:
                     with self._on_load_stream():
                         new = {key: self._read(key) for key in self._loading}
@@ -172,7 +190,8 @@ class ExpertStore:
         return loaded, time.perf_counter() - start
 
     def unload(self, keys: Iterable[ExpertKey]) -> int:
-        """Drop the given experts (those not held are ignored); returns the bytes freed."""
+        """Drop the given experts (those not held are ignored); returns their bytes (their slots may stay,
+        for the layer's next Load: the module docstring)."""
         keys = set(keys)
         for layer, expert in keys:
             self.check_in_model(layer, expert)
@@ -185,13 +204,13 @@ class ExpertStore:
                 left = {layer: self._held_of(layer) - experts for layer, experts in _by_layer(gone).items()}
                 self._cap(self._new_bytes(left))
                 for layer, experts in left.items():
-                    self._restack(layer, experts, replaced)
+                    self._hold(layer, experts, replaced)
             else:
                 replaced.extend(weakref.ref(t) for key in gone for t in (held[key].gate_up, held[key].down))
                 self._weights = {k: w for k, w in held.items() if k not in gone}
             del held
         if gone:
-            self._settle(give_back=True, replaced=replaced)
+            self._settle(give_back=bool(replaced), replaced=replaced)  # nothing to give back where slots stay
         return freed
 
     def load_bytes(self, keys: Iterable[ExpertKey]) -> int:
@@ -201,16 +220,63 @@ class ExpertStore:
 
     def _new_bytes(self, layers: dict[int, set[int]]) -> int:
         """What a change allocates to hold `layers` (layer -> every expert it will hold of it) beside what is
-        held: a new stack per layer where stacked, else the experts not held; and while it reads experts from
-        the checkpoint, READ_EXPERTS more."""
+        held: where stacked, a new stack of each layer that takes one (nothing where the slots do), else the
+        experts not held; and while it reads experts from the checkpoint, READ_EXPERTS more."""
         read = sum(len(experts - self._held_of(layer)) for layer, experts in layers.items())
         reading = READ_EXPERTS * self.expert_bytes if read else 0
         if self.stacked:
-            return sum(len(experts) for experts in layers.values()) * self.expert_bytes + reading
+            restacked = (experts for layer, experts in layers.items() if self._restacks(layer, experts))
+            return sum(len(experts) for experts in restacked) * self.expert_bytes + reading
         return read * self.expert_bytes + reading
+
+    @property
+    def device_bytes(self) -> int:
+        """What the experts held take on the device: their stacks, empty slots included."""
+        return sum(s.nbytes for s in self._stacks.values()) if self.stacked else self.nbytes
 
     def _held_of(self, layer: int) -> set[int]:
         return {e for l, e in self._weights if l == layer}
+
+    def _restacks(self, layer: int, experts: set[int]) -> bool:
+        """Whether holding exactly `experts` of `layer` makes it a new stack: its stack has fewer reusable
+        empty slots than the experts it adds, or would be left with more slots empty than held, or none."""
+        stack = self._stacks.get(layer)
+        if stack is None or not experts:
+            return True
+        adding = len(experts - stack.local.keys())
+        return adding > len(stack.reusable()) or stack.experts.num_experts - len(experts) > len(experts)
+
+    def _hold(self, layer: int, experts: set[int], replaced: list[weakref.ref]) -> None:
+        """Hold exactly `experts` of `layer`: in its stack's slots where they do (the module docstring),
+        else as a new stack."""
+        if self._restacks(layer, experts):
+            self._restack(layer, experts, replaced)
+        else:
+            self._reslot(layer, experts)
+
+    def _reslot(self, layer: int, experts: set[int]) -> None:
+        """Hold exactly `experts` of `layer` in its stack: the experts it adds read into reusable empty
+        slots, the slots of those it drops emptied. The experts kept are untouched, views and all."""
+        stack, held = self._stacks[layer], self._weights
+        leaving = stack.local.keys() - experts
+        adding = sorted(experts - stack.local.keys())
+        slots = stack.reusable()[:len(adding)]
+        if adding:
+            if self._load_stream is not None:  # rounds queued on what those slots held come first
+                self._load_stream.wait_stream(self._serving)
+            with self._on_load_stream():
+                for slot, expert in zip(slots, adding):
+                    source = self._read((layer, expert))
+                    stack.experts.gate_up[slot].copy_(source.gate_up)
+                    stack.experts.down[slot].copy_(source.down)
+            self._ready_for_serving()
+        emptied = {slot: readers for slot, readers in stack.emptied.items() if slot not in slots}
+        emptied.update({stack.local[e]: (weakref.ref(stack), weakref.ref(held[(layer, e)])) for e in leaving})
+        local = {e: slot for e, slot in stack.local.items() if e not in leaving} | dict(zip(adding, slots))
+        weights = {k: w for k, w in held.items() if k[0] != layer or k[1] not in leaving}
+        weights.update({(layer, e): stack.experts.expert(slot) for e, slot in zip(adding, slots)})
+        # Each read alone is consistent: the new experts' slots are named once their weights are in
+        self._stacks, self._weights = {**self._stacks, layer: LayerStack(stack.experts, local, emptied)}, weights
 
     def _restack(self, layer: int, experts: set[int], replaced: list[weakref.ref]) -> None:
         """Hold exactly `experts` of `layer`, as a new stack: those held are copied from the old one, the
@@ -240,12 +306,12 @@ class ExpertStore:
         self._stacks, self._weights = stacks, weights
 
     def _cap(self, changing: int = 0) -> None:
-        """Cap the allocator at the experts held, or what it has allocated if that is more (a round still
+        """Cap the allocator at what the experts held take (device_bytes), or what it has allocated if that is more (a round still
         running on a stack a change replaced, its activations), plus `changing` bytes a change is about to
         allocate, plus the working memory (nothing without `working_bytes`). Never below what is allocated:
         every allocation of a round would fail until that came down (the H100's did, moeless_live.py)."""
         if self.working_bytes and self._serving is not None:
-            held = max(self.nbytes, torch.cuda.memory_allocated(self.device))
+            held = max(self.device_bytes, torch.cuda.memory_allocated(self.device))
             cap_device_memory(self.device, held + changing + self.working_bytes)
 
     def _settle(self, give_back: bool, replaced: list[weakref.ref]) -> None:

@@ -100,8 +100,8 @@ async def test_concurrent_requests_for_one_expert_merge_into_fewer_matmuls(tiny_
         assert torch.allclose(out, expert_ffn(x, weights, adapter.act), rtol=1e-5, atol=1e-6)
 
 
-async def test_a_load_or_unload_in_place_restacks_the_layer_and_the_next_call_sees_it(tiny_checkpoint, serve,
-                                                                                      monkeypatch):
+async def test_a_load_or_unload_in_place_changes_the_layers_stack_and_the_next_call_sees_it(tiny_checkpoint, serve,
+                                                                                           monkeypatch):
     checkpoint = tiny_checkpoint(ARCH)
     ckpt = Checkpoint(checkpoint)
     adapter = MoEAdapter(ckpt.config)
@@ -124,12 +124,18 @@ async def test_a_load_or_unload_in_place_restacks_the_layer_and_the_next_call_se
         assert grouped == [6]  # the three experts as one computation
 
         await client.unload([(0, 1)])
-        assert store.stack(0).local == {0: 0, 2: 1, 3: 2, 9: 3}
+        assert store.stack(0).experts is stack.experts and store.stack(0).local == {0: 0, 2: 2, 3: 3, 9: 4}
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await client.forward(0, [9, 1], [3, 3], x)
         assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "expert 1 of layer 0" in refused.value.details()
         torch.testing.assert_close(await client.forward(0, [3, 9], [4, 2], x), expected([3, 9], [4, 2]))
         assert grouped == [6, 6]
+
+        del before, stack  # nothing here names expert 1's slot any more: the next Load reads into it
+        await client.load([(0, 5)])
+        assert store.stack(0).local == {0: 0, 2: 2, 3: 3, 9: 4, 5: 1}
+        torch.testing.assert_close(await client.forward(0, [5, 2, 9], [1, 2, 3], x), expected([5, 2, 9], [1, 2, 3]))
+        assert grouped == [6, 6, 6]
         await client.close()
 
 

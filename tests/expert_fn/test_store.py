@@ -1,5 +1,6 @@
-"""The store without a server: each layer's experts held as one stack, handed out as views of it, and
-made anew by Load and Unload; per-expert weights where a layer cannot be grouped."""
+"""The store without a server: each layer's experts held as one stack, handed out as views of its slots;
+a Load reads into slots an Unload emptied, else makes the layer a new stack; per-expert weights where a
+layer cannot be grouped."""
 
 from __future__ import annotations
 
@@ -67,6 +68,40 @@ def test_a_layers_experts_are_views_of_one_stack_that_load_and_unload_make_anew(
 
     store.unload([(first, 3)])
     assert store.stack(first) is None and store.nbytes == adapter.expert_bytes(torch.float32)
+
+
+def test_a_load_reads_into_the_slots_an_unload_emptied_once_nothing_can_read_them(tiny_checkpoint):
+    """A re-plan's moves: no copy of the experts kept, no new stack, the kept experts' views (and so
+    their CUDA graphs) unchanged; a slot something may still read is not written."""
+    checkpoint, adapter, store = _store(tiny_checkpoint)
+    layer = adapter.moe_layers[0]
+    store.load([(layer, e) for e in (2, 4, 6, 8)])
+    stack = store.stack(layer)
+    kept = {e: store.get(layer, e) for e in (2, 8)}
+    assert store.unload([(layer, 4), (layer, 6)]) == 2 * store.expert_bytes
+    after = store.stack(layer)
+    assert after is not None and after.experts is stack.experts and after.local == {2: 0, 8: 3}
+    assert all(store.get(layer, e) is kept[e] for e in (2, 8))
+    assert store.device_bytes == 4 * store.expert_bytes  # the empty slots stay the function's
+    assert after.reusable() == []  # `stack`, the map that named them, is alive here
+    store.load([(layer, 10)])  # so it takes a new stack
+    assert store.stack(layer).experts is not stack.experts and store.stack(layer).local == {2: 0, 8: 1, 10: 2}
+    _assert_holds(store, checkpoint, [(layer, 2), (layer, 8), (layer, 10)])
+
+    del stack, after
+    store.load([(layer, 12)])  # three slots (no empty one): a new stack of four
+    experts, kept = store.stack(layer).experts, {e: store.get(layer, e) for e in (2, 10, 12)}
+    store.unload([(layer, 8)])
+    assert store.stack(layer).local == {2: 0, 10: 2, 12: 3} and store.stack(layer).reusable() == [1]
+    store.load([(layer, 14)])
+    assert store.stack(layer).experts is experts and store.stack(layer).local == {2: 0, 10: 2, 12: 3, 14: 1}
+    assert all(store.get(layer, e) is kept[e] for e in (2, 10, 12))  # same views: their graphs stay valid
+    _assert_holds(store, checkpoint, [(layer, 2), (layer, 10), (layer, 12), (layer, 14)])
+    assert store.load_bytes([(layer, 3)]) == 5 * store.expert_bytes + store_module.READ_EXPERTS * store.expert_bytes
+
+    store.unload([(layer, 2), (layer, 10), (layer, 12)])  # three of four slots empty: a new stack of one
+    assert store.stack(layer).experts.num_experts == 1 and store.device_bytes == store.expert_bytes
+    _assert_holds(store, checkpoint, [(layer, 14)])
 
 
 def test_where_a_layer_cannot_be_grouped_each_expert_is_held_alone(tiny_checkpoint, monkeypatch):
@@ -142,4 +177,8 @@ def test_the_cap_is_what_is_held_or_allocated_plus_a_changes_new_stacks_plus_the
     store._cap()
     assert caps[-1] == 3 * expert + 100
     store.unload([(layer, 0)])
-    assert caps[-1] == 3 * expert + 2 * expert + 100  # the three held, beside a new stack of two; nothing read
+    assert caps[-1] == 3 * expert + 100  # its slot stays (the stack of three): nothing allocated
+    store.load([(layer, 5)])
+    assert caps[-1] == 3 * expert + reading + 100  # into that slot: only the read
+    store.unload([(layer, 1), (layer, 2)])
+    assert caps[-1] == 3 * expert + expert + 100  # two of three slots empty: a new stack of one
