@@ -75,6 +75,7 @@ from kubemoe.planning.baselines import eplb, static_ep  # noqa: E402
 from kubemoe.planning.placer import GPU, WARM_SLACK, Placement, place  # noqa: E402
 from kubemoe.planning.scaler import scale  # noqa: E402
 from kubemoe.routing_table import build_route_map, held_by_address, table_for_bundles  # noqa: E402
+from kubemoe.proto import kubemoe_pb2 as pb  # noqa: E402
 
 PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99)
 SIZES = {"mixtral": (4096, 14336), "tiny": (64, 128)}  # hidden, intermediate
@@ -155,6 +156,7 @@ class Served:
     byte_seconds: float = 0.0
     replans: list[dict] = field(default_factory=list)
     replicas: list[int] = field(default_factory=list)
+    device_bytes: list[int] = field(default_factory=list)  # per step: what the functions' experts take, empty slots too
     full_gc_s: list[float] = field(default_factory=list)  # the frontend's full garbage collections while serving
 
 
@@ -190,6 +192,7 @@ class Driver:
         self.predictions = ReplayPredictions()
         dispatcher.predictions = self.predictions
         self.table = None
+        self.device_bytes: dict[str, int] = {}  # what each function's experts take on its device (their stacks)
         self.mover = LoopThread("kubemoe-replan")
         self.replanner = Replanner(model)  # runs on the mover's loop: its channels are that loop's
         self._applied = threading.Condition()
@@ -197,9 +200,17 @@ class Driver:
         self.collections = FullCollections()
 
     def install(self, table) -> None:
-        """Switch to `table` right away, moving experts in place (not measured: between plans)."""
-        self.mover.run(self.replanner.repoint(self.table, table, self._switch_now(table)), timeout=1800)
-        self.table = table
+        """Switch to `table` right away (not measured: between plans), every function's experts unloaded and
+        loaded anew: a plan starts with stacks of exactly what it holds, not the empty slots an earlier plan's
+        re-plans left (expert_fn/store.py), which its cost would count."""
+        if self.table is not None:
+            nothing = pb.RoutingTable(model=self.model, version=self.table.version)
+
+            async def no_switch():  # no step runs between plans
+                pass
+            self.mover.run(self.replanner.repoint(self.table, nothing, no_switch), timeout=1800)
+        done = self.mover.run(self.replanner.repoint(None, table, self._switch_now(table)), timeout=1800)
+        self.table, self.device_bytes = table, dict(done.device_bytes)
 
     def _switch_now(self, table):
         async def switch():
@@ -257,8 +268,9 @@ class Driver:
             served.step_s[regime].append((step_s, in_replan, step - started))
             served.tokens += tokens
             held = sum(len(keys) for keys in held_by_address(self.table).values())
-            served.byte_seconds += held * self.expert_bytes * step_s
+            served.byte_seconds += sum(self.device_bytes.values()) * step_s  # held, empty slots included
             served.replicas.append(held)
+            served.device_bytes.append(sum(self.device_bytes.values()))
             if moving is not None and moving[0].done():
                 done = moving[0].result()  # raises what the re-plan raised: a failed move fails the benchmark
                 served.replans.append({"iteration": t, "at_s": moving[2] - started,
@@ -268,12 +280,13 @@ class Driver:
                                        "load_s": done.load_s, "switch_s": done.switch_s, "unload_s": done.unload_s,
                                        "full_gc_s": self.collections.within(moving[2], time.perf_counter())})
                 self.table = moving[1]
+                self.device_bytes.update(done.device_bytes)
                 moving = None
         while moving is not None and not moving[0].done():  # let the last re-plan finish outside the measurement
             self._step_boundary()
             time.sleep(0.01)
         if moving is not None:
-            moving[0].result()
+            self.device_bytes.update(moving[0].result().device_bytes)
             self.table = moving[1]
         served.seconds = time.perf_counter() - started
         served.full_gc_s = self.collections.within(started, time.perf_counter())
@@ -308,7 +321,8 @@ def replan_phase(replans: list[dict], at: float) -> str:
 def summarize(name: str, served: Served) -> dict:
     row = {"plan": name, "tokens_per_s": served.tokens / served.seconds,
            "gb_s_per_1k_tokens": served.byte_seconds / 1e9 / (served.tokens / 1000),
-           "replicas_mean": float(np.mean(served.replicas)), "replans": len(served.replans)}
+           "replicas_mean": float(np.mean(served.replicas)),
+           "device_gib_mean": float(np.mean(served.device_bytes)) / 2**30, "replans": len(served.replans)}
     every = []
     for regime, times in served.layer_s.items():
         ms = np.array(times) * 1e3
@@ -509,7 +523,7 @@ def main() -> None:
                        ("decode_p99_ms", "p99", ".3f"), ("prefill_mean_ms", "prefill ms", ".3f"),
                        ("prefill_p99_ms", "p99", ".3f"), ("tokens_per_s", "tokens/s", ".0f"),
                        ("gb_s_per_1k_tokens", "GB.s/1k tok", ".3f"), ("replicas_mean", "replicas", ".1f"),
-                       ("replans", "replans", "d"), ("full_gc_max_ms", "full GC ms", ".1f")])
+                       ("device_gib_mean", "GiB held", ".1f"), ("replans", "replans", "d"), ("full_gc_max_ms", "full GC ms", ".1f")])
     for row in rows:  # what the re-plan steps ran beside: steps and p99 of each part, against the steady steps' p99
         for regime in ("decode", "prefill"):
             phases = row.get(f"{regime}_replan_steps_by_phase")
@@ -526,7 +540,8 @@ def main() -> None:
                   process_share_mib=[s >> 20 for s in shares], working_memory_mib=args.working_memory_mib,
                   plan_memory_mib=[g.memory_bytes >> 20 for g in gpus],
                   bound="one GPU shared by every expert-function process: balance across processes buys "
-                        "little; cost is memory held x time (every plan holds its replicas), not pay-per-use",
+                        "little; cost is what the functions' experts take on the device x time (their stacks, the slots "
+                        "re-plans emptied included), not pay-per-use",
                   seconds=round(time.perf_counter() - started, 1))
 
 

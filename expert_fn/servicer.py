@@ -293,7 +293,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         await self._prepare_graphs(keys)  # before health says ready: no call should wait for a capture
         self.metrics.loaded(seconds, self.store.nbytes, len(self.store.held()))
         await self.report_health()
-        return pb.LoadResponse(bytes_loaded=bytes_loaded, seconds=seconds, held=self._held())
+        return pb.LoadResponse(bytes_loaded=bytes_loaded, seconds=seconds, held=self._held(),
+                               device_bytes=self.store.device_bytes)
 
     async def _prepare_graphs(self, changed: list[tuple[int, int]]) -> None:
         """Capture the graphs of the held experts of the layers `changed` touches that lack them: a layer
@@ -331,7 +332,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         await self._prepare_graphs(keys)
         self.metrics.held(self.store.nbytes, len(self.store.held()))
         await self.report_health()
-        return pb.UnloadResponse(bytes_freed=freed, held=self._held())
+        return pb.UnloadResponse(bytes_freed=freed, held=self._held(), device_bytes=self.store.device_bytes)
 
     async def _load(self, request: pb.LoadRequest) -> pb.LoadResponse:
         self._check_model(request.model)

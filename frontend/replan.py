@@ -29,6 +29,7 @@ class Repointed:
     moves: Moves
     bytes_loaded: int
     bytes_freed: int
+    device_bytes: dict[str, int]  # what the experts of each function it changed take on the device afterwards
     load_s: float     # until every gained expert was in
     switch_s: float   # until the frontend served with the new table
     unload_s: float
@@ -65,8 +66,10 @@ class Replanner:
         switch_s = time.perf_counter() - started - load_s
         freed = await asyncio.gather(*(self._client(a).unload(keys) for a, keys in moves.unload.items()))
         unload_s = time.perf_counter() - started - load_s - switch_s
+        device_bytes = {a: r.device_bytes for a, r in zip(moves.load, loaded)} | \
+            {a: r.device_bytes for a, r in zip(moves.unload, freed)}  # the Unload's, where a function had both
         return Repointed(moves, sum(r.bytes_loaded for r in loaded), sum(r.bytes_freed for r in freed),
-                         load_s, switch_s, unload_s)
+                         device_bytes, load_s, switch_s, unload_s)
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}

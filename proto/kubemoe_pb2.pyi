@@ -101,14 +101,16 @@ class LoadRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., experts: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("bytes_loaded", "seconds", "held")
+    __slots__ = ("bytes_loaded", "seconds", "held", "device_bytes")
     BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     bytes_loaded: int
     seconds: float
     held: _containers.RepeatedCompositeFieldContainer[ExpertKey]
-    def __init__(self, bytes_loaded: _Optional[int] = ..., seconds: _Optional[float] = ..., held: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ...) -> None: ...
+    device_bytes: int
+    def __init__(self, bytes_loaded: _Optional[int] = ..., seconds: _Optional[float] = ..., held: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ..., device_bytes: _Optional[int] = ...) -> None: ...
 
 class UnloadRequest(_message.Message):
     __slots__ = ("model", "experts")
@@ -119,12 +121,14 @@ class UnloadRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., experts: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ...) -> None: ...
 
 class UnloadResponse(_message.Message):
-    __slots__ = ("bytes_freed", "held")
+    __slots__ = ("bytes_freed", "held", "device_bytes")
     BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     bytes_freed: int
     held: _containers.RepeatedCompositeFieldContainer[ExpertKey]
-    def __init__(self, bytes_freed: _Optional[int] = ..., held: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ...) -> None: ...
+    device_bytes: int
+    def __init__(self, bytes_freed: _Optional[int] = ..., held: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ..., device_bytes: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

@@ -123,7 +123,9 @@ async def test_a_load_or_unload_in_place_changes_the_layers_stack_and_the_next_c
         torch.testing.assert_close(await client.forward(0, [9, 1, 3], [2, 3, 1], x), expected([9, 1, 3], [2, 3, 1]))
         assert grouped == [6]  # the three experts as one computation
 
-        await client.unload([(0, 1)])
+        device_bytes = store.device_bytes
+        unloaded = await client.unload([(0, 1)])  # its slot stays: what the function's experts take is unchanged
+        assert unloaded.bytes_freed == store.expert_bytes and unloaded.device_bytes == device_bytes
         assert store.stack(0).experts is stack.experts and store.stack(0).local == {0: 0, 2: 2, 3: 3, 9: 4}
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await client.forward(0, [9, 1], [3, 3], x)

@@ -88,6 +88,8 @@ def test_an_expert_moves_between_running_functions_while_the_frontend_serves(tin
         held = {built.port: set(built.servicer.store.held()) for built in servers.servers}
         port = {address: int(address.rsplit(":", 1)[1]) for address in (a, b)}
         assert (layer, 0) not in held[port[a]] and (layer, half) in held[port[a]] and (layer, 0) in held[port[b]]
+        stores = {built.port: built.servicer.store for built in servers.servers}
+        assert done.device_bytes == {address: stores[port[address]].device_bytes for address in (a, b)}
     finally:
         fe.close()
         servers.stop()

@@ -26,6 +26,10 @@ def test_live_benchmark_serves_every_plan_and_replans_in_place(tmp_path):
     plans = {row["plan"]: row for row in doc["raw"] if row["repeat"] == 1}
     assert all(row["tokens_per_s"] > 0 and row["decode_p99_ms"] >= row["decode_p50_ms"] > 0 for row in plans.values())
     assert plans["static"]["replans"] == 0 and plans["kubemoe"]["replans"] >= 1 and plans["eplb"]["replans"] >= 1
+    expert_gib = doc["expert_mib"] / 1024  # cost counts what the stacks take: each plan starts from exact stacks
+    for name in ("static", "oracle"):
+        assert plans[name]["device_gib_mean"] == pytest.approx(plans[name]["replicas_mean"] * expert_gib)
+    assert plans["kubemoe"]["device_gib_mean"] >= plans["kubemoe"]["replicas_mean"] * expert_gib * 0.999
     assert all(r["loaded"] + r["unloaded"] >= 0 and r["load_s"] >= 0 for r in plans["kubemoe"]["replan_log"])
     for regime in ("decode", "prefill"):  # every re-plan step is put beside a part of its re-plan
         phases = plans["kubemoe"].get(f"{regime}_replan_steps_by_phase", {})
