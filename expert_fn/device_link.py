@@ -342,20 +342,26 @@ class ServerLink:
     def run_step(self, packet: bytes) -> bytes:
         """Queue the function's side of the step `packet` describes -> the answer packet."""
         program = self.programs.get(packet)
-        if program is None or any(self._stack_of(layer) is not stack for layer, stack in program.stacks):
+        if program is None or self._stale(program):
+            # Stale programs go now: each holds the stack map it read, and the store reuses an emptied slot
+            # only once no map that named it lives (store.py)
+            self.programs = {k: p for k, p in self.programs.items() if not self._stale(p)}
             try:
                 rows, plan = unpack_step(packet, self.num_experts, self.rows.shape[0], self.layers)
                 program = self._capture(rows, plan)
             except Exception as e:  # noqa: BLE001 - the frontend voids the step and sends its layers as calls
                 log.warning("device link %s: a step refused: %s", self.path.name, e)
                 return bytes([REFUSED]) + f"{type(e).__name__}: {e}".encode()[:1000]
-            if len(self.programs) >= 64:  # stacks replaced many times over, or many row sizes: start again
+            if len(self.programs) >= 64:  # many row sizes: start again
                 self.programs = {}
             self.programs[packet] = program
         with torch.cuda.stream(self.stream):
             program.graph.replay()
         self._ran = True
         return bytes([QUEUED])
+
+    def _stale(self, program: _StepProgram) -> bool:
+        return any(self._stack_of(layer) is not stack for layer, stack in program.stacks)
 
     def _capture(self, rows: int, plan: dict[int, list[int]]) -> _StepProgram:
         stacks, tables = [], []

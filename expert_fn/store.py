@@ -17,7 +17,7 @@ lone expert) from the views. A re-plan moves a few experts per layer in and out 
 a stack keeps the slots an Unload empties, and a later Load of that layer reads its experts into them:
 neither copies the experts kept, allocates or frees device memory, or gives the experts kept new
 weights (their CUDA graphs, captured by address, stay valid). A slot is reused once nothing can
-still read it (the stack map that named it and the expert's views are gone), after the rounds queued
+still read it (the stack map that named it and the expert's views are gone), after the work queued
 by then. A Load with too few such slots makes the layer a new stack of exactly what it will hold (the
 experts kept copied from the old one: meanwhile that layer is held twice and the old stack serves the
 rounds), and so does an Unload that would leave more slots empty than held (empty slots are memory
@@ -262,8 +262,8 @@ class ExpertStore:
         adding = sorted(experts - stack.local.keys())
         slots = stack.reusable()[:len(adding)]
         if adding:
-            if self._load_stream is not None:  # rounds queued on what those slots held come first
-                self._load_stream.wait_stream(self._serving)
+            if self._load_stream is not None:  # what this process queued on what those slots held (rounds on the
+                torch.cuda.synchronize(self.device)  # serving stream, device links' steps on theirs) comes first
             with self._on_load_stream():
                 for slot, expert in zip(slots, adding):
                     source = self._read((layer, expert))

@@ -4,10 +4,13 @@ within it, and a link that breaks costs no request: its step runs again as calls
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from kubemoe.bundles import bundles_by_count
+from kubemoe.expert_fn.client import ExpertClient
 from kubemoe.expert_fn.device_link import ClientLink, LinkError
 from kubemoe.frontend.app import Frontend, FrontendConfig
 from kubemoe.frontend.embedded import expert_processes
@@ -119,3 +122,44 @@ def test_the_engine_launches_linked_passes_ahead_and_a_void_one_runs_again_as_ca
     assert linked_stepwise > 0 and linked_ahead > 0 and launched > 0
     assert ahead == stepwise
     assert lost and linked_void == 0 and void == calls
+
+
+def test_a_slot_an_unload_emptied_is_loaded_into_and_linked_steps_stay_right(tiny_checkpoint, tmp_path):
+    """A function's experts moved in place while a device link runs steps on them: the link's programs of
+    the old stack map go when it captures the new one, so the next Load reads into the emptied slot
+    (nothing allocated: device_bytes), and linked steps still equal the model's."""
+    path = tiny_checkpoint("mixtral")
+    fe = Frontend(FrontendConfig(checkpoint=path, device="cuda", dtype="bfloat16", predictor="none",
+                                 shm_dir=tmp_path, cuda_graphs=False, device_links=True))
+    bundles = bundles_by_count(fe.adapter.moe_layers, fe.adapter.num_experts, 2)
+    layer = fe.adapter.moe_layers[0]
+    spare = [e for l, e in bundles[1].experts if l == layer][:2]  # the other function's: not routed to this one
+
+    def change(address: str, method: str, expert: int):
+        async def call():
+            client = ExpertClient(address, model=fe.model_id, streaming=False)
+            try:
+                return await getattr(client, method)([(layer, expert)])
+            finally:
+                await client.close()
+        return asyncio.run(call())
+
+    with expert_processes(path, bundles, fe.model_id, shm_dir=tmp_path, dtype="bfloat16") as experts:
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, experts.addresses))
+        fe.dispatcher.apply_pending()
+        a = experts.addresses[bundles[0].name][0]
+        try:
+            grown = change(a, "load", spare[0])  # no empty slot: a new stack, one slot more
+            _decode(fe, 2, sync_free_replay=False)  # the link's programs hold the stack map that names it
+            emptied = change(a, "unload", spare[0])
+            assert emptied.device_bytes == grown.device_bytes  # its slot stays
+            linked = fe.dispatcher.linked_layers
+            _decode(fe, 2, sync_free_replay=False)  # the link captures the new map; its old programs go
+            assert fe.dispatcher.linked_layers > linked
+            refilled = change(a, "load", spare[1])
+            assert refilled.device_bytes == grown.device_bytes, "the Load took a new stack, not the emptied slot"
+            linked = fe.dispatcher.linked_layers
+            _decode(fe, 2, sync_free_replay=False)
+            assert fe.dispatcher.linked_layers > linked
+        finally:
+            fe.close()
