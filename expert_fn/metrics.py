@@ -40,7 +40,7 @@ class ExpertFnMetrics:
         self.device_reserved = make(Gauge, "device_memory_reserved_bytes",
                                     "GPU memory this function's allocator holds, its cache included").labels(bundle)
         self.device_cap = make(Gauge, "device_memory_cap_bytes", "The most GPU memory its allocator may hold "
-                               "(the experts held plus --working-memory-mib); 0: no cap").labels(bundle)
+                               "(its experts' stacks plus --working-memory-mib); 0: no cap").labels(bundle)
         self._load = make(Histogram, "load_seconds", "Time to load experts from the checkpoint",
                           buckets=(0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
         self._shm = make(Counter, "shared_memory_streams",

@@ -24,7 +24,7 @@ rounds), and so does an Unload that would leave more slots empty than held (empt
 the function keeps: at most as much as it serves). Reads take no lock: the store replaces its dicts
 and stacks' maps, never mutates them.
 
-With `working_bytes` (--working-memory-mib) the allocator is capped at the experts held plus that much,
+With `working_bytes` (--working-memory-mib) the allocator is capped at the stacks held plus that much,
 and a change raises the cap by what it allocates (new stacks, the experts it reads) for as long as it
 takes: functions that time-slice a GPU each keep an allocator cache, and what one keeps cached another's
 plan cannot have (kubemoe.devices.cap_device_memory). The cap comes down to what is held once the rounds
@@ -306,9 +306,9 @@ class ExpertStore:
         self._stacks, self._weights = stacks, weights
 
     def _cap(self, changing: int = 0) -> None:
-        """Cap the allocator at what the experts held take (device_bytes), or what it has allocated if that is more (a round still
-        running on a stack a change replaced, its activations), plus `changing` bytes a change is about to
-        allocate, plus the working memory (nothing without `working_bytes`). Never below what is allocated:
+        """Cap the allocator at what the experts held take (device_bytes), or what it has allocated if that
+        is more (a round still running on a stack a change replaced, its activations), plus `changing` bytes a
+        change is about to allocate, plus the working memory (nothing without `working_bytes`). Never below what is allocated:
         every allocation of a round would fail until that came down (the H100's did, moeless_live.py)."""
         if self.working_bytes and self._serving is not None:
             held = max(self.device_bytes, torch.cuda.memory_allocated(self.device))
