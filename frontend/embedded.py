@@ -63,13 +63,13 @@ class ExpertProcesses:
 def expert_processes(checkpoint: Path, bundles: list[Bundle], model: str, replicas: int = 1,
                      ready_timeout: float = 120.0, shm_dir: Path | None = None,
                      busy_poll_us: float = SHARED_CORES_BUSY_POLL_US, gpus: Sequence[int] = (),
-                     dtype: str | None = None, working_memory: int = 0):
+                     dtype: str | None = None, working_memory: int = 0, extra_args: Sequence[str] = ()):
     """Start `replicas` expert-function processes per bundle; stop them all (SIGTERM) afterwards.
 
     `gpus`: the i-th process started sees only GPU gpus[i % len(gpus)] (CUDA_VISIBLE_DEVICES), as a
     pod sees the GPU it was given; empty: every process sees what this one sees. `dtype`: the weights'
     (default: the checkpoint's). `working_memory`: bytes each process's allocator may hold
-    beside its experts (--working-memory-mib); 0: no cap."""
+    beside its experts (--working-memory-mib); 0: no cap. `extra_args`: more `kubemoe expert-fn` flags, as given."""
     started = ExpertProcesses()
     # The processes share this machine's cores with each other and the frontend: without a split,
     # every OpenMP pool spins on all cores and a 1 ms expert call takes 100 ms under contention.
@@ -87,7 +87,7 @@ def expert_processes(checkpoint: Path, bundles: list[Bundle], model: str, replic
                      "--model", model, "--bundle", bundle.spec(), "--host", "127.0.0.1",
                      "--port", address.rsplit(":", 1)[1], "--metrics-port", "-1", "--shm-dir", str(shm_dir or ""),
                      "--busy-poll-us", str(busy_poll_us), *(["--dtype", dtype] if dtype else []),
-                     "--working-memory-mib", str(working_memory >> 20)],
+                     "--working-memory-mib", str(working_memory >> 20), *extra_args],
                     stdin=subprocess.DEVNULL, start_new_session=True, env={**env, **gpu})  # Ctrl-C reaches only the frontend
         for address, proc in started.procs.items():
             wait_serving(address, proc, ready_timeout)

@@ -107,6 +107,8 @@ def main() -> None:
     parser.add_argument("--working-memory-mib", type=int, default=0,
                         help="each process's allocator cap beside the experts it holds (kubemoe expert-fn's flag, as "
                              "moeless_live.py gives it: 2048); 0: uncapped")
+    parser.add_argument("--cuda-graph-tokens", type=int, default=None,
+                        help="the functions' --cuda-graph-tokens (0: no graphs, so a Load captures none); default theirs")
     parser.add_argument("--no-settle", dest="settle", action="store_false",
                         help="leave the start-up objects to the garbage collector (as before kubemoe/gc_freeze.py)")
     args = parser.parse_args()
@@ -128,8 +130,9 @@ def main() -> None:
         home = {(l, e): e % P for l in layers for e in range(E)}
         bundles = [Bundle(f"p{p}", tuple(k for k, q in home.items() if q == p)) for p in range(P)]
         model = "probe"
+        graphs = [] if args.cuda_graph_tokens is None else ["--cuda-graph-tokens", str(args.cuda_graph_tokens)]
         with expert_processes(ckpt, bundles, model, ready_timeout=600, shm_dir=Path(shm),
-                              working_memory=args.working_memory_mib << 20) as procs:
+                              working_memory=args.working_memory_mib << 20, extra_args=graphs) as procs:
             addresses = [procs.addresses[f"p{p}"][0] for p in range(P)]
             dispatcher = Dispatcher(adapter, checkpoint, DispatchConfig(model=model, shm_dir=Path(shm)),
                                     LoadRecorder(model, "probe"), dtype, device)
