@@ -54,6 +54,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from kubemoe import moe_kernels, wire
+from kubemoe.devices import graph_pool
 from kubemoe.expert_fn import gpu_flags
 from kubemoe.expert_fn.lane import listen_socket, peer_uid, socket_address
 from kubemoe.moe import StackedExperts, sorted_ffn
@@ -310,7 +311,7 @@ class ServerLink:
         self._flag_ops = flag_ops
         self.programs: dict[bytes, _StepProgram] = {}
         self.stream = torch.cuda.Stream(rows.device) if rows.is_cuda else None
-        self._pool = None
+        self._pool: tuple | None = None  # graph_pool()
         self._ran = False  # a step was queued: closing must let it finish or void it
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._listener, self.path = listen_socket(Path(folder), SOCKET_PREFIX)
@@ -375,8 +376,7 @@ class ServerLink:
         flags, stream = self._flag_ops, self.stream
         if flags is None or stream is None:
             raise RuntimeError("device links need a GPU")
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        self._pool = graph_pool(self._pool, held=bool(self.programs))  # stale programs went: maybe every one
 
         def step(out: torch.Tensor, wait: bool) -> None:
             for (layer, stack), table in zip(stacks, tables):

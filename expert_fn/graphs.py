@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
 import torch
 
 from kubemoe.bundles import ExpertKey
+from kubemoe.devices import graph_pool
 from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.expert_fn import round_graph
 from kubemoe.expert_fn.round_graph import CudaError, RoundGraph
@@ -56,7 +57,7 @@ class ExpertGraphs:
         self.max_tokens, self._act = max_tokens, act
         self.input = torch.zeros(bucket(max_tokens), hidden_size, device=device, dtype=dtype)
         self.output = torch.zeros_like(self.input)
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool: tuple | None = None  # graph_pool(): made at the first capture
         self._side = torch.cuda.Stream(device)  # captures run on a stream of their own, as CUDA requires
         self._warm: set[int] = set()  # sizes run once eagerly
         # Rounds run on the device's current stream; nothing in an expert function changes it.
@@ -155,12 +156,7 @@ class ExpertGraphs:
             return held
         self._graphs = {k: v for k, v in self._graphs.items() if v.weights() is not None}  # forget unloaded experts'
         self._uncaptured = {k: w for k, w in self._uncaptured.items() if w() is not None}
-        if not self._graphs:
-            # A pool is held only by the graphs captured into it: once a re-plan has retired them all (every
-            # expert of this function unloaded, others loaded), a capture naming it fails an assertion of
-            # PyTorch's allocator ("use_count > 0"), as moeless_live.py's re-plans did on the H100. Not a
-            # torch.cuda.MemPool: replacing one that graphs still held aborted the process (torch 2.11).
-            self._pool = torch.cuda.graph_pool_handle()
+        self._pool = graph_pool(self._pool, held=bool(self._graphs))
         x, y = self.input[:size], self.output[:size]
         current = torch.cuda.current_stream()
         self._side.wait_stream(current)  # what the device is still doing with input and output comes first

@@ -40,6 +40,7 @@ from typing import Callable, Hashable, Protocol
 
 import torch
 
+from kubemoe.devices import graph_pool
 from kubemoe.frontend.batch import BatchState
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ class DecodeGraphs:
         self._programs: dict[int, Program] = {}
         self._unsettled: collections.deque[tuple[Program, int]] = collections.deque()  # linked replays in flight
         self._key: Hashable = None
-        self._pool = None
+        self._pool: tuple | None = None  # graph_pool()
         self._stream = torch.cuda.Stream()
 
     def rows(self, rows: int) -> int | None:
@@ -262,8 +263,7 @@ class DecodeGraphs:
         if key != self._key:  # the cache, the weights or the links moved: every program reads old addresses
             self._programs.clear()
             self._key = key
-        if not self._programs:  # a pool no program holds may be gone: capturing into it fails (expert_fn/graphs.py)
-            self._pool = torch.cuda.graph_pool_handle()
+        self._pool = graph_pool(self._pool, held=bool(self._programs))
 
     def _eager(self, state: BatchState, padded: int, rows: int) -> torch.Tensor:
         stream = self._stream

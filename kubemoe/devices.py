@@ -32,6 +32,17 @@ def resolve_device(device: str) -> torch.device:
 CUDA_CONTEXT_BYTES = 768 << 20
 
 
+def graph_pool(pool: tuple | None, held: bool) -> tuple:
+    """The memory pool the next CUDA graph capture goes into: `pool` while graphs captured into it are
+    `held`, else a fresh one. A pool is held only by the graphs captured into it: once they are all gone
+    (a re-plan retired every expert of a function), a capture naming it fails an assertion of PyTorch's
+    allocator ("use_count > 0"), as moeless_live.py's re-plans did on the H100. Not a torch.cuda.MemPool:
+    replacing one that graphs still held aborted the process (torch 2.11)."""
+    import torch
+
+    return pool if held and pool is not None else torch.cuda.graph_pool_handle()
+
+
 def cap_device_memory(device: torch.device, nbytes: int) -> None:
     """Let this process's CUDA allocator hold at most `nbytes` of `device` (0: no cap; on the CPU, nothing).
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from kubemoe.devices import serving_attention
+from kubemoe.devices import graph_pool, serving_attention
 
 
 def test_serving_on_a_gpu_turns_cudnn_attention_off_and_on_the_cpu_leaves_it():
@@ -15,3 +15,11 @@ def test_serving_on_a_gpu_turns_cudnn_attention_off_and_on_the_cpu_leaves_it():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_a_graph_pool_is_kept_while_graphs_hold_it_and_made_anew_once_none_does(monkeypatch):
+    made = iter([(0, 1), (0, 2)])
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(made))
+    pool = graph_pool(None, held=False)  # the first capture
+    assert pool == (0, 1) and graph_pool(pool, held=True) is pool
+    assert graph_pool(pool, held=False) == (0, 2)  # every graph of it retired: it may be gone
