@@ -268,9 +268,10 @@ class Driver:
             served.step_s[regime].append((step_s, in_replan, step - started))
             served.tokens += tokens
             held = sum(len(keys) for keys in held_by_address(self.table).values())
-            served.byte_seconds += sum(self.device_bytes.values()) * step_s  # held, empty slots included
+            device_bytes = sum(self.device_bytes.values())  # what the stacks take, empty slots included
+            served.byte_seconds += device_bytes * step_s
             served.replicas.append(held)
-            served.device_bytes.append(sum(self.device_bytes.values()))
+            served.device_bytes.append(device_bytes)
             if moving is not None and moving[0].done():
                 done = moving[0].result()  # raises what the re-plan raised: a failed move fails the benchmark
                 served.replans.append({"iteration": t, "at_s": moving[2] - started,
@@ -477,9 +478,7 @@ def main() -> None:
                 driver.install(static_table)
                 driver.serve(Stream(stream.regime[:3], stream.experts[:3], stream.predicted[:3]), lambda t: None)
                 settle()  # as a frontend process does once ready (kubemoe/gc_freeze.py)
-                for repeat in range(args.repeats):
-                    if repeat:
-                        driver.install(table_of(static, L, E, addresses, model, next(version)))
+                for repeat in range(args.repeats):  # a repeat after the first starts where the oracle left: static's table
                     served = {"static": driver.serve(stream, lambda t: None)}
                     kubemoe_counts.clear()
 
