@@ -31,9 +31,10 @@ the last Unload are re-plan steps; the others steady.
 Measured by the driver (the frontend): each MoE layer's forward (`Dispatcher.run_layer`, CUDA
 synchronised) -> mean / p50 / p99 / CDF points; tokens/s over the stream; GPU memory x time (the
 bytes of the replicas each plan holds, times the wall time it holds them, per 1000 tokens).
-On one H200 the P processes share one GPU: kernels of different processes queue on it, so a plan's
-balance across processes buys far less than across P real GPUs (each extra weight read is paid by
-all). The figures say what kubemoe's machinery costs and does on one GPU, not MoEless's 8-GPU gains.
+On one H200 the P processes share one GPU: time-sliced, kernels of different processes queue on it;
+under MPS (KUBEMOE_MPS=1 in run_h200.sh; results in moeless_live_mps_*.json) they run side by side on
+its SMs. Either way a plan's balance across processes buys far less than across P real GPUs (each
+extra weight read is paid by all). The figures say what kubemoe's machinery costs and does on one GPU, not MoEless's 8-GPU gains.
 With `--gpus N` process p runs on GPU p % N (CUDA_VISIBLE_DEVICES, as a pod gets its GPU): `--processes 8
 --gpus 8` on an 8-GPU host is MoEless's setting (issue 18); the driver stays on `--device`.
 Goals: the four ratios of moeless_sim (latency_vs_static, _eplb, _oracle; cost_vs_static) over
@@ -49,6 +50,7 @@ import argparse
 import asyncio
 import gc
 import importlib.util
+import os
 import sys
 import tempfile
 import threading
@@ -363,7 +365,7 @@ def process_shares(processes: int, num_gpus: int, device: torch.device, reserve:
     less `reserve` for this process (the frontend) and each process's memory outside its allocator; its
     plans are sized from it (process_memory). Empty on the CPU (host memory: not what is measured here).
 
-    The P processes share one or a few real GPUs by time-slicing, and each caps its allocator at the
+    The P processes share one or a few real GPUs (time-slices, or MPS), and each caps its allocator at the
     experts it holds plus WORKING (--working-memory-mib, as the operator renders it): uncapped, each
     kept what it freed cached (kubemoe.devices.cap_device_memory says what that did on the H100)."""
     if device.type != "cuda":
@@ -532,7 +534,12 @@ def main() -> None:
     # Each goal's value: the median over the repeats of that repeat's ratio (runs of one plan varied by a third)
     ratios = [goal_ratios({row["plan"]: row for row in rows if row["repeat"] == repeat}) for repeat in range(args.repeats)]
     goals = {name: Goal(float(np.median([r[name] for r in ratios])), bound) for name, bound in GOALS.items()}
-    write_results("moeless_live", device, rows, goals, out=args.out,
+    # How the processes share the GPU: MPS (concurrent kernels) where run_h200.sh started its daemon
+    # (KUBEMOE_MPS=1), time-slices otherwise; each gets a file of its own. Here no MPS memory limit is set (the
+    # operator sets one, and then hosts no scale-out replica in place): each process caps its own allocator.
+    sharing = "mps" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") and device.type == "cuda" else "time-slicing"
+    write_results("moeless_live" + ("_mps" if sharing == "mps" else ""), device, rows, goals, out=args.out,
+                  gpu_sharing=sharing,
                   settings={k: str(v) for k, v in vars(args).items()},
                   expert_mib=expert_bytes / 2**20, eplb_redundant_per_layer=redundant,
                   goal_values_per_repeat=ratios,
