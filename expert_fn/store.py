@@ -54,9 +54,11 @@ from kubemoe.moe import StackedExperts, can_group
 
 
 SETTLE_WAIT_S = 10.0  # the longest a change's settling waits for rounds still holding what it replaced
-# A read assembles an expert on the device from its tensors as stored (MoEAdapter.load_expert: gate and up
-# apart, or transposed) before it goes into a stack: up to 5/3 of an expert at once (the GPU test on the
-# H100 ran out of memory beside a cap that counted the stack alone)
+# A read that assembles an expert on the device from its tensors as stored (MoEAdapter.load_expert: gate
+# and up apart, or transposed) takes up to 5/3 of an expert at once (the GPU test on the H100 ran out of
+# memory beside a cap that counted the stack alone). A stack's slot is read into in place
+# (MoEAdapter.read_expert_into) and needs none of it, unless the layout is transposed or the dtype is not the
+# checkpoint's; the cap and a follower's need keep the room for those.
 READ_EXPERTS = 2
 
 
@@ -266,9 +268,7 @@ class ExpertStore:
                 torch.cuda.synchronize(self.device)  # serving stream, device links' steps on theirs) comes first
             with self._on_load_stream():
                 for slot, expert in zip(slots, adding):
-                    source = self._read((layer, expert))
-                    stack.experts.gate_up[slot].copy_(source.gate_up)
-                    stack.experts.down[slot].copy_(source.down)
+                    self._fill(stack.experts, slot, (layer, expert))
             self._ready_for_serving()
         emptied = {slot: readers for slot, readers in stack.emptied.items() if slot not in slots}
         emptied.update({stack.local[e]: (weakref.ref(stack), weakref.ref(held[(layer, e)])) for e in leaving})
@@ -290,9 +290,7 @@ class ExpertStore:
                 stack = StackedExperts.empty(len(ids), self.adapter.hidden_size, self.adapter.expert_intermediate_size,
                                              self.dtype, self.device)
                 for i, expert in enumerate(ids):
-                    source = held.get((layer, expert)) or self._read((layer, expert))
-                    stack.gate_up[i].copy_(source.gate_up)
-                    stack.down[i].copy_(source.down)
+                    self._fill(stack, i, (layer, expert), held.get((layer, expert)))
             self._ready_for_serving(stack.gate_up, stack.down)
         weights = {k: w for k, w in held.items() if k[0] != layer}
         stacks = {k: s for k, s in self._stacks.items() if k != layer}
@@ -344,6 +342,16 @@ class ExpertStore:
     def _read(self, key: ExpertKey) -> ExpertWeights:
         """One expert from the checkpoint; on a GPU queued on the load stream (_ready_for_serving() them)."""
         return self.adapter.load_expert(self.checkpoint, *key, self.dtype, self.device, self._copy)
+
+    def _fill(self, stack: StackedExperts, slot: int, key: ExpertKey, held: ExpertWeights | None = None) -> None:
+        """Slot `slot` of `stack` <- expert `key`: copied from where it is `held`, else read from the
+        checkpoint straight into the slot (no expert-sized tensor allocated on the device, nor copied there
+        once more); on a GPU queued on the load stream."""
+        if held is None:
+            self.adapter.read_expert_into(self.checkpoint, *key, stack.expert(slot), self._copy)
+        else:
+            stack.gate_up[slot].copy_(held.gate_up)
+            stack.down[slot].copy_(held.down)
 
     def _on_load_stream(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self._load_stream) if self._load_stream is not None else contextlib.nullcontext()

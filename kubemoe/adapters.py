@@ -253,6 +253,31 @@ class MoEAdapter:
         gate_up[gate.shape[0]:] = checkpoint.read(names.up, None, dtype, device, copy)
         return ExpertWeights(gate_up, checkpoint.read(names.down, None, dtype, device, copy))
 
+    def read_expert_into(
+        self,
+        checkpoint: Checkpoint,
+        layer: int,
+        expert: int,
+        target: ExpertWeights,
+        copy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> ExpertWeights:
+        """load_expert into `target`'s tensors (a stack's slot: its dtype and device): each tensor as stored
+        goes straight into its place, gate and up included; only a transposed layout is assembled first."""
+        names = self.expert_tensors(layer, expert)
+        if self.arch.fused_transposed:
+            read = self.load_expert(checkpoint, layer, expert, target.gate_up.dtype, target.gate_up.device, copy)
+            target.gate_up.copy_(read.gate_up)
+            target.down.copy_(read.down)
+            return target
+        if names.index is not None:
+            checkpoint.read_into(target.gate_up, names.gate, names.index, copy)
+        else:
+            half = target.gate_up.shape[0] // 2
+            checkpoint.read_into(target.gate_up[:half], names.gate, None, copy)
+            checkpoint.read_into(target.gate_up[half:], names.up, None, copy)
+        checkpoint.read_into(target.down, names.down, names.index, copy)
+        return target
+
     def router_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E]
         if self.arch.router_fp32:
             return F.linear(hidden.float(), weight.float())

@@ -94,11 +94,33 @@ class Checkpoint:
         `copy(target, source)`: how the tensor, as read (a view of the mapped file), gets into an empty
         one on a device other than the CPU (an expert function's goes through pinned memory,
         expert_fn/staging.py): in the checkpoint's dtype, converted to `dtype` there. None: `Tensor.to`."""
-        part = self._handle(name).get_slice(name)
-        tensor = part[index] if index is not None else part[:]
+        tensor = self._read_mapped(name, index)
         if copy is None or torch.device(device).type == "cpu":
             return tensor.to(device=device, dtype=dtype or tensor.dtype)
         return copy(torch.empty(tensor.shape, dtype=tensor.dtype, device=device), tensor).to(dtype or tensor.dtype)
+
+    def read_into(
+        self,
+        target: torch.Tensor,
+        name: str,
+        index: int | None = None,
+        copy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """As read(), into `target` (e.g. a slot of a stack on the GPU): no tensor of its size is allocated
+        where the checkpoint's dtype is target's (else one, to convert on the device as read() does)."""
+        tensor = self._read_mapped(name, index)
+        if list(tensor.shape) != list(target.shape):
+            raise ValueError(f"{name}{'' if index is None else f'[{index}]'} has shape {list(tensor.shape)}, "
+                             f"not the target's {list(target.shape)}")
+        if copy is None or target.device.type == "cpu":
+            return target.copy_(tensor)
+        if tensor.dtype == target.dtype:
+            return copy(target, tensor)
+        return target.copy_(copy(torch.empty(tensor.shape, dtype=tensor.dtype, device=target.device), tensor))
+
+    def _read_mapped(self, name: str, index: int | None) -> torch.Tensor:
+        part = self._handle(name).get_slice(name)
+        return part[index] if index is not None else part[:]
 
     def nbytes(self) -> int:
         return sum((self.path / f).stat().st_size for f in set(self.weight_map.values()))

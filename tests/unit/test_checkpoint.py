@@ -10,6 +10,7 @@ import torch
 from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
 from kubemoe.errors import CheckpointError, KubemoeError
+from kubemoe.moe import StackedExperts
 from kubemoe.presets import Preset, get_preset
 from kubemoe.synth import make_checkpoint
 
@@ -125,3 +126,47 @@ def test_an_expert_read_for_another_device_goes_through_the_given_copy_in_the_ch
     assert set(copied) == {("cpu", torch.float32, "meta", torch.float32)}  # converted on the device, after the copy
     for ours, theirs in ((got.gate_up, want.gate_up), (got.down, want.down)):
         assert (ours.device.type, ours.dtype, ours.shape) == ("meta", torch.bfloat16, theirs.shape)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "llama4", "qwen3_moe"])
+def test_an_expert_read_into_a_stacks_slot_is_the_expert_read_alone_and_leaves_the_other_slots(arch, tiny_checkpoint):
+    ckpt = Checkpoint(tiny_checkpoint(arch))
+    adapter = MoEAdapter(ckpt.config)
+    layer = adapter.moe_layers[-1]
+    stack = StackedExperts.empty(3, adapter.hidden_size, adapter.expert_intermediate_size, torch.float32, "cpu")
+    stack.gate_up.fill_(7.0)
+    stack.down.fill_(7.0)
+    adapter.read_expert_into(ckpt, layer, 1, stack.expert(2))
+    want = adapter.load_expert(ckpt, layer, 1)
+    assert torch.equal(stack.gate_up[2], want.gate_up) and torch.equal(stack.down[2], want.down)
+    assert bool((stack.gate_up[:2] == 7.0).all()) and bool((stack.down[:2] == 7.0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_read_into_a_slot_on_another_device_copies_each_stored_tensor_into_its_place_in_the_checkpoints_dtype(
+        dtype, tiny_checkpoint):
+    """An expert function's Load reads into its stack's slots through pinned memory: in the checkpoint's
+    dtype (float32 here) each tensor as stored is copied straight into the slot, nothing expert-sized
+    allocated on the device; in another dtype into one tensor each, converted into the slot on the device."""
+    ckpt = Checkpoint(tiny_checkpoint("mixtral"))
+    adapter = MoEAdapter(ckpt.config)
+    layer = adapter.moe_layers[0]
+    stack = StackedExperts.empty(2, adapter.hidden_size, adapter.expert_intermediate_size, dtype, "meta")
+    targets = []
+
+    def copy(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        assert (source.device.type, source.dtype, target.dtype) == ("cpu", torch.float32, torch.float32)
+        targets.append(target)
+        return target
+
+    adapter.read_expert_into(ckpt, layer, 1, stack.expert(1), copy)
+    assert len(targets) == 3  # gate, up and down, as Mixtral stores them
+    into_stack = [t._base is stack.gate_up or t._base is stack.down for t in targets]
+    assert into_stack == [dtype == torch.float32] * 3
+
+
+def test_a_read_into_a_tensor_of_another_shape_names_both(tiny_checkpoint):
+    ckpt = Checkpoint(tiny_checkpoint("mixtral"))
+    name = MoEAdapter(ckpt.config).expert_tensors(1, 0).down
+    with pytest.raises(ValueError, match=r"has shape \[\d+, \d+\], not the target's \[3, 4\]"):
+        ckpt.read_into(torch.empty(3, 4), name)
