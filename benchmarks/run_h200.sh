@@ -89,7 +89,8 @@ case "${1:-all}" in
     done ;;
   moeless-live)  # issue 14 item 7: kubemoe's scaling vs static EP, EPLB and the oracle over 8 expert-function
     # processes on this GPU, Mixtral-sized experts, the trained model's routing replayed; re-plans in place; every
-    # plan three times in turn (one run's plans varied by a third between runs; ~5 min on the H100)
+    # plan three times in turn (one run's plans varied by a third between runs; ~5 min on the H100); with KUBEMOE_MPS=1
+    # the processes share the GPU through MPS and the results go to moeless_live_mps_<machine>.json
     python3 benchmarks/moeless_live.py --device cuda --size mixtral --layers 2 --processes 8 --decode-iterations 300 \
       --prefill-iterations 60 --decode-tokens 256 --prefill-tokens 4096 --window 30 --repeats 3 --out "$OUT" "${@:2}" ;;
   dispatch-calls)  # issues 14/17: one call per expert function and layer against one per bundle; Mixtral-size experts
