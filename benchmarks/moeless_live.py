@@ -34,7 +34,8 @@ bytes of the replicas each plan holds, times the wall time it holds them, per 10
 On one H200 the P processes share one GPU: time-sliced, kernels of different processes queue on it;
 under MPS (KUBEMOE_MPS=1 in run_h200.sh; results in moeless_live_mps_*.json) they run side by side on
 its SMs. Either way a plan's balance across processes buys far less than across P real GPUs (each
-extra weight read is paid by all). The figures say what kubemoe's machinery costs and does on one GPU, not MoEless's 8-GPU gains.
+extra weight read is paid by all). The figures say what kubemoe's machinery costs and does on one
+GPU, not MoEless's 8-GPU gains.
 With `--gpus N` process p runs on GPU p % N (CUDA_VISIBLE_DEVICES, as a pod gets its GPU): `--processes 8
 --gpus 8` on an 8-GPU host is MoEless's setting (issue 18); the driver stays on `--device`.
 Goals: the four ratios of moeless_sim (latency_vs_static, _eplb, _oracle; cost_vs_static) over
