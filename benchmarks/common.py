@@ -92,6 +92,15 @@ def describe_machine(device: torch.device) -> dict:
     return info
 
 
+def gpu_sharing(device: torch.device) -> str:
+    """How the processes of a run share its GPU: "mps" where run_h200.sh started the MPS daemon
+    (KUBEMOE_MPS=1: its pipe is in the environment every process inherits), else "time-slicing"; "none"
+    off a GPU."""
+    if device.type != "cuda":
+        return "none"
+    return "mps" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "time-slicing"
+
+
 def git_commit() -> str:
     """HEAD here; on a machine that got the tree without .git (the lent GPU), KUBEMOE_COMMIT."""
     if os.environ.get("KUBEMOE_COMMIT"):

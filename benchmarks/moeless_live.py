@@ -51,7 +51,6 @@ import argparse
 import asyncio
 import gc
 import importlib.util
-import os
 import sys
 import tempfile
 import threading
@@ -63,7 +62,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Goal, mixtral_layout_checkpoint, print_table, write_results  # noqa: E402
+from common import Goal, gpu_sharing, mixtral_layout_checkpoint, print_table, write_results  # noqa: E402
 
 from kubemoe.adapters import MoEAdapter  # noqa: E402
 from kubemoe.bundles import Bundle  # noqa: E402
@@ -538,7 +537,7 @@ def main() -> None:
     # How the processes share the GPU: MPS (concurrent kernels) where run_h200.sh started its daemon
     # (KUBEMOE_MPS=1), time-slices otherwise; each gets a file of its own. Here no MPS memory limit is set (the
     # operator sets one, and then hosts no scale-out replica in place): each process caps its own allocator.
-    sharing = "mps" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") and device.type == "cuda" else "time-slicing"
+    sharing = gpu_sharing(device)
     write_results("moeless_live" + ("_mps" if sharing == "mps" else ""), device, rows, goals, out=args.out,
                   gpu_sharing=sharing,
                   settings={k: str(v) for k, v in vars(args).items()},

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import mixtral_layout_checkpoint  # noqa: E402
+from common import gpu_sharing, mixtral_layout_checkpoint  # noqa: E402
 
 from kubemoe.adapters import MoEAdapter  # noqa: E402
 from kubemoe.bundles import Bundle  # noqa: E402
@@ -225,6 +225,8 @@ def phase_of(step: dict, replans: list[dict]) -> str:
 
 
 def report(steps: list[dict], replans: list[dict], args) -> None:
+    sharing = gpu_sharing(torch.device(args.device))
+    print(f"processes share the GPU by {sharing}")
     for s in steps:
         s["phase"] = phase_of(s, replans)
     print(f"{'phase':>8} {'steps':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'boundary max ms':>16}")
@@ -257,7 +259,8 @@ def report(steps: list[dict], replans: list[dict], args) -> None:
     served = [seconds for began, seconds in FULL_GC if began >= steps[0]["start"]]  # not settle()'s own
     print(f"full garbage collections while serving: {len(served)}, the longest {max(served, default=0) * 1e3:.1f} ms")
     if args.json:
-        args.json.write_text(json.dumps({"steps": steps, "replans": replans, "calls": CALLS, "full_gc": FULL_GC}))
+        args.json.write_text(json.dumps({"gpu_sharing": sharing, "steps": steps, "replans": replans, "calls": CALLS,
+                                         "full_gc": FULL_GC}))
 
 
 if __name__ == "__main__":
