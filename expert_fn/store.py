@@ -350,8 +350,7 @@ class ExpertStore:
         if held is None:
             self.adapter.read_expert_into(self.checkpoint, *key, stack.expert(slot), self._copy)
         else:
-            stack.gate_up[slot].copy_(held.gate_up)
-            stack.down[slot].copy_(held.down)
+            stack.expert(slot).copy_(held)
 
     def _on_load_stream(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self._load_stream) if self._load_stream is not None else contextlib.nullcontext()

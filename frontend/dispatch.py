@@ -301,8 +301,7 @@ class Dispatcher:
             for e in experts:
                 held = self._local.get((layer, e)) or self.adapter.load_expert(
                     self.checkpoint, layer, e, dtype=self.dtype, device=self.device)
-                stack.gate_up[e].copy_(held.gate_up)
-                stack.down[e].copy_(held.down)
+                stack.expert(e).copy_(held)
                 self._local[(layer, e)] = stack.expert(e)  # the separate copy, if any, is freed here
             self._stacked[layer] = stack
             self.generation += 1

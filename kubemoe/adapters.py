@@ -265,10 +265,8 @@ class MoEAdapter:
         goes straight into its place, gate and up included; only a transposed layout is assembled first."""
         names = self.expert_tensors(layer, expert)
         if self.arch.fused_transposed:
-            read = self.load_expert(checkpoint, layer, expert, target.gate_up.dtype, target.gate_up.device, copy)
-            target.gate_up.copy_(read.gate_up)
-            target.down.copy_(read.down)
-            return target
+            return target.copy_(self.load_expert(checkpoint, layer, expert, target.gate_up.dtype,
+                                                 target.gate_up.device, copy))
         if names.index is not None:
             checkpoint.read_into(target.gate_up, names.gate, names.index, copy)
         else:

@@ -27,6 +27,12 @@ class ExpertWeights:
     def nbytes(self) -> int:
         return self.gate_up.nbytes + self.down.nbytes
 
+    def copy_(self, source: "ExpertWeights") -> "ExpertWeights":
+        """Copy `source`'s weights into these tensors (say, a stack's slot), in place; returns self."""
+        self.gate_up.copy_(source.gate_up)
+        self.down.copy_(source.down)
+        return self
+
 
 def expert_ffn(
     x: torch.Tensor,  # [T, H]

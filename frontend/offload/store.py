@@ -107,9 +107,7 @@ class HostExperts:
         for layer in self.layers:
             self.rows[layer] = torch.empty((num_experts, self.slot_elems), dtype=dtype)
             for expert in range(num_experts):
-                loaded, held = load(layer, expert), self.weights((layer, expert))
-                held.gate_up.copy_(loaded.gate_up)
-                held.down.copy_(loaded.down)
+                self.weights((layer, expert)).copy_(load(layer, expert))
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self._pinned = pin_all(list(self.rows.values()), pin) if pin_memory else []
