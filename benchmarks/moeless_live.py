@@ -188,7 +188,7 @@ class Driver:
     """The frontend side: a dispatcher over the processes, and re-plans in place while it serves."""
 
     def __init__(self, dispatcher: Dispatcher, adapter: MoEAdapter, model: str, expert_bytes: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, loads_at_once: int | None = None):
         self.dispatcher, self.adapter, self.model = dispatcher, adapter, model
         self.expert_bytes, self.device, self.dtype = expert_bytes, device, dtype
         self.predictions = ReplayPredictions()
@@ -196,7 +196,7 @@ class Driver:
         self.table = None
         self.device_bytes: dict[str, int] = {}  # what each function's experts take on its device (their stacks)
         self.mover = LoopThread("kubemoe-replan")
-        self.replanner = Replanner(model)  # runs on the mover's loop: its channels are that loop's
+        self.replanner = Replanner(model, loads_at_once)  # runs on the mover's loop: its channels are that loop's
         self._applied = threading.Condition()
         self._serving_version = -1
         self.collections = FullCollections()
@@ -427,6 +427,8 @@ def main() -> None:
                              "uncapped, to see what the cap costs (plans are sized as with it either way)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="serve every plan this many times in turn; each goal is the median of its repeats' ratios")
+    parser.add_argument("--loads-at-once", type=int, default=0,
+                        help="processes that Load at the same time in a re-plan (Replanner's loads_at_once; 0: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
@@ -469,7 +471,7 @@ def main() -> None:
                       flush=True)
             dispatcher = Dispatcher(adapter, checkpoint, DispatchConfig(model=model, shm_dir=Path(shm)),
                                     LoadRecorder(model, "live"), dtype, device)
-            driver = Driver(dispatcher, adapter, model, expert_bytes, device, dtype)
+            driver = Driver(dispatcher, adapter, model, expert_bytes, device, dtype, args.loads_at_once or None)
             version = iter(range(1, 10**6))
             static_table = table_of(static, L, E, addresses, model, next(version))
             rounds: list[dict[str, Served]] = []  # per repeat, each plan's

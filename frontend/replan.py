@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from kubemoe.proto import kubemoe_pb2 as pb
-from kubemoe.routing_table import Moves, moves_between
+from kubemoe.routing_table import ExpertKey, Moves, moves_between
 
 if TYPE_CHECKING:  # for its type only: the module is imported where the first client is made
     from kubemoe.expert_fn.client import ExpertClient
@@ -42,10 +42,16 @@ class Replanner:
     re-plan cost the frontend process ~0.8 ms of CPU per function (its GIL, taken from the steps
     being served meanwhile; measured on the 2-core machine) and each function a connection to accept.
     An idle channel to a function no table names any more costs nothing but its socket.
+
+    `loads_at_once`: how many functions Load at the same time (None: all). Functions that share a host
+    share its memory bandwidth and its link to the GPUs, which every step's calls also use.
     """
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, loads_at_once: int | None = None):
+        if loads_at_once is not None and loads_at_once < 1:
+            raise ValueError(f"loads_at_once must be at least 1 (or None: all at once), got {loads_at_once}")
         self.model = model
+        self._loading = asyncio.Semaphore(loads_at_once) if loads_at_once else None
         self._clients: dict[str, ExpertClient] = {}
 
     def _client(self, address: str) -> ExpertClient:
@@ -60,7 +66,7 @@ class Replanner:
         """Load, switch (`switch` returns once no step uses `before` any more), unload."""
         moves = moves_between(before, after)
         started = time.perf_counter()
-        loaded = await asyncio.gather(*(self._client(a).load(keys) for a, keys in moves.load.items()))
+        loaded = await asyncio.gather(*(self._load(a, keys) for a, keys in moves.load.items()))
         load_s = time.perf_counter() - started
         await switch()
         switch_s = time.perf_counter() - started - load_s
@@ -70,6 +76,12 @@ class Replanner:
             {a: r.device_bytes for a, r in zip(moves.unload, freed)}  # the Unload's, where a function had both
         return Repointed(moves, sum(r.bytes_loaded for r in loaded), sum(r.bytes_freed for r in freed),
                          device_bytes, load_s, switch_s, unload_s)
+
+    async def _load(self, address: str, keys: tuple[ExpertKey, ...]) -> pb.LoadResponse:
+        if self._loading is None:
+            return await self._client(address).load(keys)
+        async with self._loading:
+            return await self._client(address).load(keys)
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}

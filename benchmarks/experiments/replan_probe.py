@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--replans", type=int, default=8)
     parser.add_argument("--slowest", type=int, default=5, help="re-plan steps to split into their calls")
     parser.add_argument("--json", type=Path, help="write the steps and calls here")
+    parser.add_argument("--loads-at-once", type=int, default=0,
+                        help="processes that Load at the same time (Replanner's loads_at_once; 0: all)")
     parser.add_argument("--working-memory-mib", type=int, default=0,
                         help="each process's allocator cap beside the experts it holds (kubemoe expert-fn's flag, as "
                              "moeless_live.py gives it: 2048); 0: uncapped")
@@ -137,7 +139,7 @@ def main() -> None:
             dispatcher = Dispatcher(adapter, checkpoint, DispatchConfig(model=model, shm_dir=Path(shm)),
                                     LoadRecorder(model, "probe"), dtype, device)
             mover = LoopThread("kubemoe-replan")
-            replanner = Replanner(model)
+            replanner = Replanner(model, args.loads_at_once or None)
             serving = {"version": -1}
             applied = threading.Condition()
 
@@ -226,7 +228,7 @@ def phase_of(step: dict, replans: list[dict]) -> str:
 
 def report(steps: list[dict], replans: list[dict], args) -> None:
     sharing = gpu_sharing(torch.device(args.device))
-    print(f"processes share the GPU by {sharing}")
+    print(f"processes share the GPU by {sharing}; {args.loads_at_once or 'all'} of them Load at once")
     for s in steps:
         s["phase"] = phase_of(s, replans)
     print(f"{'phase':>8} {'steps':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'boundary max ms':>16}")
@@ -241,6 +243,7 @@ def report(steps: list[dict], replans: list[dict], args) -> None:
     if steady.size and during.size:
         print(f"re-plan steps' p99 / steady p99: {np.percentile(during, 99) / np.percentile(steady, 99):.2f}  "
               f"(max {during.max() / np.percentile(steady, 99):.2f})")
+        print(f"re-plan steps' p50 / steady p50: {np.median(during) / np.median(steady):.2f}")
     for r in replans:
         print(f"re-plan: loaded {r['loaded']}, load {r['load_s'] * 1e3:.1f} ms, switch {r['switch_s'] * 1e3:.1f} ms, "
               f"unload {r['unload_s'] * 1e3:.1f} ms")
@@ -259,7 +262,7 @@ def report(steps: list[dict], replans: list[dict], args) -> None:
     served = [seconds for began, seconds in FULL_GC if began >= steps[0]["start"]]  # not settle()'s own
     print(f"full garbage collections while serving: {len(served)}, the longest {max(served, default=0) * 1e3:.1f} ms")
     if args.json:
-        args.json.write_text(json.dumps({"gpu_sharing": sharing, "steps": steps, "replans": replans, "calls": CALLS,
+        args.json.write_text(json.dumps({"gpu_sharing": sharing, "loads_at_once": args.loads_at_once, "steps": steps, "replans": replans, "calls": CALLS,
                                          "full_gc": FULL_GC}))
 
 

@@ -2,8 +2,10 @@
 the frontend serves, and no call fails or computes anything else than the in-process experts."""
 
 import threading
+import time
 
 import grpc
+import pytest
 import torch
 
 from kubemoe.adapters import MoEAdapter
@@ -164,3 +166,53 @@ def test_a_replanner_opens_one_channel_per_function_for_all_its_replans(tiny_che
     assert [m.moves.load for m in moved] == [{a: ((layer, 0),)}, {b: ((layer, 0),)}, {a: ((layer, 0),)}]
     assert (layer, 0) in held[0] and held[1] == {(layer, 1)}  # it went to b and back, and was unloaded there
     assert sorted(opened) == sorted([a, b]), f"channels opened: {opened}"
+
+
+def test_a_replanner_lets_only_loads_at_once_functions_load_at_the_same_time(tiny_checkpoint):
+    """Functions sharing a host share its memory bandwidth and its link to the GPUs with the steps'
+    calls: `loads_at_once` bounds how many Load together; by default all do."""
+    path = tiny_checkpoint("mixtral")
+    adapter = MoEAdapter.from_checkpoint(path)
+    layer, model = adapter.moe_layers[0], default_model_id(path)
+    bundles = per_expert([layer], 3)  # the tables name only these
+    names = ["a", "b", "c"]
+    servers = ExpertServers(path, [Bundle(n, ((layer, i),)) for i, n in enumerate(names)])
+    addresses = [servers.addresses[n][0] for n in names]
+    loading, most = [0], [0]
+    lock = threading.Lock()
+    for built in servers.servers:
+        def slow_load(keys, load=built.servicer.store.load):
+            with lock:
+                loading[0] += 1
+                most[0] = max(most[0], loading[0])
+            try:
+                time.sleep(0.3)  # long enough that Loads let go together overlap
+                return load(keys)
+            finally:
+                with lock:
+                    loading[0] -= 1
+        built.servicer.store.load = slow_load
+    before = table_for_bundles(model, bundles, {f"l{layer}-e{i}": [a] for i, a in enumerate(addresses)})
+    after = table_for_bundles(model, bundles, {f"l{layer}-e{i}": [a, addresses[(i + 1) % 3]]
+                                               for i, a in enumerate(addresses)}, version=2)
+    mover = LoopThread("replan-test")
+
+    async def switch():
+        pass
+
+    try:
+        concurrency = {}
+        for at_once in (1, None):
+            most[0] = 0
+            replanner = Replanner(model, loads_at_once=at_once)
+            moved = mover.run(replanner.repoint(before, after, switch), timeout=60)
+            mover.run(replanner.repoint(after, before, switch), timeout=60)  # back, for the next pass
+            mover.run(replanner.close(), timeout=30)
+            assert len(moved.moves.load) == 3
+            concurrency[at_once] = most[0]
+    finally:
+        mover.stop()
+        servers.stop()
+    assert concurrency == {1: 1, None: 3}
+    with pytest.raises(ValueError, match="loads_at_once must be at least 1"):
+        Replanner(model, loads_at_once=0)
