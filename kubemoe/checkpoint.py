@@ -97,7 +97,7 @@ class Checkpoint:
         tensor = self._read_mapped(name, index)
         if copy is None or torch.device(device).type == "cpu":
             return tensor.to(device=device, dtype=dtype or tensor.dtype)
-        return copy(torch.empty(tensor.shape, dtype=tensor.dtype, device=device), tensor).to(dtype or tensor.dtype)
+        return _place(torch.empty(tensor.shape, dtype=dtype or tensor.dtype, device=device), tensor, copy)
 
     def read_into(
         self,
@@ -112,11 +112,7 @@ class Checkpoint:
         if list(tensor.shape) != list(target.shape):
             raise ValueError(f"{name}{'' if index is None else f'[{index}]'} has shape {list(tensor.shape)}, "
                              f"not the target's {list(target.shape)}")
-        if copy is None or target.device.type == "cpu":
-            return target.copy_(tensor)
-        if tensor.dtype == target.dtype:
-            return copy(target, tensor)
-        return target.copy_(copy(torch.empty(tensor.shape, dtype=tensor.dtype, device=target.device), tensor))
+        return _place(target, tensor, copy)
 
     def _read_mapped(self, name: str, index: int | None) -> torch.Tensor:
         part = self._handle(name).get_slice(name)
@@ -124,3 +120,14 @@ class Checkpoint:
 
     def nbytes(self) -> int:
         return sum((self.path / f).stat().st_size for f in set(self.weight_map.values()))
+
+
+def _place(target: torch.Tensor, tensor: torch.Tensor,
+           copy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """target <- tensor (as read: a view of the mapped file) through `copy` where target is off the CPU: straight
+    in where their dtypes match, else through a tensor of the checkpoint's dtype there, converted on the device."""
+    if copy is None or target.device.type == "cpu":
+        return target.copy_(tensor)
+    if tensor.dtype == target.dtype:
+        return copy(target, tensor)
+    return target.copy_(copy(torch.empty(tensor.shape, dtype=tensor.dtype, device=target.device), tensor))
