@@ -23,7 +23,7 @@ from kubemoe.errors import KubemoeError
 from kubemoe.gc_freeze import settle
 from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
-from kubemoe.devices import allocator_memory
+from kubemoe.devices import allocator_cap, allocator_reserved
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.frames import DataPort
 from kubemoe.expert_fn.follow import TableFollower
@@ -105,8 +105,7 @@ async def build_server(
     servicer = ExpertServicer(config, store, metrics or ExpertFnMetrics(config.bundle_spec),
                               health_aio.HealthServicer())
     if config.device.type == "cuda":
-        servicer.metrics.watch_device(lambda: allocator_memory(config.device)[0],
-                                      lambda: allocator_memory(config.device)[1])
+        servicer.metrics.watch_device(lambda: allocator_reserved(config.device), lambda: allocator_cap(config.device))
     server = grpc.aio.server(options=[*grpc_options(config.max_message_bytes), EXCLUSIVE_PORT])
     pb_grpc.add_ExpertServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)

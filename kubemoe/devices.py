@@ -61,14 +61,20 @@ def cap_device_memory(device: torch.device, nbytes: int) -> None:
     torch.cuda.set_per_process_memory_fraction(min(nbytes, total) / total if nbytes > 0 else 1.0, index)
 
 
-def allocator_memory(device: torch.device) -> tuple[int, int]:
-    """(what this process's CUDA allocator holds on `device`, its cache included; its cap, 0: none)."""
+def allocator_reserved(device: torch.device) -> int:
+    """What this process's CUDA allocator holds on `device`, its cache included."""
+    import torch
+
+    return torch.cuda.memory_reserved(_cuda_index(device))
+
+
+def allocator_cap(device: torch.device) -> int:
+    """The most this process's CUDA allocator may hold on `device` (cap_device_memory); 0: no cap."""
     import torch
 
     index = _cuda_index(device)
     fraction = torch.cuda.get_per_process_memory_fraction(index)
-    cap = int(fraction * torch.cuda.get_device_properties(index).total_memory) if fraction < 1 else 0
-    return torch.cuda.memory_reserved(index), cap
+    return int(fraction * torch.cuda.get_device_properties(index).total_memory) if fraction < 1 else 0
 
 
 def _cuda_index(device: torch.device) -> int:

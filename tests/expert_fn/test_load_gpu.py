@@ -14,7 +14,7 @@ import torch
 
 from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
-from kubemoe.devices import allocator_memory, cap_device_memory
+from kubemoe.devices import allocator_cap, cap_device_memory
 from kubemoe.expert_fn.batcher import Job, run_round
 from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.shm import HEADER_BYTES, Segment
@@ -190,9 +190,9 @@ def test_a_working_memory_cap_follows_what_the_store_holds(mixtral_sized):
 
     def settled_at(nbytes: int) -> int:  # -> the cap (as the metrics read it) once it is at most nbytes, or in 10 s
         deadline = time.monotonic() + 10
-        while allocator_memory(cuda)[1] > nbytes + (1 << 20) and time.monotonic() < deadline:
+        while allocator_cap(cuda) > nbytes + (1 << 20) and time.monotonic() < deadline:
             time.sleep(0.02)
-        return allocator_memory(cuda)[1]
+        return allocator_cap(cuda)
 
     try:
         store.load([(layer, 0)])
