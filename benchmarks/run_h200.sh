@@ -123,7 +123,7 @@ case "${1:-all}" in
     python3 benchmarks/experiments/disagg_step_probe.py --device cuda --preset mixtral-4l --layers 2 --out "$OUT" "${@:2}" ;;
   replan-probe)  # issue 14: where a step stalls while the table is re-planned in place, per phase and call, over 8
     # Mixtral-sized expert-function processes on this GPU (experiments/replan_probe.py; ~1 min; ARGS: e.g.
-    # --working-memory-mib 2048 for moeless_live's cap)
+    # --working-memory-mib 2048 for moeless_live's cap, --loads-at-once 1 for one Load at a time)
     python3 benchmarks/experiments/replan_probe.py --device cuda --hidden 4096 --intermediate 14336 --processes 8 \
       --experts 16 --moves 2 --tokens 256 --json "$OUT/replan_probe.json" "${@:2}" ;;
   grouped-slots)  # issue 15: one grouped FFN over the offload store's slot stack vs one FFN each (experiments/grouped_slots_probe.py)

@@ -13,6 +13,7 @@ every frontend's step boundary.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable
@@ -31,6 +32,7 @@ class Repointed:
     bytes_freed: int
     device_bytes: dict[str, int]  # what the experts of each function it changed take on the device afterwards
     load_s: float     # until every gained expert was in
+    load_spans: dict[str, tuple[float, float]]  # each loading function's Load: from and to, seconds into the re-plan
     switch_s: float   # until the frontend served with the new table
     unload_s: float
 
@@ -66,7 +68,8 @@ class Replanner:
         """Load, switch (`switch` returns once no step uses `before` any more), unload."""
         moves = moves_between(before, after)
         started = time.perf_counter()
-        loaded = await asyncio.gather(*(self._load(a, keys) for a, keys in moves.load.items()))
+        spans: dict[str, tuple[float, float]] = {}
+        loaded = await asyncio.gather(*(self._load(a, keys, started, spans) for a, keys in moves.load.items()))
         load_s = time.perf_counter() - started
         await switch()
         switch_s = time.perf_counter() - started - load_s
@@ -75,13 +78,15 @@ class Replanner:
         device_bytes = {a: r.device_bytes for a, r in zip(moves.load, loaded)} | \
             {a: r.device_bytes for a, r in zip(moves.unload, freed)}  # the Unload's, where a function had both
         return Repointed(moves, sum(r.bytes_loaded for r in loaded), sum(r.bytes_freed for r in freed),
-                         device_bytes, load_s, switch_s, unload_s)
+                         device_bytes, load_s, spans, switch_s, unload_s)
 
-    async def _load(self, address: str, keys: tuple[ExpertKey, ...]) -> pb.LoadResponse:
-        if self._loading is None:
-            return await self._client(address).load(keys)
-        async with self._loading:
-            return await self._client(address).load(keys)
+    async def _load(self, address: str, keys: tuple[ExpertKey, ...], started: float,
+                    spans: dict[str, tuple[float, float]]) -> pb.LoadResponse:
+        async with self._loading or contextlib.nullcontext():
+            begun = time.perf_counter() - started
+            loaded = await self._client(address).load(keys)
+            spans[address] = (begun, time.perf_counter() - started)
+            return loaded
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}

@@ -203,6 +203,7 @@ def main() -> None:
                                         "switch_end": begun + done.load_s + done.switch_s,
                                         "end": begun + done.load_s + done.switch_s + done.unload_s,
                                         "loaded": sum(map(len, done.moves.load.values())),
+                                        "loading": [[begun + a, begun + b] for a, b in done.load_spans.values()],
                                         "load_s": done.load_s, "switch_s": done.switch_s, "unload_s": done.unload_s})
                         current, moving = moving[1], None
                 while moving is not None and not moving[0].done():
@@ -244,6 +245,15 @@ def report(steps: list[dict], replans: list[dict], args) -> None:
         print(f"re-plan steps' p99 / steady p99: {np.percentile(during, 99) / np.percentile(steady, 99):.2f}  "
               f"(max {during.max() / np.percentile(steady, 99):.2f})")
         print(f"re-plan steps' p50 / steady p50: {np.median(during) / np.median(steady):.2f}")
+    loaders: dict[int, list[float]] = {}  # step times by the processes Loading at the step's middle
+    for s in steps:
+        if s["phase"] == "load":
+            middle = (s["start"] + s["end"]) / 2
+            n = sum(a <= middle <= b for r in replans for a, b in r["loading"])
+            loaders.setdefault(n, []).append(s["step"] * 1e3)
+    for n, ms in sorted(loaders.items()):
+        print(f"load steps with {n} processes Loading: {len(ms)}, p50 {np.median(ms):.2f} ms, "
+              f"p99 {np.percentile(ms, 99):.2f} ms")
     for r in replans:
         print(f"re-plan: loaded {r['loaded']}, load {r['load_s'] * 1e3:.1f} ms, switch {r['switch_s'] * 1e3:.1f} ms, "
               f"unload {r['unload_s'] * 1e3:.1f} ms")

@@ -201,7 +201,7 @@ def test_a_replanner_lets_only_loads_at_once_functions_load_at_the_same_time(tin
         pass
 
     try:
-        concurrency = {}
+        concurrency, spans = {}, {}
         for at_once in (1, None):
             most[0] = 0
             replanner = Replanner(model, loads_at_once=at_once)
@@ -210,9 +210,13 @@ def test_a_replanner_lets_only_loads_at_once_functions_load_at_the_same_time(tin
             mover.run(replanner.close(), timeout=30)
             assert len(moved.moves.load) == 3
             concurrency[at_once] = most[0]
+            spans[at_once] = sorted(moved.load_spans.values())
     finally:
         mover.stop()
         servers.stop()
     assert concurrency == {1: 1, None: 3}
+    one_by_one = spans[1]  # as the frontend saw them: each Load began once the one before it had ended
+    assert len(one_by_one) == 3 and all(ended <= begun for (_, ended), (begun, _) in zip(one_by_one, one_by_one[1:]))
+    assert all(begun < 0.1 for begun, _ in spans[None])
     with pytest.raises(ValueError, match="loads_at_once must be at least 1"):
         Replanner(model, loads_at_once=0)
