@@ -478,9 +478,12 @@ def main() -> None:
             redundant: list[int] = []  # per repeat, EPLB's redundant replicas a layer: as many as kubemoe held
             kubemoe_counts: list[float] = []  # the repeat's replicas a layer at each kubemoe plan
             try:
-                # Warm-up: every process's first calls (CUDA context, graphs, lanes) outside the measurement.
+                # Warm-up, outside the measurement: every process's first calls (CUDA context, graphs, lanes) and
+                # every shape the stream has (cuBLAS's choices, the allocators' pools). After three iterations,
+                # the first plan served (static) was still the slowest of its kind: on the H100 9.1 and 10.9 ms a
+                # decode layer in the first repeat, against 7.0-8.0 in the next two (time-sliced and MPS, b69baac).
                 driver.install(static_table)
-                driver.serve(Stream(stream.regime[:3], stream.experts[:3], stream.predicted[:3]), lambda t: None)
+                driver.serve(stream, lambda t: None)
                 settle()  # as a frontend process does once ready (kubemoe/gc_freeze.py)
                 for repeat in range(args.repeats):  # a repeat after the first starts where the oracle left: static's table
                     served = {"static": driver.serve(stream, lambda t: None)}
