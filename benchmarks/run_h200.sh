@@ -2,7 +2,7 @@
 # Run kubemoe's GPU benchmarks and tests on the lent H200 (the device tool), carrying .whl (the runtime wheels at
 # kubemoe's versions: the machine's image has older ones) and, for the tests, .whl-test; both are built here by
 # `bash benchmarks/device_wheels.sh`. Results go into $OUT.
-# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|replan-probe|dispatch-calls|call-cpu|offload-ab|grouped-slots|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab [ARGS]
+# Usage there: KUBEMOE_COMMIT=<sha> bash benchmarks/run_h200.sh expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|replan-probe|replan-ab|dispatch-calls|call-cpu|offload-ab|grouped-slots|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab [ARGS]
 # (gpu-tests [PATHS]: the GPU tests under PATHS, default all of tests/)
 # (the tree arrives without .git, so the commit it was taken from is passed in; ARGS go to the benchmark).
 set -euo pipefail
@@ -26,6 +26,10 @@ if [ "${KUBEMOE_MPS:-0}" = 1 ]; then  # processes share the GPU through MPS (con
   fi
 fi
 python3 -c 'import torch, transformers, grpc; print("torch", torch.__version__, "transformers", transformers.__version__, "grpc", grpc.__version__)'
+replan_probe() {  # 8 Mixtral-sized expert-function processes on this GPU, 2 experts a layer moved a re-plan
+  python3 benchmarks/experiments/replan_probe.py --device cuda --hidden 4096 --intermediate 14336 --processes 8 \
+    --experts 16 --moves 2 --tokens 256 "$@"
+}
 case "${1:-all}" in
   expert_fn) python3 benchmarks/expert_fn_overhead.py --device cuda --out "$OUT" "${@:2}" ;;
   gpu-tests)
@@ -124,8 +128,17 @@ case "${1:-all}" in
   replan-probe)  # issue 14: where a step stalls while the table is re-planned in place, per phase and call, over 8
     # Mixtral-sized expert-function processes on this GPU (experiments/replan_probe.py; ~1 min; ARGS: e.g.
     # --working-memory-mib 2048 for moeless_live's cap, --loads-at-once 1 for one Load at a time)
-    python3 benchmarks/experiments/replan_probe.py --device cuda --hidden 4096 --intermediate 14336 --processes 8 \
-      --experts 16 --moves 2 --tokens 256 --json "$OUT/replan_probe.json" "${@:2}" ;;
+    replan_probe --json "$OUT/replan_probe.json" "${@:2}" ;;
+  replan-ab)  # issue 14: replan-probe with every function Loading at once (as before) and one at a time, twice in
+    # turn (~5 min): do steps beside Loads slow down less when fewer processes Load together? ARGS go to each run
+    for round in 1 2; do
+      for at_once in 0 1; do
+        echo "# loads at once: ${at_once/#0/all}, round $round"
+        run="$OUT/replan_probe_${at_once}_$round"
+        replan_probe --loads-at-once "$at_once" --json "$run.json" "${@:2}" > "$run.log" 2>&1 || { tail -20 "$run.log"; exit 1; }
+        grep -A14 "^processes share" "$run.log" | grep -v "^  step\|^the .* slowest\|^a call"
+      done
+    done ;;
   grouped-slots)  # issue 15: one grouped FFN over the offload store's slot stack vs one FFN each (experiments/grouped_slots_probe.py)
     python3 benchmarks/experiments/grouped_slots_probe.py --device cuda --out "$OUT" "${@:2}" ;;
   step-flags)  # issue 17: a layer handed between processes by flags in device memory (experiments/step_flags_probe.py)
@@ -133,5 +146,5 @@ case "${1:-all}" in
   chunked-prefill)  # issue 17 item 3: how long a 4000-token prompt stalls 8 decoding requests, chunked (budget
     # 2048, 512) against one-shot prefill; Mixtral sizes cut to 2 layers, in-process experts (~3 min)
     python3 benchmarks/chunked_prefill.py --device cuda --preset mixtral-4l --layers 2 --batch 8 --long 4000 --out "$OUT" "${@:2}" ;;
-  *) echo "usage: $0 expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|replan-probe|dispatch-calls|call-cpu|offload-ab|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
+  *) echo "usage: $0 expert_fn|frontend|frontend-full|frontend-mixtral|chunked-prefill|predictor|llapor|offload|moeless-live|replan-probe|replan-ab|dispatch-calls|call-cpu|offload-ab|decode-step|engine-step|prefill-step|disagg-step|step-flags|gpu-tests|probe|profile|goal-ab BASE" >&2; exit 2 ;;
 esac
