@@ -272,8 +272,8 @@ def report(steps: list[dict], replans: list[dict], args) -> None:
     served = [seconds for began, seconds in FULL_GC if began >= steps[0]["start"]]  # not settle()'s own
     print(f"full garbage collections while serving: {len(served)}, the longest {max(served, default=0) * 1e3:.1f} ms")
     if args.json:
-        args.json.write_text(json.dumps({"gpu_sharing": sharing, "loads_at_once": args.loads_at_once, "steps": steps, "replans": replans, "calls": CALLS,
-                                         "full_gc": FULL_GC}))
+        args.json.write_text(json.dumps({"gpu_sharing": sharing, "loads_at_once": args.loads_at_once, "steps": steps,
+                                         "replans": replans, "calls": CALLS, "full_gc": FULL_GC}))
 
 
 if __name__ == "__main__":
