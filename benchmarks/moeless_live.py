@@ -30,7 +30,9 @@ the last Unload are re-plan steps; the others steady.
 
 Measured by the driver (the frontend): each MoE layer's forward (`Dispatcher.run_layer`, CUDA
 synchronised) -> mean / p50 / p99 / CDF points; tokens/s over the stream; GPU memory x time (the
-bytes of the replicas each plan holds, times the wall time it holds them, per 1000 tokens).
+bytes of the replicas each plan holds, times the wall time it holds them, per 1000 tokens); the experts'
+parts a layer sends (its metrics' kubemoe_frontend_expert_parts_total: an expert split over n replicas
+counts n, and on one GPU each part reads the expert's weights once more).
 On one H200 the P processes share one GPU: time-sliced, kernels of different processes queue on it;
 under MPS (KUBEMOE_MPS=1 in run_h200.sh; results in moeless_live_mps_*.json) they run side by side on
 its SMs. Either way a plan's balance across processes buys far less than across P real GPUs (each
@@ -71,6 +73,7 @@ from kubemoe.frontend.dispatch import DispatchConfig, Dispatcher  # noqa: E402
 from kubemoe.frontend.embedded import expert_processes  # noqa: E402
 from kubemoe.frontend.loads import LoadRecorder  # noqa: E402
 from kubemoe.frontend.loop_thread import LoopThread  # noqa: E402
+from kubemoe.frontend.metrics import FrontendMetrics  # noqa: E402
 from kubemoe.frontend.replan import Replanner  # noqa: E402
 from kubemoe.gc_freeze import settle  # noqa: E402
 from kubemoe.planning.baselines import eplb, static_ep  # noqa: E402
@@ -151,6 +154,7 @@ class Served:
     """What serving one plan over the stream measured."""
 
     layer_s: dict[str, list[float]] = field(default_factory=lambda: {"decode": [], "prefill": []})
+    parts: dict[str, list[float]] = field(default_factory=lambda: {"decode": [], "prefill": []})  # per step, all layers
     # (seconds, during a re-plan, began at: seconds into the stream) of each step
     step_s: dict[str, list[tuple[float, bool, float]]] = field(default_factory=lambda: {"decode": [], "prefill": []})
     tokens: int = 0
@@ -237,6 +241,7 @@ class Driver:
         """Serve the stream; `plans(t)` returns a new table to move to at iteration t, or None."""
         served = Served()
         hidden_cache: dict[int, torch.Tensor] = {}
+        parts = self._parts()
         moving = None
         started = time.perf_counter()
         for t in range(len(stream.regime)):
@@ -268,6 +273,9 @@ class Driver:
                 served.layer_s[regime].append(time.perf_counter() - begin)
             step_s = time.perf_counter() - step
             served.step_s[regime].append((step_s, in_replan, step - started))
+            total = self._parts()
+            served.parts[regime].append(total - parts)
+            parts = total
             served.tokens += tokens
             held = sum(len(keys) for keys in held_by_address(self.table).values())
             device_bytes = sum(self.device_bytes.values())  # what the stacks take, empty slots included
@@ -294,6 +302,11 @@ class Driver:
         served.seconds = time.perf_counter() - started
         served.full_gc_s = self.collections.within(started, time.perf_counter())
         return served
+
+    def _parts(self) -> float:
+        """Experts' tokens the dispatcher has sent so far, one per expert and call (its metrics): an expert split
+        over n replicas counts n, and each part reads the expert's weights on a GPU."""
+        return self.dispatcher.metrics.registry.get_sample_value("kubemoe_frontend_expert_parts_total") or 0.0
 
     def _step_boundary(self) -> None:
         """Between steps: take a pending table, and tell a waiting re-plan which table steps use now."""
@@ -333,6 +346,7 @@ def summarize(name: str, served: Served) -> dict:
         row[f"{regime}_mean_ms"] = float(ms.mean())
         row[f"{regime}_p50_ms"] = float(np.percentile(ms, 50))
         row[f"{regime}_p99_ms"] = float(np.percentile(ms, 99))
+        row[f"{regime}_parts_per_layer"] = sum(served.parts[regime]) / len(times)
         row[f"{regime}_cdf_ms"] = {str(q): float(np.percentile(ms, q)) for q in PERCENTILES}
         steps = served.step_s[regime]
         steady = [s for s, replan, _ in steps if not replan]
@@ -470,7 +484,8 @@ def main() -> None:
                       "GiB; its allocator's cap:", f"what it holds + {working / 2**30:.1f} GiB" if working else "none",
                       flush=True)
             dispatcher = Dispatcher(adapter, checkpoint, DispatchConfig(model=model, shm_dir=Path(shm)),
-                                    LoadRecorder(model, "live"), dtype, device)
+                                    LoadRecorder(model, "live"), dtype, device,
+                                    metrics=FrontendMetrics("live"))  # as a frontend serves; its parts counted
             driver = Driver(dispatcher, adapter, model, expert_bytes, device, dtype, args.loads_at_once or None)
             version = iter(range(1, 10**6))
             static_table = table_of(static, L, E, addresses, model, next(version))
@@ -527,7 +542,8 @@ def main() -> None:
             for repeat, served in enumerate(rounds) for name, result in served.items()]
     print_table(rows, [("repeat", "#", "d"), ("plan", "plan", ""), ("decode_mean_ms", "decode ms", ".3f"),
                        ("decode_p99_ms", "p99", ".3f"), ("prefill_mean_ms", "prefill ms", ".3f"),
-                       ("prefill_p99_ms", "p99", ".3f"), ("tokens_per_s", "tokens/s", ".0f"),
+                       ("prefill_p99_ms", "p99", ".3f"), ("decode_parts_per_layer", "parts", ".1f"),
+                       ("prefill_parts_per_layer", "parts", ".1f"), ("tokens_per_s", "tokens/s", ".0f"),
                        ("gb_s_per_1k_tokens", "GB.s/1k tok", ".3f"), ("replicas_mean", "replicas", ".1f"),
                        ("device_gib_mean", "GiB held", ".1f"), ("replans", "replans", "d"), ("full_gc_max_ms", "full GC ms", ".1f")])
     for row in rows:  # what the re-plan steps ran beside: steps and p99 of each part, against the steady steps' p99

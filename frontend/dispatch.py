@@ -483,7 +483,9 @@ class Dispatcher:
         if self.metrics:
             self.metrics.linked_steps.labels("void" if failed else "ok").inc()
             if not failed:
-                self.metrics.expert_calls.inc(sum(len(plan) for plan in links.plans.values()))
+                plans = links.plans.values()
+                self.metrics.expert_calls.inc(sum(len(plan) for plan in plans))
+                self.metrics.expert_parts.inc(sum(len(experts) for plan in plans for experts in plan.values()))
         if not failed:
             self.linked_layers += len(links.plans)
             self.link_waits.append((links.answers_s, links.end_s))
@@ -661,6 +663,7 @@ class Dispatcher:
         replica.picks += 1
         if self.metrics:
             self.metrics.expert_calls.inc()
+            self.metrics.expert_parts.inc(len(call.pieces))
         tokens = sum(p.count for p in call.pieces)
         replica.inflight_tokens += tokens
         run = call.run

@@ -36,6 +36,9 @@ class FrontendMetrics:
             ["deployment", "layer"], registry=r)
         self.expert_calls = Counter("kubemoe_frontend_expert_calls", "Calls to expert functions, retries included "
                                     "(one per function and MoE layer of a step, whichever bundles it serves)", registry=r)
+        self.expert_parts = Counter("kubemoe_frontend_expert_parts", "Experts' tokens sent to expert functions, one "
+                                    "per expert and call (retries included): more than the experts called where a hot "
+                                    "expert's tokens are split over its replicas", registry=r)
         self.expert_retries = Counter("kubemoe_frontend_expert_retries", "Expert calls retried on another replica",
                                       ["bundle"], registry=r)
         self.linked_steps = Counter("kubemoe_frontend_linked_steps", "Decode steps handed to expert functions on "

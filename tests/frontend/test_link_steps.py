@@ -27,6 +27,7 @@ def test_a_settled_step_counts_and_a_void_one_drops_the_links_that_failed_it(tin
         dispatcher._step_linked(step, {})
         assert dispatcher.linked_layers == 2 and list(dispatcher.link_waits) == [(0.001, 0.002)]
         assert metrics.expert_calls._value.get() == 3 and metrics.linked_steps.labels("ok")._value.get() == 1
+        assert metrics.expert_parts._value.get() == 4  # each linked expert once
         assert dispatcher.generation == generation and dispatcher.launches_ahead
         dispatcher._step_linked(step, {"a:1": "the expert function closed the link during the step"})
         assert a.closed and not b.closed and set(dispatcher._links) == {"b:2"} and "a:1" in dispatcher._link_retry

@@ -161,6 +161,8 @@ def test_a_hot_experts_tokens_split_across_two_replicas_equal_the_in_process_pat
         split = fe.dispatcher.run_layer(layer, hidden, index, weights)
         replicas = fe.dispatcher._replicas
         assert len(replicas) == 2 and all(r.picks == 1 and r.inflight_tokens == 0 for r in replicas.values())
+        parts = fe.metrics.registry.get_sample_value("kubemoe_frontend_expert_parts_total")
+        assert len(index.unique()) < parts <= 2 * len(index.unique())  # some experts' tokens went to both replicas
         assert replies_in_place == [False, False]
     finally:
         fe.close()
@@ -200,10 +202,12 @@ def test_a_function_serving_many_bundles_gets_one_call_per_layer_equal_to_the_in
         before = calls("kubemoe_frontend_expert_calls_total") or 0
         remote = fe.dispatcher.run_layer(layer, hidden, index, weights)
         made = calls("kubemoe_frontend_expert_calls_total") - before
+        parts = calls("kubemoe_frontend_expert_parts_total")
     finally:
         fe.close()
         servers.stop()
     assert made == (len(index.unique()) if calls_per_bundle else 1)
+    assert parts == len(index.unique())  # one replica each: every expert's tokens in one part, however they are called
     assert replies_in_place == [True] * int(made)
     assert fe.dispatcher._replicas[address].picks == made
     torch.testing.assert_close(remote, in_process, rtol=1.3e-6, atol=1e-5)

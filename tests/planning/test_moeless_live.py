@@ -25,6 +25,13 @@ def test_live_benchmark_serves_every_plan_and_replans_in_place(tmp_path):
         (repeat, plan) for repeat in (0, 1) for plan in ("static", "kubemoe", "eplb", "oracle")]
     plans = {row["plan"]: row for row in doc["raw"] if row["repeat"] == 1}
     assert all(row["tokens_per_s"] > 0 and row["decode_p99_ms"] >= row["decode_p50_ms"] > 0 for row in plans.values())
+    # Experts' parts a layer sends: one per expert with tokens (the oracle deals a prefill's to all 16), more where a
+    # plan with replicas splits an expert's tokens over them
+    assert plans["oracle"]["prefill_parts_per_layer"] == 16
+    for regime in ("decode", "prefill"):
+        static = plans["static"][f"{regime}_parts_per_layer"]
+        assert 1 <= static <= 16
+        assert all(static <= plans[name][f"{regime}_parts_per_layer"] <= 3 * 16 for name in ("kubemoe", "eplb"))
     assert plans["static"]["replans"] == 0 and plans["kubemoe"]["replans"] >= 1 and plans["eplb"]["replans"] >= 1
     expert_gib = doc["expert_mib"] / 1024  # cost counts what the stacks take: each plan starts from exact stacks
     for name in ("static", "oracle"):
