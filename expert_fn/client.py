@@ -230,9 +230,9 @@ class ExpertClient:
     async def call(self, layer: int, experts: Sequence[int], counts: Sequence[int], hidden: torch.Tensor, *,
                    request_id: str = "", timeout: float | None = None,
                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, pb.ServerTiming]:
-        """forward(), and the server's timing of the call (for benchmarks and tools). A tensor larger than
-        one part goes as several calls, cut at row boundaries (the timing is the first's); their outputs
-        are joined in order. With `out` the reply is copied from where it arrived straight into it (a
+        """forward(), and the server's timing of the call. A tensor larger than one part goes as several
+        calls, cut at row boundaries (the timing is their sum: the server's time on all of them); their
+        outputs are joined in order. With `out` the reply is copied from where it arrived straight into it (a
         frontend's buffer on the GPU: one copy, no tensor of its own)."""
         stream = None if not self.streaming else self._stream if self._stream is not None else await self._open(timeout)
         # Through a segment (shared memory, or a TCP lane's arena) a part is at most half of it, two in flight:
@@ -254,7 +254,12 @@ class ExpertClient:
                                            timeout=timeout, out=None if out is None else out[start:end])
 
             parts = await asyncio.gather(*(part(n, *span) for n, span in enumerate(spans)))
-            return (torch.cat([y for y, _ in parts]) if out is None else out), parts[0][1]
+            timing = pb.ServerTiming()
+            for _, part_timing in parts:
+                timing.queue_seconds += part_timing.queue_seconds
+                timing.compute_seconds += part_timing.compute_seconds
+                timing.total_seconds += part_timing.total_seconds
+            return (torch.cat([y for y, _ in parts]) if out is None else out), timing
         request = pb.ForwardRequest(model=self.model, request_id=request_id or next(self._ids), layer=layer,
                                     experts=experts, counts=counts)
         if stream is not None:

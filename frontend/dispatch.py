@@ -668,9 +668,11 @@ class Dispatcher:
         replica.inflight_tokens += tokens
         run = call.run
         try:
-            reply = await self._client(address).forward(
+            reply, timing = await self._client(address).call(
                 layer, [p.expert for p in call.pieces], [p.count for p in call.pieces], call.x, request_id=request_id,
                 timeout=self.config.call_timeout, out=None if run is None else y[run[0]:run[1]])
+            if self.metrics:
+                self.metrics.expert_busy_seconds.inc(len(call.pieces) * timing.total_seconds)
             return [(call, None if run is not None else reply)]
         except grpc.aio.AioRpcError as e:
             error = e

@@ -39,6 +39,11 @@ class FrontendMetrics:
         self.expert_parts = Counter("kubemoe_frontend_expert_parts", "Experts' tokens sent to expert functions, one "
                                     "per expert and call (retries included): more than the experts called where a hot "
                                     "expert's tokens are split over its replicas", registry=r)
+        # Pay-per-use cost, as serverless platforms (and MoEless) bill: x an expert's bytes, GPU memory x time
+        self.expert_busy_seconds = Counter(
+            "kubemoe_frontend_expert_busy_seconds", "Expert functions' time on this frontend's calls as each reports "
+            "it (request in to reply out), once per expert the call ran (steps over device links not included)",
+            registry=r)
         self.expert_retries = Counter("kubemoe_frontend_expert_retries", "Expert calls retried on another replica",
                                       ["bundle"], registry=r)
         self.linked_steps = Counter("kubemoe_frontend_linked_steps", "Decode steps handed to expert functions on "

@@ -52,7 +52,7 @@ def dispatcher_spans(fe: Frontend):
     """Per remote layer: the dispatcher's pieces and, in the I/O loop, each call's hop and span (ms)."""
     d, spans = fe.dispatcher, {"_run_sorted": [], "_submit": [], "wait": [], "gather": [], "forward": [], "hop": []}
     handed: list[float] = []
-    run_sorted, forward, gather, submit = d._run_sorted, ExpertClient.forward, d._gather, d._submit
+    run_sorted, call, gather, submit = d._run_sorted, ExpertClient.call, d._gather, d._submit
 
     def timed_run_sorted(*args, **kwargs):
         start = time.perf_counter()
@@ -79,21 +79,21 @@ def dispatcher_spans(fe: Frontend):
             spans["wait"].append((mid - start) * 1e3)
             spans["gather"].append((time.perf_counter() - mid) * 1e3)
 
-    async def timed_forward(self, *args, **kwargs):
+    async def timed_call(self, *args, **kwargs):
         start = time.perf_counter()
         if handed:
             spans["hop"].append((start - handed[-1]) * 1e3)
         try:
-            return await forward(self, *args, **kwargs)
+            return await call(self, *args, **kwargs)
         finally:
             spans["forward"].append((time.perf_counter() - start) * 1e3)
 
-    ExpertClient.forward = timed_forward
+    ExpertClient.call = timed_call
     d._gather, d._submit, d._run_sorted = timed_gather, timed_submit, timed_run_sorted
     try:
         yield spans
     finally:
-        ExpertClient.forward = forward
+        ExpertClient.call = call
         del d._gather, d._submit, d._run_sorted
 
 

@@ -117,14 +117,25 @@ def test_split_rows_keeps_every_row_in_order_and_no_part_over_the_limit():
     assert split_rows([], [], rows=4) == []
 
 
-async def test_a_call_larger_than_a_message_goes_as_several_with_the_same_result(tiny_checkpoint, serve):
-    """A long prefill's call (more bytes than --max-message-bytes) is cut at row boundaries, not refused."""
+async def test_a_call_larger_than_a_message_goes_as_several_with_the_same_result(tiny_checkpoint, serve, monkeypatch):
+    """A long prefill's call (more bytes than --max-message-bytes) is cut at row boundaries, not refused; its
+    timing is the server's time on all the parts (what a frontend counts as the experts' busy time)."""
+    from kubemoe.expert_fn.servicer import ExpertServicer
+
     async with serve(tiny_checkpoint("mixtral"), max_message_bytes=1 << 20) as server:
         x = torch.randn(3000, H)  # 1.5 MiB of float32: two messages' worth
         plain = server.client(streaming=False)
         want = torch.cat([await plain.forward(1, [2], [1000], x[:1000]), await plain.forward(1, [5], [2000], x[1000:])])
+        reported, respond = [], ExpertServicer._response
+
+        def recorded(servicer, request, job, started):
+            response = respond(servicer, request, job, started)
+            reported.append(response.timing.total_seconds)
+            return response
+        monkeypatch.setattr(ExpertServicer, "_response", recorded)
         client = server.client(max_message_bytes=1 << 20, tcp=False)
-        got = await client.forward(1, [2, 5], [1000, 2000], x)
+        got, timing = await client.call(1, [2, 5], [1000, 2000], x)
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert len(reported) == 2 and timing.total_seconds == pytest.approx(sum(reported))
         await client.close()
         await plain.close()

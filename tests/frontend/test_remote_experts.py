@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -27,13 +28,13 @@ def replies_in_place(monkeypatch):
     from kubemoe.expert_fn.client import ExpertClient
 
     seen: list[bool] = []
-    forward = ExpertClient.forward
+    call = ExpertClient.call
 
     async def recorded(self, *args, out=None, **kwargs):
         seen.append(out is not None)
-        return await forward(self, *args, out=out, **kwargs)
+        return await call(self, *args, out=out, **kwargs)
 
-    monkeypatch.setattr(ExpertClient, "forward", recorded)
+    monkeypatch.setattr(ExpertClient, "call", recorded)
     return seen
 
 
@@ -200,14 +201,18 @@ def test_a_function_serving_many_bundles_gets_one_call_per_layer_equal_to_the_in
         fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [address] for b in bundles}, version=2))
         fe.dispatcher.apply_pending()
         before = calls("kubemoe_frontend_expert_calls_total") or 0
+        began = time.perf_counter()
         remote = fe.dispatcher.run_layer(layer, hidden, index, weights)
+        wall = time.perf_counter() - began
         made = calls("kubemoe_frontend_expert_calls_total") - before
         parts = calls("kubemoe_frontend_expert_parts_total")
+        busy = calls("kubemoe_frontend_expert_busy_seconds_total")
     finally:
         fe.close()
         servers.stop()
     assert made == (len(index.unique()) if calls_per_bundle else 1)
     assert parts == len(index.unique())  # one replica each: every expert's tokens in one part, however they are called
+    assert 0 < busy < parts * wall  # the function's reported time on each call, once per expert: within the frontend's
     assert replies_in_place == [True] * int(made)
     assert fe.dispatcher._replicas[address].picks == made
     torch.testing.assert_close(remote, in_process, rtol=1.3e-6, atol=1e-5)

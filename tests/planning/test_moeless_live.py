@@ -37,6 +37,10 @@ def test_live_benchmark_serves_every_plan_and_replans_in_place(tmp_path):
     for name in ("static", "oracle"):
         assert plans[name]["device_gib_mean"] == pytest.approx(plans[name]["replicas_mean"] * expert_gib)
     assert plans["kubemoe"]["device_gib_mean"] >= plans["kubemoe"]["replicas_mean"] * expert_gib * 0.999
+    # Pay-per-use: an expert's bytes for its function's time on each call, within what the functions hold meanwhile
+    assert all(0 < row["busy_gb_s_per_1k_tokens"] <= row["gb_s_per_1k_tokens"] for row in plans.values())
+    for ratios in doc["goal_values_per_repeat"]:
+        assert ratios["cost_vs_static"] < ratios["cost_held_vs_static"]
     assert all(r["loaded"] + r["unloaded"] >= 0 and r["load_s"] >= 0 for r in plans["kubemoe"]["replan_log"])
     for regime in ("decode", "prefill"):  # every re-plan step is put beside a part of its re-plan
         phases = plans["kubemoe"].get(f"{regime}_replan_steps_by_phase", {})
