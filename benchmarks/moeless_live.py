@@ -25,7 +25,7 @@ Plans, each served over the same stream by the same processes (moved between wit
 - oracle (a bound, lossy): static EP's processes with every layer's tokens dealt evenly over the
   experts: perfect balance at the static plan's memory.
 A re-plan happens while serving, as `frontend/replan.py` runs it (one Replanner throughout): Load on the processes that gain
-experts, the table re-pointed at a step boundary, Unload of what left. Steps from the first Load to
+experts (one process at a time, `--loads-at-once`), the table re-pointed at a step boundary, Unload of what left. Steps from the first Load to
 the last Unload are re-plan steps; the others steady.
 
 Measured by the driver (the frontend): each MoE layer's forward (`Dispatcher.run_layer`, CUDA
@@ -196,7 +196,7 @@ class Driver:
     """The frontend side: a dispatcher over the processes, and re-plans in place while it serves."""
 
     def __init__(self, dispatcher: Dispatcher, adapter: MoEAdapter, model: str, expert_bytes: int, device: torch.device,
-                 dtype: torch.dtype, loads_at_once: int | None = None):
+                 dtype: torch.dtype, loads_at_once: int | None = 1):
         self.dispatcher, self.adapter, self.model = dispatcher, adapter, model
         self.expert_bytes, self.device, self.dtype = expert_bytes, device, dtype
         self.predictions = ReplayPredictions()
@@ -451,7 +451,7 @@ def main() -> None:
                              "uncapped, to see what the cap costs (plans are sized as with it either way)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="serve every plan this many times in turn; each goal is the median of its repeats' ratios")
-    parser.add_argument("--loads-at-once", type=int, default=0,
+    parser.add_argument("--loads-at-once", type=int, default=1,
                         help="processes that Load at the same time in a re-plan (Replanner's loads_at_once; 0: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")

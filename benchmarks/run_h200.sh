@@ -127,10 +127,11 @@ case "${1:-all}" in
     python3 benchmarks/experiments/disagg_step_probe.py --device cuda --preset mixtral-4l --layers 2 --out "$OUT" "${@:2}" ;;
   replan-probe)  # issue 14: where a step stalls while the table is re-planned in place, per phase and call, over 8
     # Mixtral-sized expert-function processes on this GPU (experiments/replan_probe.py; ~1 min; ARGS: e.g.
-    # --working-memory-mib 2048 for moeless_live's cap, --loads-at-once 1 for one Load at a time)
+    # --working-memory-mib 2048 for moeless_live's cap, --loads-at-once 0 for every function Loading at once)
     replan_probe --json "$OUT/replan_probe.json" "${@:2}" ;;
-  replan-ab)  # issue 14: replan-probe with every function Loading at once (as before) and one at a time, twice in
-    # turn (~5 min): do steps beside Loads slow down less when fewer processes Load together? ARGS go to each run
+  replan-ab)  # issue 14: replan-probe with every function Loading at once and one at a time, twice in turn (~5 min):
+    # do steps beside Loads slow down less when fewer processes Load together? (at e8565fc on the H100 they did:
+    # re-plan steps' p99 / steady 1.37-1.38 all at once, 1.10-1.15 one at a time) ARGS go to each run
     for round in 1 2; do
       for at_once in 0 1; do
         echo "# loads at once: ${at_once/#0/all}, round $round"

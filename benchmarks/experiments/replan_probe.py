@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--replans", type=int, default=8)
     parser.add_argument("--slowest", type=int, default=5, help="re-plan steps to split into their calls")
     parser.add_argument("--json", type=Path, help="write the steps and calls here")
-    parser.add_argument("--loads-at-once", type=int, default=0,
+    parser.add_argument("--loads-at-once", type=int, default=1,
                         help="processes that Load at the same time (Replanner's loads_at_once; 0: all)")
     parser.add_argument("--working-memory-mib", type=int, default=0,
                         help="each process's allocator cap beside the experts it holds (kubemoe expert-fn's flag, as "
