@@ -9,17 +9,21 @@ expert it gained, it drops it after `drop_after` seconds, because frontends swit
 apart and one still on the old table may send a last call. Until the weights are in, a call gets
 UNAVAILABLE and the frontend retries it on another replica: nothing is lost as long as the table
 keeps a loaded replica beside one being loaded, which is how the in-place path adds replicas.
+With a node Load lock (node_lock.py: functions sharing a node folder), one function of the node Loads at
+a time, and each checks the device's free memory once it holds the lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Callable
 
 import torch
 
 from kubemoe.expert_fn.errors import ExpertFnError
+from kubemoe.expert_fn.node_lock import NodeLoadLock
 from kubemoe.expert_fn.servicer import ExpertServicer
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.routing_table import ExpertKey, held_by_address
@@ -39,8 +43,8 @@ def cuda_free_bytes(device: torch.device) -> int | None:
 
 class TableFollower:
     def __init__(self, servicer: ExpertServicer, address: str, drop_after: float = 30.0,
-                 free_bytes: Callable[[], int | None] | None = None):
-        self.servicer, self.address, self.drop_after = servicer, address, drop_after
+                 free_bytes: Callable[[], int | None] | None = None, load_lock: NodeLoadLock | None = None):
+        self.servicer, self.address, self.drop_after, self.load_lock = servicer, address, drop_after, load_lock
         store = servicer.store
         self.free_bytes = free_bytes or (lambda: cuda_free_bytes(store.device))
         self._drops: dict[ExpertKey, asyncio.TimerHandle] = {}
@@ -62,6 +66,10 @@ class TableFollower:
             self._drops[key] = loop.call_later(self.drop_after, self._start_drop, key)
 
     async def _gain(self, keys: list[ExpertKey]) -> None:
+        async with self.load_lock.held() if self.load_lock else contextlib.nullcontext():
+            await self._load(keys)
+
+    async def _load(self, keys: list[ExpertKey]) -> None:
         need = self.store.load_bytes(keys)  # a new stack of each layer it changes beside the old one, and reads
         free = self.free_bytes()
         if free is not None and need + MEMORY_HEADROOM > free:

@@ -1,0 +1,48 @@
+"""One in-place Load at a time among the expert functions of a node: a file lock in the folder they share.
+
+A Load reads expert weights through the host's memory and its link to the GPUs, which every call's
+tensors also cross. Functions that follow the routing table (follow.py) see a new table within moments
+of each other, and each Loads what it gains: without coordination they all Load at once. With 8
+functions on one H100, steps served beside Loads had a p99 1.37-1.38x that of steady steps when all
+Loaded at once and 1.10-1.15x one at a time (benchmarks/run_h200.sh replan-ab at e8565fc); the Loads
+took about 3x longer in all.
+
+The lock is an flock(2) on a file in the node folder a MoEDeployment's functions already share for
+shared memory (`--shm-dir`: kubemoe.pod_args.node_shm_dir under spec.dataPath.sameNode hostShm; `kubemoe
+serve`'s local folder). Functions without one (sameNode tcp: no folder on the node is shared) Load
+uncoordinated, and so do those of two MoEDeployments on one node. The kernel drops the lock with the
+process, so a function that dies mid-Load holds nobody up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+from typing import AsyncIterator
+
+LOCK_FILE = ".kubemoe-load.lock"
+POLL_S = 0.01  # a Load takes 0.1-1 s: polling costs nothing worth a thread blocked in flock
+
+
+class NodeLoadLock:
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / LOCK_FILE
+
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """Hold the node's Load lock: waits (polling, so a cancelled wait leaves nothing behind) while
+        another function holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    await asyncio.sleep(POLL_S)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
