@@ -130,8 +130,8 @@ case "${1:-all}" in
     # --working-memory-mib 2048 for moeless_live's cap, --loads-at-once 0 for every function Loading at once)
     replan_probe --json "$OUT/replan_probe.json" "${@:2}" ;;
   replan-ab)  # issue 14: replan-probe with every function Loading at once and one at a time, twice in turn (~5 min):
-    # do steps beside Loads slow down less when fewer processes Load together? (at e8565fc on the H100 they did:
-    # re-plan steps' p99 / steady 1.37-1.38 all at once, 1.10-1.15 one at a time) ARGS go to each run
+    # do steps beside Loads slow down less when fewer processes Load together? (they did: frontend/replan.py)
+    # ARGS go to each run
     for round in 1 2; do
       for at_once in 0 1; do
         echo "# loads at once: ${at_once/#0/all}, round $round"

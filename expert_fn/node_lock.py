@@ -2,10 +2,9 @@
 
 A Load reads expert weights through the host's memory and its link to the GPUs, which every call's
 tensors also cross. Functions that follow the routing table (follow.py) see a new table within moments
-of each other, and each Loads what it gains: without coordination they all Load at once. With 8
-functions on one H100, steps served beside Loads had a p99 1.37-1.38x that of steady steps when all
-Loaded at once and 1.10-1.15x one at a time (benchmarks/run_h200.sh replan-ab at e8565fc); the Loads
-took about 3x longer in all.
+of each other, and each Loads what it gains: without coordination they all Load at once, and steps
+served meanwhile slow down more than when they Load one at a time (measured with the frontend's
+Replanner, frontend/replan.py, which a driver of the table and the functions uses to the same end).
 
 The lock is an flock(2) on a file in the node folder a MoEDeployment's functions already share for
 shared memory (`--shm-dir`: kubemoe.pod_args.node_shm_dir under spec.dataPath.sameNode hostShm; `kubemoe
