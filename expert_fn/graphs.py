@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
 import torch
 
 from kubemoe.bundles import ExpertKey
-from kubemoe.devices import graph_pool
+from kubemoe.devices import CAPTURING, empty_cache, graph_pool
 from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.expert_fn import round_graph
 from kubemoe.expert_fn.round_graph import CudaError, RoundGraph
@@ -142,7 +142,7 @@ class ExpertGraphs:
             except torch.OutOfMemoryError:
                 if torch.cuda.memory_reserved(self.input.device) == torch.cuda.memory_allocated(self.input.device):
                     raise  # nothing cached to give back
-                torch.cuda.empty_cache()
+                empty_cache()
                 return self._held_or_captured(key, weights, size)
         except torch.OutOfMemoryError as e:
             self._uncaptured[(key, size)] = weakref.ref(weights)
@@ -169,11 +169,12 @@ class ExpertGraphs:
                 # cache, each time: tens of milliseconds. thread_local: a Load copying weights on another
                 # thread meanwhile is not part of the capture.
                 graph = torch.cuda.CUDAGraph(keep_graph=True)  # its nodes go into the RoundGraph too
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                try:
-                    expert_ffn(x, weights, self._act, out=y)
-                finally:
-                    graph.capture_end()
+                with CAPTURING:  # a Load's settling may give memory back meanwhile: not during the capture
+                    graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                    try:
+                        expert_ffn(x, weights, self._act, out=y)
+                    finally:
+                        graph.capture_end()
         finally:  # a failed capture too: the warm-up's writes to the output come before the next round's
             current.wait_stream(self._side)
         graph.instantiate()

@@ -46,7 +46,7 @@ import torch
 from kubemoe.adapters import MoEAdapter
 from kubemoe.bundles import ExpertKey, format_bundle_spec
 from kubemoe.checkpoint import Checkpoint
-from kubemoe.devices import cap_device_memory
+from kubemoe.devices import cap_device_memory, empty_cache
 from kubemoe.expert import ExpertWeights
 from kubemoe.expert_fn.errors import ExpertFnError, invalid, not_found
 from kubemoe.expert_fn.staging import PinnedStaging
@@ -335,7 +335,7 @@ class ExpertStore:
             with self._lock:  # not while the next change runs: its cap counts the stacks it makes
                 self._cap()
             if give_back:
-                torch.cuda.empty_cache()
+                empty_cache()  # not while a round captures a graph (kubemoe.devices.CAPTURING)
 
         threading.Thread(target=settle, name="settle", daemon=True).start()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 from kubemoe.errors import KubemoeError
@@ -30,6 +31,21 @@ def resolve_device(device: str) -> torch.device:
 # What a CUDA process holds outside its allocator: the context, cuBLAS workspaces (0.75 GiB on the H100,
 # moeless_live.py). A function's memory in the plan (spec functionOverhead) covers it beside the allocator's.
 CUDA_CONTEXT_BYTES = 768 << 20
+
+
+# PyTorch's caching allocator may not empty its cache while a CUDA graph capture of the process is underway,
+# on any thread: an internal assertion fails in the thread that asked (captures_underway.empty()). So a capture
+# holds this lock from capture_begin to capture_end, and empty_cache() takes it: an expert function's store
+# gives memory back from a thread of its own (expert_fn/store.py) while rounds may capture.
+CAPTURING = threading.RLock()
+
+
+def empty_cache() -> None:
+    """torch.cuda.empty_cache(), never during a CUDA graph capture of this process (CAPTURING)."""
+    import torch
+
+    with CAPTURING:
+        torch.cuda.empty_cache()
 
 
 def graph_pool(pool: tuple | None, held: bool) -> tuple:

@@ -23,3 +23,32 @@ def test_a_graph_pool_is_kept_while_graphs_hold_it_and_made_anew_once_none_does(
     pool = graph_pool(None, held=False)  # the first capture
     assert pool == (0, 1) and graph_pool(pool, held=True) is pool
     assert graph_pool(pool, held=False) == (0, 2)  # every graph of it retired: it may be gone
+
+
+def test_emptying_the_cache_waits_for_a_graph_capture_on_another_thread(monkeypatch):
+    """PyTorch's allocator fails an assertion when its cache is emptied during a capture: an expert function's
+    store gives memory back from a thread of its own while rounds may capture, so the two take turns."""
+    import threading
+    import time
+
+    from kubemoe.devices import CAPTURING, empty_cache
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(time.monotonic()))
+    capturing, released = threading.Event(), []
+
+    def capture():
+        with CAPTURING:
+            capturing.set()
+            time.sleep(0.2)
+            released.append(time.monotonic())
+
+    capturer = threading.Thread(target=capture)
+    capturer.start()
+    capturing.wait()
+    empty_cache()
+    capturer.join()
+    assert len(emptied) == 1 and emptied[0] >= released[0]
+    with CAPTURING:  # the capturing thread itself may empty it between captures (a capture out of memory)
+        empty_cache()
+    assert len(emptied) == 2
