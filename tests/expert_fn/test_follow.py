@@ -15,6 +15,7 @@ from kubemoe.errors import KubemoeError
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn import store as store_module
 from kubemoe.expert_fn.follow import TableFollower
+from kubemoe.expert_fn.node_lock import LOCK_FILE
 from kubemoe.expert_fn.server import follow_routing_table
 from kubemoe.routing_table import table_for_bundles, to_json
 
@@ -40,12 +41,16 @@ async def test_a_function_loads_what_the_table_sends_it_and_drops_it_after_the_t
         tiny_checkpoint, serve, tmp_path):
     path = tmp_path / "routing.json"
     async with serve(tiny_checkpoint(ARCH), "0:0-1", model="m") as server:
-        config = dataclasses.replace(server.config, routing_table=str(path), address=server.address, drop_after=0.3)
+        shared = tmp_path / "node"  # the node folder functions share (--shm-dir): Loads take its lock
+        shared.mkdir()
+        config = dataclasses.replace(server.config, routing_table=str(path), address=server.address, drop_after=0.3,
+                                     shm_dir=shared)
         path.write_text(to_json(table(server.address, ((1, 5), (1, 6)), 1)))
         following = follow_routing_table(config, server.servicer)
         try:
             store = server.servicer.store
             await until(lambda: {(1, 5), (1, 6)} <= set(store.held()))
+            assert (shared / LOCK_FILE).exists()
             client = server.client()
             hidden = torch.randn(3, 128)
             out = await client.forward(1, [5], [3], hidden)  # served in place
