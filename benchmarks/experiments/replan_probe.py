@@ -139,7 +139,12 @@ def main() -> None:
             dispatcher = Dispatcher(adapter, checkpoint, DispatchConfig(model=model, shm_dir=Path(shm)),
                                     LoadRecorder(model, "probe"), dtype, device)
             mover = LoopThread("kubemoe-replan")
-            replanner = Replanner(model, args.loads_at_once or None)
+            try:
+                replanner = Replanner(model, args.loads_at_once or None)
+            except TypeError:  # a commit before loads_at_once, whose re-plans Load on every function at once
+                if args.loads_at_once:
+                    raise SystemExit("this commit's re-plans Load on every function at once: pass --loads-at-once 0")
+                replanner = Replanner(model)
             serving = {"version": -1}
             applied = threading.Condition()
 

@@ -21,19 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "expert_fn"))
 import test_load_gpu as t  # noqa: E402
 
-from kubemoe.checkpoint import Checkpoint  # noqa: E402
-from kubemoe.presets import Preset  # noqa: E402
-from kubemoe.synth import make_checkpoint  # noqa: E402
-
 
 def main() -> None:
-    preset = Preset("mixtral", "load-gpu", dict(
-        hidden_size=t.HIDDEN, intermediate_size=t.INTERMEDIATE, num_hidden_layers=1, num_local_experts=4,
-        num_experts_per_tok=2, vocab_size=512, num_attention_heads=4, num_key_value_heads=1,
-        max_position_embeddings=512, tie_word_embeddings=False), dtype="bfloat16", shard_bytes=4 << 30)
     folder = tempfile.mkdtemp(dir="/dev/shm")
-    checkpoint = Checkpoint(make_checkpoint(preset, Path(folder) / "ckpt", progress=False))
-    adapter, layer, store, rounds = t._serving(checkpoint)
+    adapter, layer, store, rounds = t._serving(t.mixtral_sized_checkpoint(Path(folder)))
     store.load([(layer, e) for e in range(4)])
     rounds.run()
     torch.cuda.synchronize()

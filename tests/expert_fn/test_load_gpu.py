@@ -27,15 +27,20 @@ pytestmark = pytest.mark.gpu
 HIDDEN, INTERMEDIATE, TOKENS = 4096, 14336, 64  # Mixtral's experts: 117 MB a tensor in bfloat16
 
 
-@pytest.fixture(scope="module")
-def mixtral_sized():
-    """A checkpoint of one MoE layer with four Mixtral-sized experts, in /dev/shm (bfloat16, ~1.3 GB)."""
+def mixtral_sized_checkpoint(folder: Path) -> Checkpoint:
+    """A checkpoint of one MoE layer with four Mixtral-sized experts in `folder` (bfloat16, ~1.3 GB)."""
     preset = Preset("mixtral", "load-gpu", dict(
         hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=1, num_local_experts=4,
         num_experts_per_tok=2, vocab_size=512, num_attention_heads=4, num_key_value_heads=1,
         max_position_embeddings=512, tie_word_embeddings=False), dtype="bfloat16", shard_bytes=4 << 30)
+    return Checkpoint(make_checkpoint(preset, folder / "ckpt", progress=False))
+
+
+@pytest.fixture(scope="module")
+def mixtral_sized():
+    """mixtral_sized_checkpoint in /dev/shm, for the module."""
     with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
-        yield Checkpoint(make_checkpoint(preset, Path(folder) / "ckpt", progress=False))
+        yield mixtral_sized_checkpoint(Path(folder))
 
 
 class Rounds:
