@@ -169,9 +169,14 @@ async def test_an_isolated_request_does_not_wait():
 async def test_overlapping_requests_wait_and_merge():
     run = Recorder()
     batcher = MicroBatcher(run, wait_s=0.2, max_tokens=1000)
+    start = time.perf_counter()
     jobs = await asyncio.gather(*(batcher.submit(make_job((0, 1))) for _ in range(10)))
+    elapsed = time.perf_counter() - start
     assert run.rounds == [10] and all(job.out is not None for job in jobs)
-    assert all(job.queue_seconds < 0.2 + 0.1 for job in jobs)
+    # The first arrival waited out the window (a loop timer may fire a little early), and each job's
+    # reported wait lies within the time the gather took: bounds a busy CI machine cannot break.
+    assert max(job.queue_seconds for job in jobs) >= 0.2 * 0.9
+    assert all(0 <= job.queue_seconds <= elapsed for job in jobs)
     await batcher.close()
 
 
