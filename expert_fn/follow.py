@@ -16,14 +16,13 @@ a time, and each checks the device's free memory once it holds the lock.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Callable
 
 import torch
 
 from kubemoe.expert_fn.errors import ExpertFnError
-from kubemoe.expert_fn.node_lock import NodeLoadLock
+from kubemoe.expert_fn.node_lock import NodeLoadLock, holding
 from kubemoe.expert_fn.servicer import ExpertServicer
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.routing_table import ExpertKey, held_by_address
@@ -66,7 +65,7 @@ class TableFollower:
             self._drops[key] = loop.call_later(self.drop_after, self._start_drop, key)
 
     async def _gain(self, keys: list[ExpertKey]) -> None:
-        async with self.load_lock.held() if self.load_lock else contextlib.nullcontext():
+        async with holding(self.load_lock):
             await self._load(keys)
 
     async def _load(self, keys: list[ExpertKey]) -> None:

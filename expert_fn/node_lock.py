@@ -6,6 +6,10 @@ of each other, and each Loads what it gains: without coordination they all Load 
 served meanwhile slow down more than when they Load one at a time (measured with the frontend's
 Replanner, frontend/replan.py, which a driver of the table and the functions uses to the same end).
 
+Start-up loads of bundles take it too: a node's functions restarting together (a rollout, a node
+reboot) read their bundles one after another, while the functions that still serve keep their link to
+the GPU, and each is Ready as soon as its own bundle is in rather than all at the end.
+
 The lock is an flock(2) on a file in the node folder a MoEDeployment's functions already share for
 shared memory (`--shm-dir`: kubemoe.pod_args.node_shm_dir under spec.dataPath.sameNode hostShm; `kubemoe
 serve`'s local folder). Functions without one (sameNode tcp: no folder on the node is shared) Load
@@ -20,7 +24,7 @@ import contextlib
 import fcntl
 import os
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncContextManager, AsyncIterator
 
 LOCK_FILE = ".kubemoe-load.lock"
 POLL_S = 0.01  # a Load takes 0.1-1 s: polling costs nothing worth a thread blocked in flock
@@ -45,3 +49,13 @@ class NodeLoadLock:
             yield
         finally:
             os.close(fd)  # releases the lock
+
+
+def node_load_lock(shm_dir: Path | None) -> NodeLoadLock | None:
+    """The Load lock of a function's node: in its shared-memory folder; None without one (nothing to share it in)."""
+    return NodeLoadLock(shm_dir) if shm_dir else None
+
+
+def holding(lock: NodeLoadLock | None) -> AsyncContextManager[None]:
+    """`lock` held, or nothing held without one."""
+    return lock.held() if lock is not None else contextlib.nullcontext()

@@ -27,7 +27,7 @@ from kubemoe.devices import allocator_cap, allocator_reserved
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.frames import DataPort
 from kubemoe.expert_fn.follow import TableFollower
-from kubemoe.expert_fn.node_lock import NodeLoadLock
+from kubemoe.expert_fn.node_lock import node_load_lock
 from kubemoe.expert_fn.metrics import ExpertFnMetrics
 from kubemoe.expert_fn.servicer import SERVICE_NAME, ExpertServicer
 from kubemoe.expert_fn.store import ExpertStore
@@ -161,8 +161,7 @@ def follow_routing_table(config: ExpertFnConfig, servicer: ExpertServicer) -> as
         return None
     if not config.address:  # ExpertFnConfig refuses following without one
         raise KubemoeError("following the routing table needs --address: how the table names this expert function")
-    lock = NodeLoadLock(config.shm_dir) if config.shm_dir else None  # the node's functions share the folder
-    on_table = TableFollower(servicer, config.address, config.drop_after, load_lock=lock).on_table
+    on_table = TableFollower(servicer, config.address, config.drop_after, load_lock=node_load_lock(config.shm_dir)).on_table
     if table:
         return asyncio.create_task(watch_file(Path(table), on_table))
     namespace, name = (configmap or "").split("/")  # NAMESPACE/NAME, checked by ExpertFnConfig

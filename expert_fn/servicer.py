@@ -35,6 +35,7 @@ from kubemoe.expert_fn.errors import (ExpertFnError, code_of, failed_preconditio
                                      status_metadata)
 from kubemoe.expert_fn.graphs import ExpertGraphs
 from kubemoe.expert_fn.metrics import ExpertFnMetrics
+from kubemoe.expert_fn.node_lock import holding, node_load_lock
 from kubemoe.expert_fn.lane import LANE_METADATA_KEY, ServerLane
 from kubemoe.expert_fn.shm import ATTACHED, METADATA_KEY, REFUSED, Segment, SharedMemoryError
 from kubemoe.expert_fn.store import ExpertStore
@@ -309,10 +310,15 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                  time.perf_counter() - started)
 
     def start_loading(self) -> asyncio.Task:
-        """Read the whole bundle in the background; health turns SERVING when it is in."""
-        self._loading = asyncio.get_running_loop().create_task(self.load(self.config.bundle))
+        """Read the whole bundle in the background, under the node's Load lock (node_lock.py); health turns
+        SERVING when it is in."""
+        self._loading = asyncio.get_running_loop().create_task(self._load_bundle())
         self._loading.add_done_callback(self._loaded)
         return self._loading
+
+    async def _load_bundle(self) -> pb.LoadResponse:
+        async with holding(node_load_lock(self.config.shm_dir)):
+            return await self.load(self.config.bundle)
 
     def _loaded(self, task: asyncio.Task) -> None:
         if task.cancelled():

@@ -1,5 +1,6 @@
 """The node's Load lock (expert_fn/node_lock.py): one holder at a time, across processes, a cancelled wait
-leaves nothing held; following functions that share a node folder Load one after another."""
+leaves nothing held; following functions that share a node folder Load one after another, and a function
+starting on the node reads its bundle once the lock is free."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import subprocess
 import sys
 import time
 
+from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.follow import TableFollower
+from kubemoe.expert_fn.server import build_server
 from kubemoe.expert_fn.node_lock import NodeLoadLock
 
+from .conftest import NOT_SERVING, SERVING
 from .test_follow import ARCH, table
 
 
@@ -72,3 +76,23 @@ async def test_following_functions_that_share_a_node_folder_load_one_after_anoth
     assert b <= c  # with the lock: the second Load began once the first had ended
     (a, b), (c, d) = sorted(spans[False])
     assert c < b  # without it they overlap (the test can tell the two apart)
+
+
+async def test_a_function_starting_while_its_node_loads_reads_its_bundle_once_the_lock_is_free(
+        tiny_checkpoint, tmp_path, health):
+    config = ExpertFnConfig.build(tiny_checkpoint(ARCH), "*", device="cpu", metrics_port=None, shm_dir=tmp_path)
+    async with NodeLoadLock(tmp_path).held():  # another function of the node is Loading
+        built = await build_server("127.0.0.1:0", config)
+        await built.server.start()
+        try:
+            await asyncio.sleep(0.5)
+            assert not built.loading.done() and not built.servicer.store.held()
+            assert await health(f"127.0.0.1:{built.port}") == NOT_SERVING
+        except BaseException:
+            await built.stop(None)
+            raise
+    try:
+        await asyncio.wait_for(built.loading, 30)
+        assert await health(f"127.0.0.1:{built.port}") == SERVING and built.servicer.store.held()
+    finally:
+        await built.stop(None)
