@@ -15,6 +15,11 @@ shared memory (`--shm-dir`: kubemoe.pod_args.node_shm_dir under spec.dataPath.sa
 serve`'s local folder). Functions without one (sameNode tcp: no folder on the node is shared) Load
 uncoordinated, and so do those of two MoEDeployments on one node. The kernel drops the lock with the
 process, so a function that dies mid-Load holds nobody up.
+
+The file is the user's own (`.kubemoe-load-<uid>.lock`, mode 0600): the folder may be one every user
+writes in (a machine's /dev/shm, the expert function's default --shm-dir), where another user's file of
+that name would otherwise make this user's Loads fail. A function that cannot open it Loads without it,
+and says so once.
 """
 
 from __future__ import annotations
@@ -22,23 +27,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import os
 from pathlib import Path
 from typing import AsyncContextManager, AsyncIterator
 
-LOCK_FILE = ".kubemoe-load.lock"
+log = logging.getLogger(__name__)
 POLL_S = 0.01  # a Load takes 0.1-1 s: polling costs nothing worth a thread blocked in flock
 
 
 class NodeLoadLock:
     def __init__(self, folder: Path):
-        self.path = Path(folder) / LOCK_FILE
+        self.path = Path(folder) / f".kubemoe-load-{os.geteuid()}.lock"
+        self._told = False  # said once that the lock cannot be had
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
         """Hold the node's Load lock: waits (polling, so a cancelled wait leaves nothing behind) while
-        another function holds it."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        another function holds it; holds nothing when its file cannot be opened."""
+        try:  # not through a link someone else left in a shared folder
+            fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            fd = None
+            if not self._told:
+                self._told = True
+                log.warning("Loading without the node's Load lock: cannot open %s (%s); check --shm-dir",
+                            self.path, e.strerror)
+        if fd is None:
+            yield
+            return
         try:
             while True:
                 try:

@@ -15,7 +15,7 @@ from kubemoe.errors import KubemoeError
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn import store as store_module
 from kubemoe.expert_fn.follow import TableFollower
-from kubemoe.expert_fn.node_lock import LOCK_FILE
+from kubemoe.expert_fn.node_lock import NodeLoadLock
 from kubemoe.expert_fn.server import follow_routing_table
 from kubemoe.routing_table import table_for_bundles, to_json
 
@@ -50,7 +50,7 @@ async def test_a_function_loads_what_the_table_sends_it_and_drops_it_after_the_t
         try:
             store = server.servicer.store
             await until(lambda: {(1, 5), (1, 6)} <= set(store.held()))
-            assert (shared / LOCK_FILE).exists()
+            assert NodeLoadLock(shared).path.exists()
             client = server.client()
             hidden = torch.randn(3, 128)
             out = await client.forward(1, [5], [3], hidden)  # served in place

@@ -37,6 +37,18 @@ async def test_one_holder_at_a_time_and_a_cancelled_wait_holds_nothing(tmp_path)
     assert order == ["a in", "a out", "b in", "b out"]
 
 
+async def test_a_lock_file_that_cannot_be_opened_leaves_loads_unlocked_and_is_said(tmp_path, caplog):
+    lock = NodeLoadLock(tmp_path)  # in a folder every user writes in, another's link where the file would be
+    lock.path.symlink_to(tmp_path / "elsewhere")
+    for _ in range(2):
+        async with lock.held():
+            pass
+    assert not (tmp_path / "elsewhere").exists()  # the link was not followed
+    assert [r.getMessage() for r in caplog.records if "without the node's Load lock" in r.getMessage()] == [
+        f"Loading without the node's Load lock: cannot open {lock.path} (Too many levels of symbolic links); "
+        "check --shm-dir"]
+
+
 async def test_another_process_holding_it_makes_a_load_wait(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
         "import fcntl, os, sys, time\n"
