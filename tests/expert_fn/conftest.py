@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubemoe.expert_fn.client import ExpertClient, _Stream
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.metrics import ExpertFnMetrics
+from kubemoe.expert_fn.node_lock import NodeLoadLock
 from kubemoe.expert_fn.server import build_server
 from kubemoe.expert_fn.servicer import ExpertServicer
 
@@ -42,6 +43,11 @@ async def wait_serving(address: str, timeout: float = 30.0) -> None:
         if asyncio.get_running_loop().time() > deadline:
             raise TimeoutError(f"{address} is not SERVING after {timeout}s")
         await asyncio.sleep(0.02)
+
+
+def left_in(shm_dir) -> list[str]:
+    """What is left in a function's shared-memory folder besides the node's Load lock (which stays: node_lock.py)."""
+    return sorted(p.name for p in shm_dir.iterdir() if p != NodeLoadLock(shm_dir).path)
 
 
 @contextlib.asynccontextmanager

@@ -18,6 +18,8 @@ from kubemoe.expert_fn.shm import ATTACHED, HEADER_BYTES, METADATA_KEY, Segment
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
 
+from .conftest import left_in
+
 ARCH = "mixtral"  # tiny: MoE layers 0 and 1, 8 experts, hidden 128, float32
 H = 128
 
@@ -78,7 +80,7 @@ async def test_shared_memory_calls_take_the_lane_whose_file_is_then_gone(shm_ser
     got = await asyncio.gather(*(client.forward(1, [2, 5], [4, 2], x) for _ in range(5)))
     assert client._stream.lane is not None and not client._stream.lane.closed
     assert all(torch.allclose(g, want, rtol=1e-6, atol=1e-7) for g in got)
-    assert not any(tmp_path.iterdir())  # neither the segment's file nor the lane's socket is left
+    assert not left_in(tmp_path)  # neither the segment's file nor the lane's socket is left
     await client.close()
 
 

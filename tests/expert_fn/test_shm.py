@@ -18,6 +18,8 @@ from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
 from kubemoe.verify import rel_err
 
+from .conftest import left_in
+
 ARCH = "mixtral"  # tiny: MoE layers 0 and 1, 8 experts, hidden 128, float32
 H = 128
 
@@ -178,7 +180,7 @@ async def test_tensors_go_through_shared_memory_with_the_inline_results(shm_serv
     assert client.shared_memory
     # Concurrent calls may merge into one matmul per expert, whose rounding differs from one row alone.
     assert all(rel_err(g, w) < 1e-6 for g, w in zip(got, want))
-    assert not any(tmp_path.iterdir())  # the client removed the file once the server had mapped it
+    assert not left_in(tmp_path)  # the client removed the file once the server had mapped it
     assert shm_server.metrics.value("shared_memory_streams_total", result="attached") == 1
     assert client._stream.allocator.in_use == len(xs)  # each reply still lies in its region, held by `got`
     halves = [g.split([1, len(g) - 1]) for g in got]
