@@ -35,6 +35,8 @@ NO_OP_VALUES = {
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
 }
+# The message roles OpenAI's chat API takes; what a role means is the model's chat template's to say.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 API_ROUTES = {"completions", "chat_completions", "models"}  # counted in frontend.metrics.requests
 
 
@@ -78,7 +80,8 @@ def _get(body: dict, name: str, kind: str, default=None):
     if value is None:
         return default
     if not isinstance(value, _JSON_TYPES[kind]) or (kind != "boolean" and isinstance(value, bool)):
-        raise invalid(f"'{name}' must be a {kind}, got {_json_type(value)}", param=name)
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise invalid(f"'{name}' must be {article} {kind}, got {_json_type(value)}", param=name)
     return value
 
 
@@ -111,6 +114,9 @@ def _chat_messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise invalid(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
+        if m["role"] not in CHAT_ROLES:
+            raise invalid(f"messages[{i}].role {m['role'][:40]!r} is not one of {', '.join(CHAT_ROLES)}",
+                          param=f"messages[{i}].role")
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text ones can reach a text model
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)

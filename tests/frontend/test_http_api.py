@@ -152,6 +152,9 @@ async def test_prompt_over_the_context_is_refused_with_its_code(client, frontend
     (b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "only text parts"),
     (b'{"messages": [{"role": "user", "content": "hi"}]}', "'model' is required"),
     (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', "'stream' must be a boolean"),
+    (b'{"model": "M", "messages": [{"role": "wizard", "content": "hi"}]}', "messages[0].role 'wizard' is not one of"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}',
+     "'max_tokens' must be an integer, got string"),
 ])
 async def test_malformed_chat_bodies_get_400_json(base_url, frontend, body, words):
     body = body.replace(b'"M"', json.dumps(frontend.model_id).encode())
