@@ -147,7 +147,7 @@ SCALING = Object("How expert replicas follow the predicted load (MoEless Expert 
 # Knative settings carry no schema default: a rule below tells whether the user wrote them.
 KNATIVE = Object("Knative-only settings (runtime knative).", {
     "progressDeadline": Duration("How long a new revision may take to become ready (expert weights load before "
-                                 "the pod is ready).", default="15m"),
+                                 "the pod is ready).", default="15m", positive=True),
     "containerConcurrency": Integer("Requests one expert pod handles at once; 0 = unlimited (the expert function "
                                     "batches them).", default=0, minimum=0, maximum=1000),
 }, default={}, crd_default=False)

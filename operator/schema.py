@@ -19,9 +19,12 @@ from kubernetes.utils import parse_quantity
 
 Schema = dict[str, Any]
 
-# Go's time.ParseDuration syntax (what Knative's scale-down-delay takes): "10m", "1h30m", "90s".
-DURATION_PATTERN = r"^([0-9]+([.][0-9]+)?(ns|us|ms|s|m|h))+$"
-_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+# Whole hours, minutes and seconds in Go's time.ParseDuration syntax: "10m", "1h30m", "90s". Knative takes
+# its scale-down-delay and progress-deadline annotations only at second precision (its webhook refuses
+# "1500ms"), and nothing in the spec needs finer.
+DURATION_PATTERN = r"^([0-9]+(s|m|h))+$"
+DURATION_EXAMPLES = "whole seconds, minutes or hours such as 90s, 10m or 1h30m"
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 
 
 class SpecError(ValueError):
@@ -31,8 +34,8 @@ class SpecError(ValueError):
 def parse_duration(text: str, field_name: str) -> float:
     """Go duration -> seconds."""
     if not isinstance(text, str) or not re.fullmatch(DURATION_PATTERN, text):
-        raise SpecError(f"{field_name} must be a duration such as 90s, 10m or 1h30m, got {text!r}")
-    return sum(float(n) * _DURATION_UNITS[unit] for n, _, unit in re.findall(r"([0-9]+([.][0-9]+)?)(ns|us|ms|s|m|h)", text))
+        raise SpecError(f"{field_name} must be a duration in {DURATION_EXAMPLES}, got {text!r}")
+    return float(sum(int(n) * _DURATION_UNITS[unit] for n, unit in re.findall(r"([0-9]+)(s|m|h)", text)))
 
 
 def parse_bytes(value: Any, field_name: str) -> int:
@@ -40,10 +43,13 @@ def parse_bytes(value: Any, field_name: str) -> int:
         quantity = parse_quantity(value) if not isinstance(value, bool) else None
     except (ValueError, TypeError):
         quantity = None
-    if quantity is None or quantity <= 0:
-        raise SpecError(f"{field_name} must be a positive quantity of bytes such as 268435456, 256Mi or 1Gi, "
-                        f"got {value!r}")
+    if quantity is None or quantity <= 0 or quantity != int(quantity):
+        raise SpecError(f"{field_name} {BYTES_MESSAGE}, got {value!r}")
     return int(quantity)
+
+
+# A fraction of a byte ("500m") is a valid quantity: refused, not rounded down to nothing.
+BYTES_MESSAGE = "must be a positive whole number of bytes such as 268435456, 256Mi or 1Gi"
 
 
 @dataclass(frozen=True)
@@ -206,8 +212,9 @@ class Quantity(Field):
         schema = {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}],
                   "description": self.description(),
                   "x-kubernetes-validations": [{
-                      "rule": "isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))",
-                      "message": f"{path} must be a positive quantity of bytes such as 268435456, 256Mi or 1Gi"}]}
+                      "rule": "isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0')) && "
+                              "quantity(string(self)).isInteger()",
+                      "message": f"{path} {BYTES_MESSAGE}"}]}
         return self._with_default(schema)
 
     def check(self, value: Any, path: str) -> int:
@@ -216,19 +223,24 @@ class Quantity(Field):
 
 @dataclass(frozen=True)
 class Duration(Field):
-    """A Go duration, kept as written (Knative's annotations take the same syntax)."""
+    """A Go duration in whole seconds (DURATION_PATTERN), kept as written (Knative's annotations take the
+    same syntax); `positive`: longer than 0s."""
 
+    positive: bool = False
     type_name = "duration"
-    unit = "Unit: a Go duration (e.g. 90s, 10m, 1h30m)."
+    unit = "Unit: a Go duration in whole seconds, minutes or hours (e.g. 90s, 10m, 1h30m)."
 
     def schema(self, path: str) -> Schema:
-        return self._with_default({
-            "type": "string", "maxLength": 64, "description": self.description(),
-            "x-kubernetes-validations": [{"rule": f"self.matches('{DURATION_PATTERN}')",
-                                          "message": f"{path} must be a duration such as 90s, 10m or 1h30m"}]})
+        rules = [{"rule": f"self.matches('{DURATION_PATTERN}')", "message": f"{path} must be a duration in {DURATION_EXAMPLES}"}]
+        if self.positive:  # a value that is no duration fails the rule above, with its own message
+            rules.append({"rule": f"!self.matches('{DURATION_PATTERN}') || duration(self) > duration('0s')",
+                          "message": f"{path} must be longer than 0s"})
+        return self._with_default({"type": "string", "maxLength": 64, "description": self.description(),
+                                   "x-kubernetes-validations": rules})
 
     def check(self, value: Any, path: str) -> str:
-        parse_duration(value, path)
+        if parse_duration(value, path) <= 0 and self.positive:
+            raise SpecError(f"{path} must be longer than 0s")
         return value
 
 

@@ -34,8 +34,12 @@ def test_units():
     assert parse_bytes("1Gi", "x") == 2**30 and parse_bytes(352321536, "x") == 352321536
     with pytest.raises(SpecError, match="duration"):
         parse_duration("10 minutes", "keepAlive")
-    with pytest.raises(SpecError, match="quantity"):
-        parse_bytes("lots", "bundleBytes")
+    for bad in ("lots", "500m", "0.5"):
+        with pytest.raises(SpecError, match="positive whole number of bytes"):
+            parse_bytes(bad, "bundleBytes")
+    assert parse_bytes("1.5Gi", "x") == 3 * 2**29  # a fraction of a unit that is whole bytes
+    with pytest.raises(SpecError, match="whole seconds"):
+        parse_duration("1500ms", "keepAlive")
 
 
 def test_offload_mode_needs_its_section(f):
