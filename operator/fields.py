@@ -48,6 +48,10 @@ SHARED_GPUS_MESSAGE = ("spec.experts.gpus counts whole GPUs per replica and appl
 SHARED_MEMORY_NEEDS_EXPERTS_MESSAGE = ("spec.dataPath.sameNode hostShm shares memory between frontends and expert "
                                        "functions, and mode offload runs no expert functions (the frontend holds "
                                        "every expert): remove it, or set mode: distributed or auto")
+# Knative's webhook takes a hostPath volume only mounted read-only, and shared memory writes in the folder.
+SHARED_MEMORY_NEEDS_PODS_MESSAGE = ("spec.dataPath.sameNode hostShm needs spec.experts.runtime: pods: Knative mounts "
+                                    "hostPath volumes only read-only, and shared memory writes in the node's folder; "
+                                    "or keep runtime knative with sameNode: tcp")
 OFFLOAD_NEEDS_BUDGET_MESSAGE = ("mode offload needs spec.offload.gpuMemoryBudget (GPU memory for expert weights, "
                                 "e.g. 20Gi), or mode auto, which derives it from the nodes' GPUs")
 WORKING_SET_MESSAGE = (f"spec.offload.gpuMemoryBudget must hold one layer's working set: {ON_DEMAND_BUFFERS} on-demand "
@@ -249,9 +253,9 @@ DATA_PATH = Object(
         "sameNode": String("tcp: the TCP lane, as across nodes (no node folder; works under the restricted Pod "
                            "Security Standard). hostShm: shared memory and a Unix lane in a folder of the node's "
                            "/dev/shm that only this MoEDeployment's user can open (a hostPath volume: the "
-                           "namespace must allow Pod Security level privileged, and runtime knative needs "
-                           "Knative's kubernetes.podspec-volumes-hostpath flag); about half the per-call "
-                           "overhead of tcp, see the chart's README.",
+                           "namespace must allow Pod Security level privileged, and expert functions run as "
+                           "runtime pods, since Knative mounts hostPath volumes only read-only); about half the "
+                           "per-call overhead of tcp, see the chart's README.",
                            default="tcp", crd_default=False, enum=SAME_NODE),
         "runAsUser": Integer("UID (and GID) every frontend and expert-function container runs as. Shared memory "
                              "only opens between processes of one user, and with hostShm any pod of this user on "
@@ -288,6 +292,9 @@ SPEC = Object("The model to serve and how.", {
     Rule("self.mode != 'offload' || !has(self.dataPath) || !has(self.dataPath.sameNode) || "
          "self.dataPath.sameNode == 'tcp'", SHARED_MEMORY_NEEDS_EXPERTS_MESSAGE,
          lambda s: s["mode"] != "offload" or s.get("dataPath", {}).get("sameNode", "tcp") == "tcp"),
+    Rule("self.experts.runtime != 'knative' || !has(self.dataPath) || !has(self.dataPath.sameNode) || "
+         "self.dataPath.sameNode == 'tcp'", SHARED_MEMORY_NEEDS_PODS_MESSAGE,
+         lambda s: s["experts"]["runtime"] != "knative" or s.get("dataPath", {}).get("sameNode", "tcp") == "tcp"),
     Rule("self.mode != 'distributed' || !has(self.offload)",
          "spec.offload is only used in mode offload or auto: remove it or change spec.mode",
          lambda s: s["mode"] != "distributed" or "offload" not in s),

@@ -104,6 +104,10 @@ BAD_SPECS = [
                                      "dataPath": {"sameNode": "hostShm"}, "model": {
         "uri": "pvc://models/tiny", "layout": {"moeLayers": [0, 1], "expertsPerLayer": 4, "expertBytes": "128Mi"}}},
      "spec.dataPath.sameNode hostShm shares memory between frontends and expert functions, and mode offload"),
+    # Knative's webhook refuses a hostPath volume mounted writable, and shared memory writes in it.
+    ("host-shm-with-knative", "spec", {"experts": {"runtime": "knative"}, "dataPath": {"sameNode": "hostShm"},
+                                       "model": {"uri": "pvc://models/tiny", "layout": LAYOUT}},
+     "spec.dataPath.sameNode hostShm needs spec.experts.runtime: pods"),
     ("function-overhead-not-quantity", "spec.experts.gpuSharing", {"mode": "mps", "functionOverhead": "a lot"},
      "functionOverhead must be a positive whole number of bytes"),
     ("offload-without-budget", "spec", {**offload_spec(), "offload": {"predictor": "frequency"}},
