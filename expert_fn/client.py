@@ -59,6 +59,7 @@ class _Stream:
         self.write_lock = asyncio.Lock()  # one writer at a time
         self.pending: dict[str, asyncio.Future] = {}  # request_id -> its caller's future
         self.regions: dict[str, int] = {}  # request_id -> offset of its region, until the reply is read
+        self.abandoned: set[str] = set()  # requests sent whose callers stopped waiting, until their late replies
         # A TCP lane's requests whose bytes are sent from the caller's tensor, not copied into the arena first.
         self.sending: dict[str, memoryview] = {}
         # Regions whose replies' last view went on another thread: freed by the next place() (_free_soon).
@@ -91,12 +92,15 @@ class _Stream:
         return offset, nbytes
 
     def deliver(self, response: pb.ForwardResponse) -> None:
-        """A reply, from the stream or the lane, to its caller; a late one (the caller timed out) frees its region."""
-        waiter = self.pending.get(response.request_id)
-        if waiter is not None and not waiter.done():
+        """A reply, from the stream or the lane, to its caller; a late one (the caller timed out or went) is
+        dropped and frees its region."""
+        rid = response.request_id
+        waiter = self.pending.get(rid)
+        if waiter is not None and not waiter.done() and rid not in self.abandoned:
             waiter.set_result(response)
         else:
-            self.release(response.request_id)
+            self.abandoned.discard(rid)
+            self.release(rid)
 
     def place(self, request_id: str, hidden: torch.Tensor, msg: pb.Tensor) -> bool:
         """Copy `hidden` into a free region and name it in `msg`; False when none is large enough."""
@@ -145,6 +149,29 @@ class _Stream:
         loop, (segment, allocator) = asyncio.get_running_loop(), self._memory()
         return segment.view(offset, wire.FROM_WIRE[sent.dtype], list(sent.shape),
                                  on_release=lambda: _free_soon(loop, allocator, offset, self.freed_elsewhere))
+
+
+async def _written(stream: _Stream, request: pb.ForwardRequest, reply: asyncio.Future) -> None:
+    """Write `request` on the gRPC stream, or stop waiting once its `reply` future is done (the call's deadline,
+    or the stream's end) while the write still waits for the stream. The write itself goes on in a task of its
+    own, whatever the caller does: grpc.aio ends the whole stream, every call on it, when a write is cancelled."""
+    writing = asyncio.ensure_future(_write(stream, request))
+    writing.add_done_callback(_retrieve)
+    if not writing.done():
+        await asyncio.wait((writing, reply), return_when=asyncio.FIRST_COMPLETED)
+    if writing.done():
+        writing.result()  # its error, if any: the stream broke
+
+
+async def _write(stream: _Stream, request: pb.ForwardRequest) -> None:
+    async with stream.write_lock:  # one writer at a time
+        await stream.call.write(request)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """A write whose caller stopped waiting: its error is the stream's, which its reader reports."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _delivered(reply: torch.Tensor, device: torch.device, out: torch.Tensor | None) -> torch.Tensor:
@@ -253,7 +280,14 @@ class ExpertClient:
                     return await self.call(layer, part_experts, part_counts, hidden[start:end], request_id=f"{rid}/{n}",
                                            timeout=timeout, out=None if out is None else out[start:end])
 
-            parts = await asyncio.gather(*(part(n, *span) for n, span in enumerate(spans)))
+            tasks = [asyncio.ensure_future(part(n, *span)) for n, span in enumerate(spans)]
+            try:
+                parts = await asyncio.gather(*tasks)
+            except BaseException:  # one part failed (or the caller went): the others stop, and write nothing into out
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
             timing = pb.ServerTiming()
             for _, part_timing in parts:
                 timing.queue_seconds += part_timing.queue_seconds
@@ -272,20 +306,24 @@ class ExpertClient:
     async def _call_streamed(self, stream: _Stream, request: pb.ForwardRequest, hidden: torch.Tensor,
                              timeout: float | None, out: torch.Tensor | None) -> tuple[torch.Tensor, pb.ServerTiming]:
         rid = request.request_id
-        if rid in stream.pending:
+        if rid in stream.pending or rid in stream.abandoned:  # abandoned: its late reply may still come
             raise ValueError(f"request_id {rid!r} is already in flight on this client; ids must be unique")
         loop = asyncio.get_running_loop()
         done = stream.pending[rid] = loop.create_future()
         # A timer on the reply's future, not asyncio.wait_for (a task and more callbacks: ~10 us a call).
         expiry = None if timeout is None else loop.call_later(timeout, _expire, done)
+        sent = answered = False  # once the request may reach the server, its reply frees its region, late or not
         try:
             shared = stream.place(rid, hidden, request.hidden)
             if not shared:
                 wire.encode_into(hidden, request.hidden)
-            if not (shared and stream.lane is not None and await stream.lane.send(request)):
-                async with stream.write_lock:
-                    await stream.call.write(request)
+            if shared and stream.lane is not None and await stream.lane.send(request):
+                sent = True
+            else:
+                sent = True
+                await _written(stream, request, done)
             response = await done
+            answered = True
             if response.HasField("error"):
                 stream.release(rid)
                 # As a unary call fails: the experts the server lacks ride in the trailing metadata.
@@ -316,6 +354,10 @@ class ExpertClient:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream to {self.address} closed: {e}") from None
         finally:
             stream.pending.pop(rid, None)
+            if not sent:  # cancelled, or the lane failed, before the request left: no reply will free its region
+                stream.release(rid)
+            elif not answered:  # timed out or cancelled: its reply, if it comes, is nobody's
+                stream.abandoned.add(rid)
             if stream.sending:  # not sent on the lane (it closed first): nothing reads it any more
                 stream.sending.pop(rid, None)
             if expiry is not None:
@@ -337,43 +379,46 @@ class ExpertClient:
                 tcp_offer, token = new_offer(arena)
         offers = ([(METADATA_KEY, segment.offer)] if segment else []) + ([(TCP_METADATA_KEY, tcp_offer)] if arena else [])
         call = self._stub.ForwardStream(metadata=tuple(offers) or None)
-        metadata = {}
-        if offers:
-            try:  # the server answers in its initial metadata, before any reply
-                metadata = dict(await asyncio.wait_for(call.initial_metadata(), timeout) or ())
-            except TimeoutError:
-                call.cancel()
-                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"{self.address} did not open a stream within {timeout}s") from None
-            finally:
-                if segment is not None:
-                    segment.unlink()  # attached or not, nobody needs the name any more
-        stream = _Stream(call)
-        stream.reader = asyncio.get_running_loop().create_task(self._read_replies(stream))
-        lane_timeout = timeout or LANE_CONNECT_SECONDS
-        if segment is not None and metadata.get(METADATA_KEY) == ATTACHED:
-            stream.use(segment, "shm")
-            if LANE_METADATA_KEY in metadata and self.shm_dir is not None:  # always: the segment is made in shm_dir
+        try:
+            metadata = {}
+            if offers:
+                try:  # the server answers in its initial metadata, before any reply
+                    metadata = dict(await asyncio.wait_for(call.initial_metadata(), timeout) or ())
+                except TimeoutError:
+                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"{self.address} did not open a stream within {timeout}s") from None
+                finally:
+                    if segment is not None:
+                        segment.unlink()  # attached or not, nobody needs the name any more
+            stream = _Stream(call)
+            stream.reader = asyncio.get_running_loop().create_task(self._read_replies(stream))
+            lane_timeout = timeout or LANE_CONNECT_SECONDS
+            if segment is not None and metadata.get(METADATA_KEY) == ATTACHED:
+                stream.use(segment, "shm")
+                if LANE_METADATA_KEY in metadata and self.shm_dir is not None:  # always: the segment is made in shm_dir
+                    try:
+                        stream.lane = await ClientLane.connect(
+                            self.shm_dir, metadata[LANE_METADATA_KEY], segment.offer, on_response=stream.deliver,
+                            on_closed=lambda why: self._lane_closed(stream, why), timeout=lane_timeout)
+                    except SharedMemoryError as e:
+                        log.info("calls to %s go over the gRPC stream, not a lane: %s", self.address, e)
+            elif arena is not None and TCP_LANE_METADATA_KEY in metadata:
                 try:
-                    stream.lane = await ClientLane.connect(
-                        self.shm_dir, metadata[LANE_METADATA_KEY], segment.offer, on_response=stream.deliver,
-                        on_closed=lambda why: self._lane_closed(stream, why), timeout=lane_timeout)
+                    host, port = lane_address(metadata[TCP_LANE_METADATA_KEY], self.address)
+                    stream.use(arena, "tcp")  # before the lane reads: its replies' regions are the stream's
+                    stream.lane = ClientLane.serving(await connect_tcp(
+                        host, port, token, arena, stream.region_of_reply, source=stream.sent_from,
+                        on_responses=lambda responses: each(responses, stream.deliver),
+                        on_closed=lambda why: self._lane_closed(stream, why), timeout=lane_timeout))
                 except SharedMemoryError as e:
-                    log.info("calls to %s go over the gRPC stream, not a lane: %s", self.address, e)
-        elif arena is not None and TCP_LANE_METADATA_KEY in metadata:
-            try:
-                host, port = lane_address(metadata[TCP_LANE_METADATA_KEY], self.address)
-                stream.use(arena, "tcp")  # before the lane reads: its replies' regions are the stream's
-                stream.lane = ClientLane.serving(await connect_tcp(
-                    host, port, token, arena, stream.region_of_reply, source=stream.sent_from,
-                    on_responses=lambda responses: each(responses, stream.deliver),
-                    on_closed=lambda why: self._lane_closed(stream, why), timeout=lane_timeout))
-            except SharedMemoryError as e:
-                stream.segment, stream.allocator, stream.transport = None, None, "inline"
-                self._tell_inline(str(e))
-        elif segment is not None or arena is not None:
-            self._tell_inline(metadata.get(METADATA_KEY) or "the server offered no shared memory and no TCP lane")
-        return stream
+                    stream.segment, stream.allocator, stream.transport = None, None, "inline"
+                    self._tell_inline(str(e))
+            elif segment is not None or arena is not None:
+                self._tell_inline(metadata.get(METADATA_KEY) or "the server offered no shared memory and no TCP lane")
+            return stream
+        except BaseException:  # cancelled, or failed, while opening: the server's end of it goes too
+            call.cancel()
+            raise
 
     def _lane_closed(self, stream: _Stream, why: LaneClosed) -> None:
         """The lane ended (the server stops, or went away): so does its stream; its calls may be retried."""
@@ -439,10 +484,10 @@ class ExpertClient:
         if stream is not None:
             if stream.lane is not None:
                 stream.lane.close()
-            try:
-                await stream.call.done_writing()
+            try:  # a stream that takes no more (its server stopped reading) is cut after a second
+                await asyncio.wait_for(stream.call.done_writing(), CLOSE_SECONDS)
                 if stream.reader is not None:
-                    await asyncio.wait_for(asyncio.shield(stream.reader), 1.0)
+                    await asyncio.wait_for(asyncio.shield(stream.reader), CLOSE_SECONDS)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, TimeoutError):
                 stream.call.cancel()
             if stream.reader is not None:  # set as the stream opened
@@ -482,6 +527,7 @@ def split_rows(experts: Sequence[int], counts: Sequence[int], rows: int) -> list
         parts.append((start, experts_now, counts_now))
     return parts
 LANE_CONNECT_SECONDS = 5.0
+CLOSE_SECONDS = 1.0  # how long close() waits for the server to see the stream end and answer what is in flight
 
 
 def _keys(keys: Iterable[tuple[int, int]]) -> list[pb.ExpertKey]:
