@@ -184,7 +184,7 @@ class Reconciler:
 
         def refused(new: Plan | None, condition: c.Condition, done: Changes | None = None) -> Outcome:
             return self._finish(body, deployment, new, list(children.values()), done or Changes(), loads, condition,
-                                retry=True)
+                                retry=True, running=previous if children else None)
 
         try:
             new = plan(deployment.spec, loads, nodes, previous, now)
@@ -346,9 +346,11 @@ class Reconciler:
     def _finish(self, body: Mapping[str, Any], deployment: MoEDeployment | None, new: Plan | None,
                 children: list[Object], changes: Changes, loads: Loads, error: c.Condition | None, retry: bool,
                 fresh: AbstractSet[ObjectKey] = frozenset(), services: Mapping[ObjectKey, str] | None = None,
-                publish: bool = True) -> Outcome:
+                publish: bool = True, running: Plan | None = None) -> Outcome:
         """Writes the status; with `publish` (a reconcile), the plan becomes what refreshes evaluate (or none,
-        on an error), in the same step, so that no refresh writes the status of a plan older than the last."""
+        on an error), in the same step, so that no refresh writes the status of a plan older than the last.
+        On an error, status.plan and status.cost describe the plan `running` (what the cluster holds), not the
+        refused one."""
         meta = body["metadata"]
         with self._status_locks[meta["uid"]]:
             if publish:
@@ -356,11 +358,13 @@ class Reconciler:
                     self._applied[meta["uid"]] = _Applied(deployment, new, loads, int(meta.get("generation", 0)), services)
                 else:
                     self._applied.pop(meta["uid"], None)
-            return self._write_status(body, deployment, new, children, changes, loads, error, retry, fresh, services)
+            return self._write_status(body, deployment, new, children, changes, loads, error, retry, fresh, services,
+                                      running)
 
     def _write_status(self, body: Mapping[str, Any], deployment: MoEDeployment | None, new: Plan | None,
                       children: list[Object], changes: Changes, loads: Loads, error: c.Condition | None, retry: bool,
-                      fresh: AbstractSet[ObjectKey], services: Mapping[ObjectKey, str] | None) -> Outcome:
+                      fresh: AbstractSet[ObjectKey], services: Mapping[ObjectKey, str] | None,
+                      running: Plan | None) -> Outcome:
         meta = body["metadata"]
         generation = int(meta.get("generation", 0))
         live = {key_of(o): o for o in children if key_of(o) not in fresh}
@@ -380,12 +384,15 @@ class Reconciler:
                                       generation, dt.datetime.fromtimestamp(self.clock(), dt.timezone.utc)),
             "loads": {"frontends": loads.frontends, "tokensPerSecond": round(loads.tokens_per_second, 3)},
         }
-        if deployment is not None and new is not None:
-            status["mode"], status["modeReason"] = new.mode, new.mode_reason
+        shown = new if error is None else running  # a refused plan runs nowhere: neither its replicas nor its cost
+        if deployment is not None and shown is not None:
+            status["mode"], status["modeReason"] = shown.mode, shown.mode_reason
             # A merge patch: null removes what an earlier offload plan wrote.
-            status["offload"] = {"gpuMemoryBudget": new.gpu_budget} if new.gpu_budget is not None else None
-            status["plan"] = _plan_status(new)
-            status["cost"] = _cost(deployment.spec, new, loads)
+            status["offload"] = {"gpuMemoryBudget": shown.gpu_budget} if shown.gpu_budget is not None else None
+            status["plan"] = _plan_status(shown)
+            status["cost"] = _cost(deployment.spec, shown, loads)
+        elif deployment is not None and error is not None:  # nothing of this deployment runs
+            status["plan"] = status["cost"] = None
         self.kube.patch_status(meta["namespace"], meta["name"], status)
         return Outcome(new, changes, status, error, retry, applied, loads, deployment=deployment)
 

@@ -299,6 +299,8 @@ def test_a_refused_plan_is_what_ready_frontend_and_experts_report(f):
         outcome = Reconciler(kube, OperatorConfig(), Clock()).reconcile(body, Loads())
         if reason != c.APPLY_FAILED:
             assert not kube.objects, (reason, "a refused plan creates nothing")
+            # ... and the status shows neither its replicas nor its cost: nothing of it runs
+            assert kube.status.get("plan") is None and kube.status.get("cost") is None, (reason, kube.status)
         assert [e.message for e in ev.events(outcome, None) if e.type == "Warning" and e.reason == reason] == [
             found_message := conditions(kube)[c.PLAN_APPLIED]["message"]] and fix in found_message, reason
         found = conditions(kube)
@@ -323,6 +325,7 @@ def test_a_refused_update_keeps_the_running_plan_and_says_the_new_one_was_refuse
     assert (experts["status"], experts["reason"]) == ("False", c.INSUFFICIENT_CAPACITY)
     assert found[c.FRONTEND_READY]["status"] == "True"  # the frontend that runs still serves
     assert services(kube, retired=False), "a refused plan deletes nothing"
+    assert kube.status["plan"]["replicas"] == len(services(kube, retired=False))  # what runs, still
 
 
 def test_unplaced_replicas_leave_the_model_ready_and_say_so(f):
