@@ -144,7 +144,8 @@ SCALING = Object("How expert replicas follow the predicted load (MoEless Expert 
                           "before it is deleted; a plan that brings it back reuses it. At most "
                           f"{KNATIVE_MAX_KEEP_ALIVE} with runtime knative (Knative's cap on scale-down-delay).",
                           default="10m"),
-    "maxReplicasPerExpert": Integer("Upper bound of replicas of one expert bundle (also Knative max-scale).",
+    "maxReplicasPerExpert": Integer("Upper bound of replicas of one expert bundle (summed over its Services: each runs the replicas "
+                                    "the plan gives it, Knative's min-scale and max-scale).",
                                     default=8, minimum=1, maximum=1024, why=": every expert needs a replica"),
 }, default={})
 

@@ -306,7 +306,10 @@ def _expert(deployment: MoEDeployment, bundle: Bundle, site: str, replicas: int,
         scaling = spec.experts.scaling
         template_annotations = {
             "autoscaling.knative.dev/min-scale": str(replicas),
-            "autoscaling.knative.dev/max-scale": str(max(replicas, scaling.max_replicas_per_expert)),
+            # The plan is the autoscaler: replicas Knative added on its own would hold GPU memory the placer
+            # gave to other functions, and several services of a bundle each allowed maxReplicasPerExpert
+            # would together pass it.
+            "autoscaling.knative.dev/max-scale": str(replicas),
             "autoscaling.knative.dev/initial-scale": str(replicas),
             "autoscaling.knative.dev/scale-down-delay": scaling.keep_alive,
             "serving.knative.dev/progress-deadline": spec.experts.knative.progress_deadline,

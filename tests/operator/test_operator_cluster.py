@@ -174,7 +174,7 @@ def test_knative_runtime_renders_pinned_services_with_the_plan(cluster, api, ope
         template = ksvc["spec"]["template"]
         annotations = template["metadata"]["annotations"]
         assert annotations["autoscaling.knative.dev/min-scale"] == "1"
-        assert annotations["autoscaling.knative.dev/max-scale"] == "3"
+        assert annotations["autoscaling.knative.dev/max-scale"] == "1"  # what the plan gives it, no more
         assert annotations["autoscaling.knative.dev/scale-down-delay"] == "7m"
         assert annotations["serving.knative.dev/progress-deadline"] == "15m"
         term = template["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][

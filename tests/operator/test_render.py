@@ -111,7 +111,7 @@ def test_knative_runtime_annotations_affinity_and_address(f):
     assert len(services) == 4
     template = services[0]["spec"]["template"]
     assert template["metadata"]["annotations"] == {
-        "autoscaling.knative.dev/min-scale": "1", "autoscaling.knative.dev/max-scale": "4",
+        "autoscaling.knative.dev/min-scale": "1", "autoscaling.knative.dev/max-scale": "1",
         "autoscaling.knative.dev/initial-scale": "1", "autoscaling.knative.dev/scale-down-delay": "5m",
         "serving.knative.dev/progress-deadline": "15m", "kubemoe.io/node": "node-0"}  # where it was planned
     assert template["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
@@ -120,6 +120,17 @@ def test_knative_runtime_annotations_affinity_and_address(f):
     table = parse_table(by_kind(objects, "ConfigMap")[0]["data"]["routing.json"])
     assert {e.address for r in table.routes for e in r.endpoints} == {
         f"{s['metadata']['name']}.default.svc.cluster.local:80" for s in services}
+
+
+def test_knative_runs_no_more_replicas_of_a_bundle_than_the_plan_over_all_its_services(f):
+    deployment = MoEDeployment.from_body(f.moed_body(experts={"runtime": "knative", "bundleBytes": "256Mi",
+                                                              "scaling": {"maxReplicasPerExpert": 4}}))
+    hot = Loads({(0, 0): 1000.0, (0, 2): 1.0, (1, 0): 1.0, (1, 2): 1.0}, 100.0, 1)
+    planned = plan(deployment.spec, hot, f.gpu_nodes(4), None, 1e6)
+    services = [o for o in render(deployment, planned, OperatorConfig()) if o["apiVersion"] == "serving.knative.dev/v1"
+                and o["metadata"]["labels"]["kubemoe.io/bundle"] == "l0-e0-1"]
+    scale = [int(o["spec"]["template"]["metadata"]["annotations"]["autoscaling.knative.dev/max-scale"]) for o in services]
+    assert len(services) > 1 and sum(scale) == planned.replicas_of("l0-e0-1") <= 4
 
 
 def test_retired_service_renders_unchanged_template_and_leaves_the_routing_table(f):
