@@ -92,7 +92,7 @@ class DispatchConfig:
     call_timeout: float = 30.0  # seconds per attempt
     shm_dir: Path | None = None  # shared with expert functions on this node (expert_fn/shm.py); None: inline
     busy_poll_us: float = SHARED_CORES_BUSY_POLL_US  # the I/O loop polls this long before sleeping (busy_poll.py)
-    max_attempts: int = 4
+    max_attempts: int = 4  # at least: a call tries each of its expert's replicas once (_call)
     cooldown: float = 2.0  # seconds a failed replica is avoided while others are healthy
     # The smallest part of an expert's tokens worth a replica of its own: below the FFN's knee a part
     # costs a whole weight read (a Mixtral expert on the H200 takes 0.13 ms from 1 to 64 tokens).
@@ -690,9 +690,12 @@ class Dispatcher:
                 self.metrics.expert_retries.labels(bundle=bundle).inc()
         log.warning("bundle %s replica %s failed (%s%s); retrying", bundles, address, error.code().name,
                     f" for experts {sorted(lacking)} of layer {layer}" if lacking else "")
-        if attempt + 1 >= self.config.max_attempts:
+        # Every replica the table names gets its try, however many: replicas added in place are named before
+        # their weights are in, and answer that they lack the expert meanwhile.
+        attempts = max(self.config.max_attempts, max(len(routes[p.expert].addresses) for p in call.pieces))
+        if attempt + 1 >= attempts:
             raise DispatchError(f"bundle {bundles}: no replica could run layer {layer} after "
-                                f"{self.config.max_attempts} attempts: {'; '.join(errors)}", rows)
+                                f"{attempts} attempts: {'; '.join(errors)}", rows)
         if any(all((a, p.expert) in tried for a in routes[p.expert].addresses) for p in call.pieces):
             tried = frozenset()  # every replica of an expert failed once: back off before going round again
             await asyncio.sleep(0.05 * 2**attempt)

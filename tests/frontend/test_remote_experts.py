@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kubemoe.bundles import bundles_by_count
+from kubemoe.bundles import Bundle, bundles_by_count
 from kubemoe.expert_fn.config import ExpertFnConfig
 from kubemoe.expert_fn.server import build_server
 from kubemoe.frontend.app import Frontend, FrontendConfig
@@ -125,6 +125,28 @@ def test_a_killed_replica_loses_no_request(split_min_tokens, tiny_checkpoint, tm
     assert sum(retries("kubemoe_frontend_expert_retries_total", {"bundle": b.name}) or 0 for b in bundles) >= 1
     # A dead process is put aside whole (for every expert it serves), never one expert at a time.
     assert any(fe.dispatcher._replicas[a].failed_until > 0 for a in victims) and not fe.dispatcher._lacking
+
+
+def test_a_call_tries_every_replica_of_its_expert_when_more_than_max_attempts_lack_it(tiny_checkpoint):
+    """Replicas added in place are in the table before their weights are in (they answer that they lack the
+    expert): four such ahead of the one that holds every expert, one more than the frontend's max_attempts."""
+    path = tiny_checkpoint("mixtral")
+    bundles = embedded_bundles(path, 1)
+    fe = Frontend(FrontendConfig(checkpoint=path, call_timeout=5.0))
+    fe.engine.eos_ids = set()
+    assert fe.dispatcher.config.max_attempts < 5
+    lacking = ExpertServers(path, [Bundle("other", ((0, 0),))], replicas=4)  # hold one expert, lack the rest
+    holding = ExpertServers(path, bundles)
+    try:
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {b.name: [LOCAL] for b in bundles}))
+        expected = asyncio.run(generate_all(fe, PROMPTS, max_tokens=8))
+        fe.set_routing_table(table_for_bundles(fe.model_id, bundles, {
+            b.name: lacking.addresses["other"] + holding.addresses[b.name] for b in bundles}, version=2))
+        assert asyncio.run(generate_all(fe, PROMPTS, max_tokens=8)) == expected
+    finally:
+        fe.close()
+        lacking.stop()
+        holding.stop()
 
 
 class FixedPrediction:
