@@ -311,16 +311,20 @@ def plan(spec: MoESpec, loads: Loads, nodes: Sequence[NodeInfo], previous: Plan 
     unplaced: dict[str, int] = {}
     hosted: dict[str, tuple[ServiceKey, ...]] = {}
     gpus_held = 0
+    # Retired services still warm, of bundles the spec still has: one of a bundle it no longer has (bundleBytes
+    # changed) renders nowhere, so it is deleted now, and neither kept nor counted in status.
+    names = {b.name for b in bundles}
+    kept = {k: r for k, r in _kept(previous, now, keep_alive_s).items() if k[0] in names}
     if mode != "offload":
         _check_fits(spec, bundles, eligible)
-        warm = {**{k: r.replicas for k, r in _kept(previous, now, keep_alive_s).items()}, **previous.services()}
+        warm = {**{k: r.replicas for k, r in kept.items()}, **previous.services()}
         placed, unplaced, gpus_held = _place(spec, bundles, _replicas(spec, bundles, loads), loads, eligible, warm,
                                              set(previous.services()))
         placed, hosted = _host_in_place(spec, bundles, placed, loads, eligible, previous.services(), warm,
                                         previous.hosted)
     active = {key for key in Plan(mode, bundles, placed).services()}
-    retired = {**{k: r for k, r in _kept(previous, now, keep_alive_s).items() if k not in active},
-               **{k: Retired(n, now) for k, n in previous.services().items() if k not in active}}
+    retired = {**{k: r for k, r in kept.items() if k not in active},
+               **{k: Retired(n, now) for k, n in previous.services().items() if k not in active and k[0] in names}}
     changed = _placement_of(previous) != {b: tuple(sorted(n)) for b, n in placed.items() if n}
     changed = changed or _hosting_of(previous) != {b: tuple(sorted(h)) for b, h in hosted.items() if h}
     if not spec.experts.sharing.shared:  # whole GPUs per replica, retired ones kept warm included

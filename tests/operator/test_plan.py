@@ -114,6 +114,22 @@ def test_warm_pool_scales_out_retires_reuses_and_expires(f):
     assert not gone & set(expired.retired) and gone <= set(decisions(kept, expired).expired)
 
 
+def test_services_of_bundles_a_spec_change_removed_are_not_kept_warm_or_counted(f):
+    # bundleBytes changed: the running and retired services name bundles the new spec does not have; no
+    # render has them, so the operator deletes them now, and the plan must not count them as warm.
+    old = spec_of(f, experts={"bundleBytes": "128Mi", "scaling": {"keepAlive": "10m", "maxReplicasPerExpert": 4}})
+    nodes = f.gpu_nodes(4)
+    hot = plan(old, Loads({(0, 0): 800.0, (0, 1): 100.0, (0, 2): 100.0, (0, 3): 100.0}, 50.0, 1), nodes, None, NOW)
+    cooled = plan(old, Loads(), nodes, hot, NOW + 60)
+    assert cooled.retired  # expert 0's extra replicas, warm
+    new = spec_of(f, experts={"bundleBytes": "256Mi", "scaling": {"keepAlive": "10m", "maxReplicasPerExpert": 4}})
+    renamed = plan(new, Loads(), nodes, cooled, NOW + 120)
+    names = {b.name for b in new.bundles()}
+    assert not {b for b, _ in cooled.services()} & names  # every bundle was renamed
+    assert renamed.retired == {} and renamed.gpus_held == renamed.replicas
+    assert set(decisions(cooled, renamed).expired) >= set(cooled.retired)  # said as they go
+
+
 def test_a_new_service_only_where_no_running_function_has_room(f):
     spec = spec_of(f, experts={"bundleBytes": "128Mi", "scaling": {"maxReplicasPerExpert": 4}})
     flat = Loads({(0, e): 100.0 for e in range(4)}, 50.0, 1)
