@@ -48,17 +48,17 @@ def trace_messages(stamps: dict, received: type, received_stamp: str, sent: type
         def __getattr__(self, name):
             return types.SimpleNamespace(FromString=parse) if name == received.__name__ else getattr(pb, name)
 
-    try_send = lane._Packets.try_send
+    send = lane._Packets.send
 
-    def traced_send(packets, message) -> bool:
+    def traced_send(packets, message) -> None:
         stamps.setdefault(message.request_id, {})[sent_stamp] = time.perf_counter()
-        return try_send(packets, message)
+        send(packets, message)
 
-    lane.pb, lane._Packets.try_send = Messages(), traced_send
+    lane.pb, lane._Packets.send = Messages(), traced_send
     try:
         yield parse, serialize
     finally:
-        lane.pb, lane._Packets.try_send = pb, try_send
+        lane.pb, lane._Packets.send = pb, send
 
 
 def main() -> None:

@@ -317,7 +317,7 @@ class ExpertClient:
             shared = stream.place(rid, hidden, request.hidden)
             if not shared:
                 wire.encode_into(hidden, request.hidden)
-            if shared and stream.lane is not None and await stream.lane.send(request):
+            if shared and stream.lane is not None and stream.lane.send(request):
                 sent = True
             else:
                 sent = True

@@ -199,9 +199,9 @@ class Frames(SocketCarrier[Received, Sent]):
 
     # -- writing -----------------------------------------------------------------------------------
 
-    def try_send(self, message: Sent) -> bool:
-        """Queue one frame: what the socket takes now goes now, the rest when it is writable. Always
-        True (the client's arena bounds what can be queued). Raises LaneClosed when the lane is gone."""
+    def send(self, message: Sent) -> None:
+        """Queue one frame: what the socket takes now goes now, the rest when it is writable (the client's
+        arena bounds what can be queued). Raises LaneClosed when the lane is gone."""
         if self.closed:
             raise LaneClosed("the lane is closed")
         data = message.SerializeToString()
@@ -216,10 +216,6 @@ class Frames(SocketCarrier[Received, Sent]):
             self._backlog.extend(pieces)
         else:
             self._write(pieces)
-        return True
-
-    async def send(self, message: Sent) -> None:
-        self.try_send(message)
 
     def _write(self, pieces: list[memoryview]) -> None:
         batch = pieces[:_MAX_PIECES]  # sendmsg takes at most IOV_MAX buffers

@@ -20,6 +20,7 @@ same lane runs over TCP, its tensors' bytes in the frames (frames.py).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -101,7 +102,15 @@ class SocketCarrier(Generic[Received, Sent]):
 
 
 class _Packets(SocketCarrier[Received, Sent]):
-    """A SOCK_SEQPACKET socket carrying one `message_type` message per packet."""
+    """A SOCK_SEQPACKET socket carrying one `message_type` message per packet. What the socket's buffer
+    cannot take now waits in a backlog, sent in order once it is writable: a send never blocks its caller
+    (whose call's deadline runs meanwhile), and senders never wait on the socket side by side (asyncio
+    wakes one writer per socket: concurrent sock_sendall calls lost each other's wake-ups)."""
+
+    def __init__(self, sock: socket.socket, message_type: type[Received],
+                 on_messages: Callable[[list[Received]], None], on_closed: Callable[[LaneClosed], None]):
+        super().__init__(sock, message_type, on_messages, on_closed)
+        self._backlog: collections.deque[bytes] = collections.deque()
 
     def _readable(self) -> None:
         messages, closed = [], None
@@ -129,26 +138,40 @@ class _Packets(SocketCarrier[Received, Sent]):
         if closed is not None:
             self.close(closed)
 
-    def try_send(self, message: Sent) -> bool:
-        """Send one message if the socket's buffer has room for it (False: not now). Raises LaneClosed
-        when the lane is gone. A buffer holds hundreds of packets: this is rarely False."""
+    def send(self, message: Sent) -> None:
+        """Send one message, or queue it behind what the socket's buffer could not take yet (a buffer holds
+        hundreds of packets). Raises LaneClosed when the lane is gone."""
         if self.closed:
             raise LaneClosed("the lane is closed")
+        data = message.SerializeToString()
+        if self._backlog:  # packets go out in order
+            self._backlog.append(data)
+            return
         try:
-            self.sock.send(message.SerializeToString())
+            self.sock.send(data)
         except (BlockingIOError, InterruptedError):
-            return False
+            self._backlog.append(data)
+            self._loop.add_writer(self.sock, self._writable)
         except OSError as e:
             raise LaneClosed(f"lane broke: {e.strerror}") from None
-        return True
 
-    async def send(self, message: Sent) -> None:
-        """One message, once the buffer has room. Raises LaneClosed when the lane is gone."""
-        if not self.try_send(message):
+    def _writable(self) -> None:
+        while self._backlog:
             try:
-                await self._loop.sock_sendall(self.sock, message.SerializeToString())
+                self.sock.send(self._backlog[0])
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError as e:
-                raise LaneClosed(f"lane broke: {e.strerror}") from None
+                self.close(LaneClosed(f"lane broke: {e.strerror}"))
+                return
+            self._backlog.popleft()
+        self._loop.remove_writer(self.sock)
+
+    def close(self, why: LaneClosed | None = None) -> None:
+        if self._backlog and not self.closed:
+            self._loop.remove_writer(self.sock)
+            self._backlog.clear()
+        super().close(why)
 
 class Carrier(Protocol[_Sent]):
     """What moves a lane's messages: _Packets here, frames.Frames over TCP (both SocketCarriers). It
@@ -158,8 +181,7 @@ class Carrier(Protocol[_Sent]):
 
     def start_reading(self) -> None: ...
     def stop_reading(self) -> None: ...
-    def try_send(self, message: _Sent) -> bool: ...
-    async def send(self, message: _Sent) -> None: ...
+    def send(self, message: _Sent) -> None: ...  # now, or queued in order: never blocks
     def close(self, why: LaneClosed | None = None) -> None: ...
 
 
@@ -296,12 +318,7 @@ class ServerLane:
 
     def _send(self, response: pb.ForwardResponse) -> None:
         with contextlib.suppress(LaneClosed):  # the client left: nobody waits for this reply
-            if not self._connected().try_send(response):
-                self._spawn(self._send_later(response))
-
-    async def _send_later(self, response: pb.ForwardResponse) -> None:
-        with contextlib.suppress(LaneClosed):
-            await self._connected().send(response)
+            self._connected().send(response)
 
     def stop_reading(self) -> None:
         """Take no more requests (the server is stopping); those already spawned are still answered."""
@@ -361,11 +378,11 @@ class ClientLane:
     def closed(self) -> bool:
         return self._carrier.closed
 
-    async def send(self, request: pb.ForwardRequest) -> bool:
+    def send(self, request: pb.ForwardRequest) -> bool:
         """Send `request`; False when it is too large for the lane (send it on the stream)."""
         if request.ByteSize() > MAX_PACKET_BYTES:
             return False
-        await self._carrier.send(request)
+        self._carrier.send(request)
         return True
 
     def close(self) -> None:

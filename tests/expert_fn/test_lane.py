@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kubemoe import wire
-from kubemoe.expert_fn.lane import LANE_METADATA_KEY, MAX_PACKET_BYTES, ClientLane, socket_address
+from kubemoe.expert_fn.lane import LANE_METADATA_KEY, MAX_PACKET_BYTES, ClientLane, _Packets, socket_address
 from kubemoe.expert_fn.shm import ATTACHED, HEADER_BYTES, METADATA_KEY, Segment
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
@@ -210,7 +210,7 @@ def test_property_malformed_lane_requests_are_each_answered_and_the_lane_keeps_s
             req.hidden.dtype, req.hidden.shape[:] = fields["dtype"], fields["shape"]
             req.hidden.shared.offset = fields["offset"]
             answered = replies.expect(req.request_id)
-            await lane.send(req)
+            lane.send(req)
             response = await asyncio.wait_for(answered, 10)
             if response.HasField("error"):
                 assert response.error.code in refusals, response
@@ -242,3 +242,26 @@ def test_property_malformed_lane_requests_are_each_answered_and_the_lane_keeps_s
             segment.unlink()
             runner.run(context.__aexit__(None, None, None))
     assert sum(outcomes.values()) == 1001 and outcomes["error"] > 500, outcomes
+
+
+async def test_packets_sent_faster_than_the_peer_reads_wait_in_order_and_never_block_the_sender():
+    """More packets than the socket buffers hold while the peer does not read (a busy server): each send
+    returns at once (the call's deadline keeps running), and all arrive, in order, once it reads."""
+    one, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    one.setblocking(False)
+    other.setblocking(False)
+    got: list[str] = []
+    sender = _Packets(one, pb.ForwardResponse, lambda messages: None, lambda why: None)
+    receiver = _Packets(other, pb.ForwardRequest, lambda messages: got.extend(m.request_id for m in messages),
+                        lambda why: None)
+    for n in range(3000):
+        sender.send(pb.ForwardRequest(model="m", request_id=str(n), layer=1, experts=[0], counts=[8]))
+    assert sender._backlog  # the socket took what it could; the rest waits, in order
+    receiver.start_reading()
+    for _ in range(500):
+        if len(got) == 3000:
+            break
+        await asyncio.sleep(0.01)
+    assert got == [str(n) for n in range(3000)] and not sender._backlog and not sender.closed
+    sender.close()
+    receiver.close()

@@ -218,7 +218,7 @@ def test_property_tcp_lane_requests_with_any_fields_are_each_answered_and_the_la
                                     experts=f["experts"], counts=f["counts"])
             wire.describe_shared(req.hidden, torch.float32, [f["tokens"], f["width"]], HEADER_BYTES + slot * 8192)
             answered = replies.expect(req.request_id)
-            await lane.send(req)
+            lane.send(req)
             response = await asyncio.wait_for(answered, 10)
             kind = "error" if response.HasField("error") else "OK"
             if kind == "error":
@@ -277,7 +277,7 @@ async def test_frames_queued_faster_than_the_peer_reads_all_arrive_whole_and_in_
     for n in range(3000):
         req = pb.ForwardRequest(model="m", request_id=str(n), layer=1, experts=[0], counts=[8])
         wire.describe_shared(req.hidden, torch.float32, [8, H], HEADER_BYTES + (n % 8) * 4096)
-        sender.try_send(req)  # 4 KiB each: far more than the socket buffers hold unread
+        sender.send(req)  # 4 KiB each: far more than the socket buffers hold unread
     assert sender._backlog  # the rest waits for the socket
     receiver.start_reading()
     for _ in range(500):
@@ -307,7 +307,7 @@ async def test_a_frame_sent_from_its_source_lands_whole_and_a_message_longer_tha
     req = pb.ForwardRequest(model="m", request_id="long", layer=1, experts=experts, counts=[0] * 2999 + [300])
     wire.describe_shared(req.hidden, torch.float32, [300, H], HEADER_BYTES)
     assert req.ByteSize() > _READ_AHEAD
-    sender.try_send(req)
+    sender.send(req)
     for _ in range(300):
         if got:
             break
