@@ -23,6 +23,7 @@ AS_EXPECTED = "AsExpected"                  # the condition holds
 APPLIED = "Applied"                         # PlanApplied: every object applied
 REPLICAS_UNPLACED = "ReplicasUnplaced"      # True, but scaled-out replicas fit on no GPU (PlanApplied, ExpertsReady, Ready)
 PROGRESSING = "Progressing"                 # pods are starting or loading weights
+SCALED_TO_ZERO = "ScaledToZero"             # FrontendReady: spec.frontend.replicas is 0, nothing serves
 NOT_NEEDED = "NotNeeded"                    # ExpertsReady in offload mode: the frontend holds the experts
 INVALID_SPEC = "InvalidSpec"                # the spec passed the schema but cannot be served; fix the spec
 INSUFFICIENT_CAPACITY = "InsufficientCapacity"  # not enough eligible GPU nodes for the plan; add nodes or relax placement

@@ -446,6 +446,10 @@ def _frontend_ready(live: Mapping[ObjectKey, Object], error: c.Condition | None)
                                f"no frontend Deployment: the plan was not applied ({error.message})")
         return c.Condition(c.FRONTEND_READY, False, c.PROGRESSING, "the frontend Deployment is being created")
     want = deployment["spec"].get("replicas", 1)
+    if want == 0:  # a stop the user asked for: the experts stay, but the model does not serve
+        return c.Condition(c.FRONTEND_READY, False, c.SCALED_TO_ZERO,
+                           "spec.frontend.replicas is 0: no frontend serves (the expert functions stay); raise it "
+                           "to serve again")
     ready = _ready_replicas(deployment)
     if ready >= want:
         return c.Condition(c.FRONTEND_READY, True, c.AS_EXPECTED, f"{ready}/{want} frontend pods ready")

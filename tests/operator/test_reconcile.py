@@ -328,6 +328,19 @@ def test_a_refused_update_keeps_the_running_plan_and_says_the_new_one_was_refuse
     assert kube.status["plan"]["replicas"] == len(services(kube, retired=False))  # what runs, still
 
 
+def test_a_deployment_scaled_to_zero_frontends_is_not_ready_and_says_how_to_serve_again(f):
+    body, kube, clock, reconciler = setup(f, nodes=2)
+    body["spec"]["frontend"] = {**body["spec"].get("frontend", {}), "replicas": 0}
+    step(body, reconciler, kube, Loads())
+    for key, o in kube.objects.items():  # every pod ready, the Deployment at its 0 replicas
+        kube.objects[key] = _ready(o)
+    step(body, reconciler, kube, Loads())
+    found = conditions(kube)
+    assert found[c.EXPERTS_READY]["status"] == "True"  # the experts stay
+    assert (found[c.FRONTEND_READY]["status"], found[c.FRONTEND_READY]["reason"]) == ("False", c.SCALED_TO_ZERO)
+    assert found[c.READY]["status"] == "False" and "replicas is 0" in found[c.READY]["message"]
+
+
 def test_unplaced_replicas_leave_the_model_ready_and_say_so(f):
     body, kube, clock, reconciler = setup(f, nodes=5, gpus=4)  # 10 slots for 8 bundles and a hot one
     step(body, reconciler, kube, Loads({(0, 0): 1000.0, (0, 1): 1.0}, 10.0, 1))
