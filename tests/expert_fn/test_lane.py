@@ -254,14 +254,22 @@ async def test_packets_sent_faster_than_the_peer_reads_wait_in_order_and_never_b
     sender = _Packets(one, pb.ForwardResponse, lambda messages: None, lambda why: None)
     receiver = _Packets(other, pb.ForwardRequest, lambda messages: got.extend(m.request_id for m in messages),
                         lambda why: None)
-    for n in range(3000):
-        sender.send(pb.ForwardRequest(model="m", request_id=str(n), layer=1, experts=[0], counts=[8]))
-    assert sender._backlog  # the socket took what it could; the rest waits, in order
+    await sent_unread_then_read(sender, receiver, got, lambda n: pb.ForwardRequest(
+        model="m", request_id=str(n), layer=1, experts=[0], counts=[8]))
+
+
+async def sent_unread_then_read(sender, receiver, got: list[str], message, count: int = 3000) -> None:
+    """`count` messages (`message(n)`, request id n) sent while `receiver` does not read: the socket takes what
+    it can and the rest waits in the sender's backlog; once it reads, all arrive (into `got`), in order."""
+    for n in range(count):
+        sender.send(message(n))
+    assert sender._backlog
     receiver.start_reading()
     for _ in range(500):
-        if len(got) == 3000:
+        if len(got) == count:
             break
         await asyncio.sleep(0.01)
-    assert got == [str(n) for n in range(3000)] and not sender._backlog and not sender.closed
+    assert got == [str(n) for n in range(count)] and not sender._backlog
+    assert not sender.closed and not receiver.closed
     sender.close()
     receiver.close()

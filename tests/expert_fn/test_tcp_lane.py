@@ -23,7 +23,7 @@ from kubemoe.expert_fn.shm import HEADER_BYTES, Segment, SharedMemoryError
 from kubemoe.proto import kubemoe_pb2 as pb
 from kubemoe.proto import kubemoe_pb2_grpc as pb_grpc
 
-from .test_lane import Replies
+from .test_lane import Replies, sent_unread_then_read
 
 ARCH = "mixtral"  # tiny: MoE layers 0 and 1, 8 experts, hidden 128, float32
 H = 128
@@ -274,19 +274,12 @@ async def test_frames_queued_faster_than_the_peer_reads_all_arrive_whole_and_in_
     sender = Frames(sender_sock, arena, pb.ForwardRequest, lambda m: (0, 0), lambda ms: None, lambda why: None)
     receiver = Frames(receiver_sock, arena, pb.ForwardRequest, lambda m: tensor_region(m, arena.size),
                       lambda ms: got.extend(m.request_id for m in ms), lambda why: None)
-    for n in range(3000):
+    def request(n: int) -> pb.ForwardRequest:  # 4 KiB each: far more than the socket buffers hold unread
         req = pb.ForwardRequest(model="m", request_id=str(n), layer=1, experts=[0], counts=[8])
         wire.describe_shared(req.hidden, torch.float32, [8, H], HEADER_BYTES + (n % 8) * 4096)
-        sender.send(req)  # 4 KiB each: far more than the socket buffers hold unread
-    assert sender._backlog  # the rest waits for the socket
-    receiver.start_reading()
-    for _ in range(500):
-        if len(got) == 3000:
-            break
-        await asyncio.sleep(0.01)
-    assert got == [str(n) for n in range(3000)] and not sender.closed and not receiver.closed
-    sender.close()
-    receiver.close()
+        return req
+
+    await sent_unread_then_read(sender, receiver, got, request)
 
 
 async def test_a_frame_sent_from_its_source_lands_whole_and_a_message_longer_than_one_read_ahead_parses():
