@@ -317,11 +317,10 @@ class ExpertClient:
             shared = stream.place(rid, hidden, request.hidden)
             if not shared:
                 wire.encode_into(hidden, request.hidden)
-            if shared and stream.lane is not None and stream.lane.send(request):
-                sent = True
-            else:
-                sent = True
+            if not (shared and stream.lane is not None and stream.lane.send(request)):
+                sent = True  # the write goes on, whatever this caller does (_written)
                 await _written(stream, request, done)
+            sent = True
             response = await done
             answered = True
             if response.HasField("error"):

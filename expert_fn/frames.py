@@ -30,7 +30,6 @@ never logged. gRPC stays the control plane and the fallback for what the lane ca
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import re
 import secrets
@@ -123,7 +122,6 @@ class Frames(SocketCarrier[Received, Sent]):
         self._staging = memoryview(bytearray(_STAGING_BYTES))
         self._staged = 0  # bytes in _staging not parsed yet
         self._payload: _Payload[Received] | None = None  # a frame's payload being read straight into the arena
-        self._backlog: collections.deque[memoryview] = collections.deque()  # what the socket did not take yet
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -244,11 +242,6 @@ class Frames(SocketCarrier[Received, Sent]):
         except LaneClosed as e:
             self.close(e)
 
-    def close(self, why: LaneClosed | None = None) -> None:
-        if self._backlog and not self.closed:
-            self._loop.remove_writer(self.sock)
-            self._backlog.clear()
-        super().close(why)
 
 
 class DataPort:

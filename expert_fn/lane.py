@@ -62,7 +62,9 @@ _Sent = TypeVar("_Sent", bound=pb.ForwardRequest | pb.ForwardResponse, contravar
 class SocketCarrier(Generic[Received, Sent]):
     """A connected socket read from the event loop (add_reader): what both carriers share. Messages
     complete when it turns readable go to `on_messages` together; the end of the connection (or what
-    breaks the protocol) to `on_closed`, once."""
+    breaks the protocol) to `on_closed`, once. What the socket cannot take yet waits in `_backlog`, in
+    order, until it is writable (add_writer): a send never blocks, and senders never wait on the socket
+    side by side (asyncio keeps one writer per socket: concurrent sock_sendall calls lost wake-ups)."""
 
     def __init__(self, sock: socket.socket, message_type: type[Received],
                  on_messages: Callable[[list[Received]], None], on_closed: Callable[[LaneClosed], None]):
@@ -71,6 +73,7 @@ class SocketCarrier(Generic[Received, Sent]):
         self._on_messages: Callable[[list[Received]], None] = on_messages
         self._loop = asyncio.get_running_loop()
         self._reading = False
+        self._backlog: collections.deque = collections.deque()  # what the socket did not take yet
         self.closed = False
 
     def start_reading(self) -> None:
@@ -94,6 +97,9 @@ class SocketCarrier(Generic[Received, Sent]):
     def close(self, why: LaneClosed | None = None) -> None:
         if self.closed:
             return
+        if self._backlog:
+            self._loop.remove_writer(self.sock)
+            self._backlog.clear()
         self.stop_reading()
         self.closed = True
         self.sock.close()
@@ -102,15 +108,7 @@ class SocketCarrier(Generic[Received, Sent]):
 
 
 class _Packets(SocketCarrier[Received, Sent]):
-    """A SOCK_SEQPACKET socket carrying one `message_type` message per packet. What the socket's buffer
-    cannot take now waits in a backlog, sent in order once it is writable: a send never blocks its caller
-    (whose call's deadline runs meanwhile), and senders never wait on the socket side by side (asyncio
-    wakes one writer per socket: concurrent sock_sendall calls lost each other's wake-ups)."""
-
-    def __init__(self, sock: socket.socket, message_type: type[Received],
-                 on_messages: Callable[[list[Received]], None], on_closed: Callable[[LaneClosed], None]):
-        super().__init__(sock, message_type, on_messages, on_closed)
-        self._backlog: collections.deque[bytes] = collections.deque()
+    """A SOCK_SEQPACKET socket carrying one `message_type` message per packet (its backlog: whole packets)."""
 
     def _readable(self) -> None:
         messages, closed = [], None
@@ -166,12 +164,6 @@ class _Packets(SocketCarrier[Received, Sent]):
                 return
             self._backlog.popleft()
         self._loop.remove_writer(self.sock)
-
-    def close(self, why: LaneClosed | None = None) -> None:
-        if self._backlog and not self.closed:
-            self._loop.remove_writer(self.sock)
-            self._backlog.clear()
-        super().close(why)
 
 class Carrier(Protocol[_Sent]):
     """What moves a lane's messages: _Packets here, frames.Frames over TCP (both SocketCarriers). It
