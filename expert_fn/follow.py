@@ -47,13 +47,14 @@ class TableFollower:
         store = servicer.store
         self.free_bytes = free_bytes or (lambda: cuda_free_bytes(store.device))
         self._drops: dict[ExpertKey, asyncio.TimerHandle] = {}
+        self._wanted: frozenset[ExpertKey] = frozenset()  # what the newest table sends here (and the bundle)
 
     @property
     def store(self):
         return self.servicer.store
 
     async def on_table(self, table: pb.RoutingTable) -> None:
-        wanted = held_by_address(table).get(self.address, frozenset()) | self.store.bundle
+        wanted = self._wanted = held_by_address(table).get(self.address, frozenset()) | self.store.bundle
         held = set(self.store.held())
         for key in wanted & self._drops.keys():  # wanted again before its drop: keep it
             self._drops.pop(key).cancel()
@@ -78,9 +79,9 @@ class TableFollower:
             return
         try:
             response = await self.servicer.load(keys)
-        except ExpertFnError as e:  # refused (out of memory, say): as no room; the table's next change may fit
+        except Exception as e:  # noqa: BLE001 - refused (out of memory) or failed (a read's I/O error): as no room
             log.warning("routing table names %s for %d more experts, not loaded: %s; frontends send their tokens to "
-                        "the other replicas", self.address, len(keys), e)
+                        "the other replicas", self.address, len(keys), e, exc_info=not isinstance(e, ExpertFnError))
             return
         log.info("loaded %d experts in place (%.0f MiB in %.2fs) for the routing table", len(keys),
                  response.bytes_loaded / 2**20, response.seconds)
@@ -90,6 +91,10 @@ class TableFollower:
 
     async def _drop(self, key: ExpertKey) -> None:
         self._drops.pop(key, None)
-        freed = await asyncio.to_thread(self.store.unload, [key])
+        if key in self._wanted:  # a newer table wants it again
+            return
+        freed = await asyncio.to_thread(self.store.unload, [key])  # may wait for a Load: tables arrive meanwhile
         await self.servicer.report_health()
         log.info("dropped expert %s in place (%.0f MiB): no routing table sends it here any more", key, freed / 2**20)
+        if key in self._wanted:  # a table that arrived while it was dropped wants it: it saw it held, gained nothing
+            await self._gain([key])

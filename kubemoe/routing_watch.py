@@ -36,6 +36,8 @@ async def watch_file(path: Path, on_table: Callable[[pb.RoutingTable], Awaitable
                 await on_table(parse_table(text))
             except RoutingTableError as e:
                 log.error("ignoring routing table %s: %s", path, e)
+            except Exception:  # noqa: BLE001 - one table that could not be followed ends nothing: the next may be
+                log.exception("following routing table %s failed; watching on for the next", path)
         await asyncio.sleep(interval)
 
 

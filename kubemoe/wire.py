@@ -79,5 +79,8 @@ def decode(msg: pb.Tensor, segment: "Segment | None" = None) -> torch.Tensor:
     if len(data) != expected:
         raise WireError(f"tensor of shape {shape} and dtype {DTYPE_NAMES[dtype]} needs {expected} bytes, got {len(data)}")
     if numel == 0:
-        return torch.empty(shape, dtype=dtype)
+        try:
+            return torch.empty(shape, dtype=dtype)
+        except RuntimeError as e:  # dimensions whose strides overflow: [0, 2**62, 2**62]
+            raise WireError(f"tensor shape {shape} is not one a tensor can have: {str(e).splitlines()[0]}") from None
     return torch.frombuffer(data, dtype=dtype).view(shape)

@@ -43,6 +43,9 @@ BAD = {  # name: (request fields, status, words the message must contain)
     "unknown dtype number": (dict(hidden=tensor(dtype=9)), INVALID, ["9", "not supported"]),
     "byte length mismatch": (dict(hidden=tensor(nbytes=100)), INVALID, ["needs 1536 bytes", "got 100"]),
     "negative dimension": (dict(hidden=tensor(shape=(-3, H), nbytes=0)), INVALID, ["negative"]),
+    # No elements, so no bytes to check against, but strides that overflow: not a server fault
+    "overflowing empty shape": (dict(hidden=tensor(shape=(0, 2**62, 2**62), nbytes=0)), INVALID,
+                                ["[0, 4611686018427387904, 4611686018427387904]", "not one a tensor can have"]),
     "counts do not sum to rows": (dict(counts=[2, 2]), INVALID, ["sum to 4", "3 rows"]),
     "negative count": (dict(counts=[4, -1]), INVALID, ["negative", "[4, -1]"]),
     "experts and counts differ": (dict(experts=[1], counts=[2, 1]), INVALID, ["1 experts and 2 counts"]),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import grpc
 import pytest
@@ -106,3 +107,47 @@ def test_following_the_table_needs_the_address_it_names_the_function_by(tiny_che
         ExpertFnConfig.build(tiny_checkpoint(ARCH), "0:0", device="cpu", routing_table="/x")
     with pytest.raises(KubemoeError, match="NAMESPACE/NAME"):
         ExpertFnConfig.build(tiny_checkpoint(ARCH), "0:0", device="cpu", routing_configmap="x", address="a:1")
+
+
+async def test_a_table_that_wants_an_expert_again_while_its_drop_waits_for_a_load_keeps_it(tiny_checkpoint, serve,
+                                                                                          monkeypatch):
+    async with serve(tiny_checkpoint(ARCH), "0:0", model="m") as server:
+        store = server.servicer.store
+        follower = TableFollower(server.servicer, server.address, drop_after=0.1)
+        await follower.on_table(table(server.address, ((1, 2),), 1))
+        await follower.on_table(table(server.address, (), 2))  # (1, 2) goes in 0.1 s
+        read = store.adapter.read_expert_into  # meanwhile a slow Load holds the store: the drop waits for it
+        monkeypatch.setattr(store.adapter, "read_expert_into", lambda *a, **k: (time.sleep(1.0), read(*a, **k))[1])
+        loading = asyncio.create_task(server.servicer.load([(0, 5)]))
+        await until(lambda: (1, 2) not in follower._drops)  # the drop began
+        await follower.on_table(table(server.address, ((1, 2),), 3))  # the newest table sends it here again
+        await loading
+        await until(lambda: (1, 2) in store.held() and not follower._drops, timeout=10)
+        await asyncio.sleep(0.3)
+        assert (1, 2) in store.held()
+
+
+async def test_a_load_that_fails_to_read_leaves_the_function_following_later_tables(tiny_checkpoint, serve, tmp_path,
+                                                                                    monkeypatch):
+    path = tmp_path / "routing.json"
+    async with serve(tiny_checkpoint(ARCH), "0:0", model="m") as server:
+        store = server.servicer.store
+        read, failed = store.adapter.read_expert_into, []
+
+        def flaky(*args, **kwargs):  # one I/O error reading the checkpoint (a network volume's hiccup)
+            if not failed:
+                failed.append(True)
+                raise OSError(5, "Input/output error")
+            return read(*args, **kwargs)
+
+        monkeypatch.setattr(store.adapter, "read_expert_into", flaky)
+        path.write_text(to_json(table(server.address, ((1, 2),), 1)))
+        config = dataclasses.replace(server.config, routing_table=str(path), address=server.address)
+        following = follow_routing_table(config, server.servicer)
+        try:
+            await until(lambda: failed)
+            path.write_text(to_json(table(server.address, ((1, 3),), 2)))
+            await until(lambda: (1, 3) in store.held(), timeout=10)
+            assert not following.done()
+        finally:
+            following.cancel()
