@@ -99,11 +99,27 @@ def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
     max_tokens = _get(body, "max_tokens", "integer") if max_tokens is None else max_tokens
     try:
         return SamplingParams(
-            temperature=float(_get(body, "temperature", "number", 1.0)), top_p=float(_get(body, "top_p", "number", 1.0)),
+            temperature=_float(body, "temperature", 1.0), top_p=_float(body, "top_p", 1.0),
             top_k=_get(body, "top_k", "integer", 0), seed=seed, stop=tuple(stop or ()),
             max_tokens=default_max_tokens if max_tokens is None else max_tokens)
     except ValueError as e:
         raise invalid(str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def _float(body: dict, name: str, default: float) -> float:
+    try:
+        return float(_get(body, name, "number", default))
+    except OverflowError:  # a JSON integer has no bound: 10**400
+        raise invalid(f"'{name}' is too large a number", param=name) from None
+
+
+def _text(value: str, param: str) -> str:
+    """A JSON string as the tokenizer takes it: Unicode text (JSON can spell a lone surrogate, \\ud800)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid(f"{param} is not Unicode text: {e.reason} at character {e.start}", param=param) from None
+    return value
 
 
 def _chat_messages(body: dict) -> list[dict]:
@@ -127,7 +143,7 @@ def _chat_messages(body: dict) -> list[dict]:
         elif not isinstance(content, str):
             raise invalid(f"messages[{i}].content must be a string or a list of text parts, got {_json_type(content)}",
                           param=f"messages[{i}].content")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": m["role"], "content": _text(content, f"messages[{i}].content")})
     return out
 
 
@@ -196,7 +212,7 @@ class HttpApi:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            ids = self.frontend.tokenizer.encode(prompt)
+            ids = self.frontend.tokenizer.encode(_text(prompt, "prompt"))
         elif isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
             ids = prompt
         else:
@@ -218,8 +234,8 @@ class HttpApi:
     async def _body(self, request: web.Request) -> dict:
         try:
             body = await request.json()
-        except ValueError as e:
-            raise invalid(f"the request body is not valid JSON: {e}") from None
+        except (ValueError, LookupError, RecursionError) as e:  # LookupError: an unknown charset
+            raise invalid(f"the request body is not valid JSON: {str(e)[:200]}") from None
         if not isinstance(body, dict):
             raise invalid(f"the request body must be a JSON object, got {_json_type(body)}")
         model = _get(body, "model", "string")
@@ -338,6 +354,10 @@ class HttpApi:
             if e.status < 400:
                 raise
             response = ApiError(e.status, e.text or e.reason).response()
+        except Exception:  # a bug: said as one, in the API's error shape, never aiohttp's text page
+            log.exception("%s %s failed", request.method, request.path)
+            response = ApiError(500, "the server failed on this request (a bug: its log has the traceback)",
+                                code="internal_error").response()
         route = request.match_info.route.name
         if route in API_ROUTES:
             self.frontend.metrics.requests.labels(api=route, status=str(response.status)).inc()

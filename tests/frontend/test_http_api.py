@@ -165,6 +165,28 @@ async def test_malformed_chat_bodies_get_400_json(base_url, frontend, body, word
     assert words in error["message"]
 
 
+@pytest.mark.parametrize("path, body, content_type, words", [
+    ("completions", b'{"model": "M", "prompt": "hi", "temperature": 1' + b"0" * 400 + b"}", "application/json",
+     "'temperature' is too large a number"),
+    ("completions", b'{"model": "M", "prompt": "hi"}', "application/json; charset=bogus", "unknown encoding: bogus"),
+    ("completions", b'{"model": "M", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}", "application/json",
+     "not valid JSON"),
+    ("completions", b'{"model": "M", "prompt": "a\\ud800b", "stream": true}', "application/json",
+     "prompt is not Unicode text"),
+    ("chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "application/json",
+     "messages[0].content is not Unicode text"),
+])
+async def test_bodies_python_cannot_take_as_json_or_text_get_400_json(base_url, frontend, path, body, content_type,
+                                                                     words):
+    """Valid JSON that Python's float, json or the tokenizer refuse (a 400-digit number, a charset, a lone
+    surrogate), and JSON nested too deep: 400 in OpenAI's shape, not aiohttp's 500 page."""
+    body = body.replace(b'"M"', json.dumps(frontend.model_id).encode())
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{base_url}/v1/{path}", data=body, headers={"Content-Type": content_type}) as response:
+            error = (await response.json())["error"]
+    assert response.status == 400 and words in error["message"], error
+
+
 async def test_unknown_paths_and_wrong_methods_get_json_errors(base_url):
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{base_url}/v1/completions") as response:
