@@ -241,9 +241,11 @@ class Engine:
         allows (step_pass.py). A forward pass that fails ends only the requests it names (`failed_rows`);
         the rest of a decode batch is rolled back and decodes again at the next step, the rest of its
         prompts start their prefill over. Sampling that fails ends only its own request."""
+        if plan.rejected:  # out of the queue already: they end first, whatever in this step fails after
+            self._fail([(seq, self._too_long(seq)) for seq in plan.rejected])
         if self.before_step:
             self.before_step()
-        finished, failed = [], [(seq, self._too_long(seq)) for seq in plan.rejected]
+        finished, failed = [], []
         if plan.preempted:
             self._leave_batch(plan.preempted)  # back in the queue; prefilled again (recompute) when there is room
         batch = self.batch

@@ -99,3 +99,43 @@ def test_cache_rows_grow_ahead_only_as_far_as_the_budget_allows_and_keep_moves_r
     assert state.lengths == [5, 5]
     assert (state.keys[0][0, :, :5] == 2).all() and (state.keys[0][1, :, :5] == 0).all()
     assert (state.values[0][0, :, :5] == -2).all()
+
+
+def test_a_request_the_scheduler_rejects_ends_even_when_its_step_then_fails(tiny_checkpoint):
+    """Before the first prefill measured the cache, a prompt too long for it is admitted, then rejected by the
+    scheduler in a step; that step failing before any pass (a routing table that cannot be applied) ends the
+    step's requests with its error, and the rejected one with its own (it used to wait for ever)."""
+    path = tiny_checkpoint("mixtral")
+    probe = local_frontend(path, predictor="none")
+    try:
+        asyncio.run(generate_all(probe, PROMPTS[:1], max_tokens=1))  # measures a token's cache bytes
+        per_token = probe.engine.kv_bytes_per_token
+    finally:
+        probe.close()
+    fe = local_frontend(path, predictor="none", kv_cache_bytes=CAPACITY * per_token)
+    engine, steps = fe.engine, []
+    before_step = engine.before_step
+
+    def failing_once():
+        steps.append(engine.scheduler.kv_capacity)
+        if engine.scheduler.kv_capacity is not None and len(steps) == 2:
+            raise RuntimeError("the new routing table could not be applied")
+        if before_step:
+            before_step()
+    engine.before_step = failing_once
+
+    async def last_delta(request_id, prompt):
+        async for delta in engine.generate(request_id, prompt, SamplingParams(temperature=0, max_tokens=4)):
+            last = delta
+        return last
+
+    async def both():
+        first = asyncio.ensure_future(last_delta("a", [5] * 9))
+        await asyncio.sleep(0)
+        return await asyncio.wait_for(asyncio.gather(first, last_delta("b", [7] * (2 * CAPACITY))), 30)
+
+    try:
+        a, b = asyncio.run(both())
+    finally:
+        fe.close()
+    assert "could not be applied" in a.error and "KV cache holds 40" in b.error
