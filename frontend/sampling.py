@@ -48,7 +48,10 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     """One token id from logits [V]."""
     if params.temperature == 0.0:
         return int(logits.argmax())
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    # Shifted to a largest logit of 0 first (softmax does not change), and by a temperature float32 can hold
+    # (1e-300 is 0 there): at a tiny one the others become -inf, not NaN, and the draw is the argmax, the limit.
+    logits = (logits - logits.max()) / max(params.temperature, torch.finfo(torch.float32).tiny)
     if params.top_k:
         kth = logits.topk(min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

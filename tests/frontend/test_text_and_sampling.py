@@ -45,6 +45,15 @@ def test_greedy_and_seeded_sampling():
     assert a == b and set(a) <= {0, 1, 2, 3}
 
 
+def test_a_temperature_too_small_for_float32_draws_the_argmax():
+    """1e-40 scales a logit gap of 1 past float32's range: the draw is the limit (greedy), not NaN's failure."""
+    logits = torch.tensor([0.1, 3.0, 0.2, 2.0])
+    g = torch.Generator().manual_seed(0)
+    for temperature in (1e-40, 1e-300, 1e-8):
+        assert {sample_next(logits, SamplingParams(temperature=temperature, top_p=0.9, top_k=3), g)
+                for _ in range(20)} == {1}
+
+
 def test_greedy_rows_are_read_together_and_sampled_rows_left_out():
     logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 0.0, 0.0], [0.0, 0.0, 9.0]])
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=0)]
