@@ -71,6 +71,9 @@ class LayerStack:
     # Empty slots -> what could still read the expert that left it (weak references: the map that named
     # it, the expert's views); reused for a Load once all are gone
     emptied: dict[int, tuple[weakref.ref, ...]] = field(default_factory=dict)
+    # The map that replaced this one, if any: a round holding this map keeps it alive, and so keeps an emptied
+    # slot's reader (the map current when the slot was emptied, perhaps a later one than this) alive too.
+    successor: list["LayerStack"] = field(default_factory=list, compare=False, repr=False)
 
     def reusable(self) -> list[int]:
         """Empty slots nothing can read any more, ascending."""
@@ -275,8 +278,10 @@ class ExpertStore:
         local = {e: slot for e, slot in stack.local.items() if e not in leaving} | dict(zip(adding, slots))
         weights = {k: w for k, w in held.items() if k[0] != layer or k[1] not in leaving}
         weights.update({(layer, e): stack.experts.expert(slot) for e, slot in zip(adding, slots)})
+        replacement = LayerStack(stack.experts, local, emptied)
+        stack.successor.append(replacement)
         # Each read alone is consistent: the new experts' slots are named once their weights are in
-        self._stacks, self._weights = {**self._stacks, layer: LayerStack(stack.experts, local, emptied)}, weights
+        self._stacks, self._weights = {**self._stacks, layer: replacement}, weights
 
     def _restack(self, layer: int, experts: set[int], replaced: list[weakref.ref]) -> None:
         """Hold exactly `experts` of `layer`, as a new stack: those held are copied from the old one, the

@@ -4,12 +4,16 @@ layer cannot be grouped."""
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 import torch
 
 from kubemoe.adapters import MoEAdapter
 from kubemoe.checkpoint import Checkpoint
+from kubemoe.expert import expert_ffn
+from kubemoe.expert_fn.batcher import Job, run_round
 from kubemoe.expert_fn import store as store_module
 from kubemoe.expert_fn.errors import ExpertFnError
 from kubemoe.expert_fn.store import ExpertStore
@@ -102,6 +106,40 @@ def test_a_load_reads_into_the_slots_an_unload_emptied_once_nothing_can_read_the
     store.unload([(layer, 2), (layer, 10), (layer, 12)])  # three of four slots empty: a new stack of one
     assert store.stack(layer).experts.num_experts == 1 and store.device_bytes == store.expert_bytes
     _assert_holds(store, checkpoint, [(layer, 14)])
+
+
+def test_a_slot_a_running_grouped_round_reads_is_not_reused_after_two_more_changes_of_its_layer(tiny_checkpoint):
+    """The round holds the layer's map as it began; an Unload after another change of the layer empties a slot
+    whose readers named only the newer map: a Load reused it mid-round, and expert 1's row came out with
+    expert 13's weights."""
+    checkpoint = Checkpoint(tiny_checkpoint("qwen3_moe"))
+    adapter = MoEAdapter(checkpoint.config)
+    layer = adapter.moe_layers[1]
+    store = ExpertStore(checkpoint, adapter, [], torch.float32, torch.device("cpu"))
+    assert store.stacked
+    store.load([(layer, e) for e in range(12)])
+    x = torch.randn(8, adapter.hidden_size, generator=torch.Generator().manual_seed(0))
+    want = torch.stack([expert_ffn(x[e:e + 1], store.get(layer, e), adapter.act)[0] for e in range(8)])
+    job = Job(x, [((layer, e), 1) for e in range(8)])  # eight experts of one layer: one grouped computation
+    started, changed = threading.Event(), threading.Event()
+
+    def act(t):  # the round, between its two grouped GEMMs, while the layer changes on another thread
+        started.set()
+        assert changed.wait(30)
+        return adapter.act(t)
+
+    def changes():  # as Unload and Load RPCs run, in threads, while the round runs
+        started.wait(30)
+        store.unload([(layer, 11)])  # the layer's map is replaced
+        store.unload([(layer, 1)])   # expert 1's slot is emptied
+        store.load([(layer, 13)])    # a Load wants a slot
+        changed.set()
+
+    thread = threading.Thread(target=changes)
+    thread.start()
+    run_round([job], lambda key: store.get(*key), act, torch.device("cpu"), torch.float32, None, store.stack, 8)
+    thread.join()
+    assert job.error is None and torch.allclose(job.out, want, atol=1e-5)
 
 
 def test_where_a_layer_cannot_be_grouped_each_expert_is_held_alone(tiny_checkpoint, monkeypatch):
