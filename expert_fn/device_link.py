@@ -54,7 +54,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from kubemoe import moe_kernels, wire
-from kubemoe.devices import CAPTURING, graph_pool
+from kubemoe.devices import captured, graph_pool
 from kubemoe.expert_fn import gpu_flags
 from kubemoe.expert_fn.lane import listen_socket, peer_uid, socket_address
 from kubemoe.moe import StackedExperts, sorted_ffn
@@ -392,12 +392,8 @@ class ServerLink:
             # buffer of its own: the frontend may still be taking an earlier step's rows from `out`.
             step(torch.empty_like(self.out), wait=False)
             stream.synchronize()
-            with CAPTURING:  # not while the store gives memory back (kubemoe.devices.CAPTURING)
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                try:
-                    step(self.out, wait=True)
-                finally:
-                    graph.capture_end()
+            with captured(graph, self._pool):
+                step(self.out, wait=True)
         return _StepProgram(graph, stacks, tables)
 
     def _accept(self) -> socket.socket | None:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
 import torch
 
 from kubemoe.bundles import ExpertKey
-from kubemoe.devices import CAPTURING, empty_cache, graph_pool
+from kubemoe.devices import captured, empty_cache, graph_pool
 from kubemoe.expert import ExpertWeights, expert_ffn
 from kubemoe.expert_fn import round_graph
 from kubemoe.expert_fn.round_graph import CudaError, RoundGraph
@@ -169,12 +169,8 @@ class ExpertGraphs:
                 # cache, each time: tens of milliseconds. thread_local: a Load copying weights on another
                 # thread meanwhile is not part of the capture.
                 graph = torch.cuda.CUDAGraph(keep_graph=True)  # its nodes go into the RoundGraph too
-                with CAPTURING:  # a Load's settling may give memory back meanwhile: not during the capture
-                    graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                    try:
-                        expert_ffn(x, weights, self._act, out=y)
-                    finally:
-                        graph.capture_end()
+                with captured(graph, self._pool):
+                    expert_ffn(x, weights, self._act, out=y)
         finally:  # a failed capture too: the warm-up's writes to the output come before the next round's
             current.wait_stream(self._side)
         graph.instantiate()

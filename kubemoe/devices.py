@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from kubemoe.errors import KubemoeError
 
@@ -35,9 +36,21 @@ CUDA_CONTEXT_BYTES = 768 << 20
 
 # PyTorch's caching allocator may not empty its cache while a CUDA graph capture of the process is underway,
 # on any thread: an internal assertion fails in the thread that asked (captures_underway.empty()). So a capture
-# holds this lock from capture_begin to capture_end, and empty_cache() takes it: an expert function's store
-# gives memory back from a thread of its own (expert_fn/store.py) while rounds may capture.
+# (captured()) holds this lock from capture_begin to capture_end, and empty_cache() takes it: an expert
+# function's store gives memory back from a thread of its own (expert_fn/store.py) while rounds may capture.
 CAPTURING = threading.RLock()
+
+
+@contextlib.contextmanager
+def captured(graph: torch.cuda.CUDAGraph, pool: tuple) -> Iterator[None]:
+    """Capture what the body launches on this thread into `graph`, from `pool`, under CAPTURING. Thread-local:
+    work other threads launch meanwhile (a Load's copies) is not part of it."""
+    with CAPTURING:
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            yield
+        finally:
+            graph.capture_end()
 
 
 def empty_cache() -> None:
